@@ -1,0 +1,87 @@
+"""One entry point for everything but training (train.py):
+
+    python -m sftrecipes tiny [--data] [--size tiny|medium] [--out DIR]   build the offline tiny model / dataset
+    python -m sftrecipes merge ADAPTER OUT [--base DIR] [--dtype D]        streaming LoRA merge
+    python -m sftrecipes demo                                              tiny LoRA run end to end on CPU
+    python -m sftrecipes schema [--refresh | --check]                      TRL option snapshot
+
+Errors a user can fix print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from .recipe import RecipeError
+
+
+def _tiny(ns) -> int:
+    from . import tiny
+
+    if ns.data:
+        tiny.write_dataset()
+        print(f"wrote {tiny.DATA_DIR}")
+        return 0
+    out = Path(ns.out) if ns.out else (tiny.TINY_MODEL if ns.size == "tiny" else tiny.ASSETS / f"{ns.size}-llama")
+    print(tiny.ensure_tiny_model(out, ns.size))
+    return 0
+
+
+def _merge(ns) -> int:
+    from .export import merge_lora
+
+    print(merge_lora(ns.adapter, ns.out, base=ns.base, dtype=ns.dtype))
+    return 0
+
+
+def _schema(ns) -> int:
+    from . import schema
+
+    if ns.refresh:
+        schema.write_trl_snapshot()
+        print(f"wrote {schema.TRL_SNAPSHOT}")
+        return 0
+    live = schema.trl_snapshot()
+    stored = schema.load_trl_snapshot()["options"]
+    if live != stored:
+        print("error: sftrecipes/trl_options.json differs from the installed TRL; run: python -m sftrecipes schema --refresh", file=sys.stderr)
+        return 1
+    print("trl_options.json matches the installed TRL")
+    return 0
+
+
+def _demo(ns) -> int:
+    from .demo import demo
+
+    return demo()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sftrecipes", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="verb", required=True)
+    t = sub.add_parser("tiny", help="build offline tiny assets")
+    t.add_argument("--data", action="store_true", help="rewrite data/tiny_chat instead of building the model")
+    t.add_argument("--size", default="tiny", choices=["tiny", "medium"])
+    t.add_argument("--out", default=None)
+    t.set_defaults(fn=_tiny)
+    m = sub.add_parser("merge", help="merge a LoRA adapter into its base, streaming")
+    m.add_argument("adapter")
+    m.add_argument("out")
+    m.add_argument("--base", default=None, help="base model folder or hub id (default: the adapter's base_model_name_or_path)")
+    m.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"], help="output dtype (default: the base's)")
+    m.set_defaults(fn=_merge)
+    d = sub.add_parser("demo", help="tiny LoRA fine-tune, merge, reload, generate")
+    d.set_defaults(fn=_demo)
+    s = sub.add_parser("schema", help="check or refresh the stored TRL option list")
+    s.add_argument("--refresh", action="store_true")
+    s.set_defaults(fn=_schema)
+    ns = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    try:
+        return ns.fn(ns)
+    except RecipeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,156 @@
+"""Tokenizer, chat template, quantization, attention choice and LoRA: everything about the model a recipe
+decides. The same functions load the tiny test model and meta-llama/Llama-2-70b-hf."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import torch
+
+from .recipe import Recipe, RecipeError
+
+log = logging.getLogger("sftrecipes")
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+ZEPHYR_TEMPLATE = (
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+# format -> (template, special tokens it needs, end-of-turn token: None = the tokenizer's eos)
+TEMPLATES = {
+    "chatml": (CHATML_TEMPLATE, ["<|im_start|>", "<|im_end|>"], "<|im_end|>"),
+    "zephyr": (ZEPHYR_TEMPLATE, ["<|user|>", "<|assistant|>", "<|system|>"], None),
+}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def load_dtype(recipe: Recipe) -> torch.dtype:
+    """The dtype weights are loaded in (see ModelOptions.dtype)."""
+    m = recipe.model
+    if m.dtype != "auto":
+        return DTYPES[m.dtype]
+    if m.use_4bit_quantization and m.bnb_4bit_quant_storage_dtype != "uint8":
+        return DTYPES[m.bnb_4bit_quant_storage_dtype]
+    if m.use_peft_lora or m.use_4bit_quantization or m.use_8bit_quantization:
+        if recipe.trl_value("bf16"):
+            return torch.bfloat16
+        if recipe.trl_value("fp16"):
+            return torch.float16
+    return torch.float32
+
+
+def attn_implementation(recipe: Recipe, hardware: str) -> str:
+    if not recipe.model.use_flash_attn:
+        return "sdpa"
+    missing = []
+    if importlib.util.find_spec("flash_attn") is None:
+        missing.append("the flash-attn package (pip install -r requirements-gpu.txt)")
+    if hardware != "gpu":
+        missing.append("a GPU")
+    if missing:
+        log.warning("use_flash_attn: falling back to sdpa: needs %s", " and ".join(missing))
+        return "sdpa"
+    return "flash_attention_2"
+
+
+def load_tokenizer(recipe: Recipe):
+    """Tokenizer with the recipe's chat template. Returns (tokenizer, end_of_turn_token, added_token_ids)."""
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    m = recipe.model
+    name = m.tokenizer_name_or_path or m.model_name_or_path
+    tok = AutoTokenizer.from_pretrained(name, trust_remote_code=bool(recipe.trl_value("trust_remote_code")))
+    added: list[int] = []
+    fmt = m.chat_template_format
+    if fmt in TEMPLATES:
+        template, specials, eot = TEMPLATES[fmt]
+        missing = [t for t in specials if t not in tok.get_vocab()]
+        if missing:
+            tok.add_special_tokens({"additional_special_tokens": missing}, replace_extra_special_tokens=False)
+            added = tok.convert_tokens_to_ids(missing)
+        tok.chat_template = template
+        if eot is not None:
+            tok.eos_token = eot
+    elif fmt == "tokenizer" and not tok.chat_template:
+        raise RecipeError(f"chat_template_format: 'tokenizer' but {name} has no chat template; use chatml or zephyr")
+    if recipe.trl.get("eos_token"):
+        if recipe.trl["eos_token"] not in tok.get_vocab():
+            raise RecipeError(f"eos_token: '{recipe.trl['eos_token']}' is not in the tokenizer's vocabulary; pick a token it has")
+        tok.eos_token = recipe.trl["eos_token"]
+    if tok.pad_token is None:
+        if "<pad>" not in tok.get_vocab():
+            tok.add_special_tokens({"pad_token": "<pad>"})
+            added.append(tok.pad_token_id)
+        else:
+            tok.pad_token = "<pad>"
+    return tok, tok.eos_token, added
+
+
+def quantization_config(recipe: Recipe):
+    m = recipe.model
+    if not (m.use_4bit_quantization or m.use_8bit_quantization):
+        return None
+    from transformers import BitsAndBytesConfig  # noqa: PLC0415
+
+    if m.use_8bit_quantization:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    storage = torch.uint8 if m.bnb_4bit_quant_storage_dtype == "uint8" else DTYPES[m.bnb_4bit_quant_storage_dtype]
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=m.bnb_4bit_quant_type,
+        bnb_4bit_compute_dtype=DTYPES[m.bnb_4bit_compute_dtype],
+        bnb_4bit_use_double_quant=m.use_nested_quant,
+        bnb_4bit_quant_storage=storage,
+    )
+
+
+def load_model(recipe: Recipe, tokenizer, hardware: str):
+    """The model as the recipe describes it (weights from the hub id or local folder)."""
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    m = recipe.model
+    kwargs = dict(recipe.trl_value("model_init_kwargs") or {})
+    kwargs.update(
+        dtype=load_dtype(recipe),
+        attn_implementation=attn_implementation(recipe, hardware),
+        trust_remote_code=bool(recipe.trl_value("trust_remote_code")),
+    )
+    qc = quantization_config(recipe)
+    if qc is not None:
+        kwargs["quantization_config"] = qc
+    model = AutoModelForCausalLM.from_pretrained(m.model_name_or_path, **kwargs)
+    if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
+        # exact size: every new row is then one of the added tokens, trained and saved (see lora_config)
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if tokenizer.eos_token_id is not None:
+        gen = model.generation_config
+        eos = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id] if gen.eos_token_id is not None else []
+        if tokenizer.eos_token_id not in eos:
+            gen.eos_token_id = [tokenizer.eos_token_id, *eos]
+    model.config.use_cache = not recipe.gradient_checkpointing
+    return model
+
+
+def lora_config(recipe: Recipe, added_tokens: list[int], model=None):
+    m = recipe.model
+    if not m.use_peft_lora:
+        return None
+    from peft import LoraConfig  # noqa: PLC0415
+
+    targets = m.lora_target_modules.strip()
+    target_modules = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
+    kwargs = {}
+    if added_tokens:
+        # New special tokens start with random rows: train just those rows (input and output embeddings), not the
+        # whole matrices. PEFT then saves the resized embeddings with the adapter, so it merges on its own.
+        rows = sorted(set(added_tokens))
+        kwargs["trainable_token_indices"] = {"embed_tokens": rows}
+        if model is None or not model.config.get_text_config().tie_word_embeddings:
+            kwargs["trainable_token_indices"]["lm_head"] = rows
+    return LoraConfig(r=m.lora_r, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout, target_modules=target_modules,
+                      bias="none", task_type="CAUSAL_LM", **kwargs)

@@ -1,0 +1,453 @@
+"""Recipe = YAML file(s) + CLI flags, validated once, before anything heavy is imported.
+
+    recipe.yaml ──base:──► parent.yaml (merged deeply, child wins) ──► CLI flags win ──► coerce + validate
+
+Only the standard library and PyYAML are imported here, so a bad recipe fails in well under a second with
+one line that names the key and the fix (`RecipeError`, exit code 2 in the CLI).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .schema import ALIASES, NESTED, SECTIONS, DataOptions, LaunchOptions, ModelOptions, Option, all_options
+
+RESERVED = ("base",)
+TRUE = {"true", "yes", "1", "on"}
+FALSE = {"false", "no", "0", "off"}
+
+
+class RecipeError(ValueError):
+    """A recipe or command line that cannot run. Its message is one line: the key, what is wrong, the fix."""
+
+
+@dataclass
+class Recipe:
+    model: ModelOptions
+    data: DataOptions
+    launch: LaunchOptions
+    trl: dict[str, Any]  # SFTConfig keys the recipe sets explicitly; everything else keeps TRL's default
+    explicit: set[str] = field(default_factory=set)  # every key the user set (flat names, launch.<x>)
+    sources: list[str] = field(default_factory=list)  # recipe files, base first
+    renamed: dict[str, str] = field(default_factory=dict)  # alias used -> canonical key
+
+    def trl_value(self, name: str) -> Any:
+        """The value SFTConfig will see: the recipe's, or TRL's default."""
+        if name in self.trl:
+            return self.trl[name]
+        return all_options()[name].default
+
+    @property
+    def gradient_checkpointing(self) -> bool:
+        """transformers 5 spells it activation_checkpointing; gradient_checkpointing is its deprecated alias."""
+        if self.trl.get("activation_checkpointing") is not None:
+            return bool(self.trl["activation_checkpointing"])
+        return bool(self.trl_value("gradient_checkpointing"))
+
+    def as_dict(self) -> dict[str, Any]:
+        """Flat view of the explicit settings (used to compare a YAML recipe with a command line)."""
+        out: dict[str, Any] = {}
+        for key in sorted(self.explicit):
+            section, _, name = key.rpartition(".")
+            if section:
+                out[key] = getattr(getattr(self, section), name)
+            elif name in self.trl:
+                out[key] = self.trl[name]
+            else:
+                owner = all_options()[name].owner
+                out[key] = getattr(getattr(self, owner), name)
+        return out
+
+
+# ----------------------------------------------------------------------------------------------- loading
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise RecipeError(f"recipe: file '{path}' not found; pass the path of a recipe YAML (see recipes/)")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise RecipeError(f"recipe: '{path}'{where} is not valid YAML ({getattr(e, 'problem', e)}); fix the syntax") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise RecipeError(f"recipe: '{path}' must be a mapping of key: value, got {type(data).__name__}")
+    return data
+
+
+def deep_merge(base: dict, over: dict) -> dict:
+    """Child values win; mappings (sections, and dict-valued options such as fsdp_config) merge key by key."""
+    out = dict(base)
+    for k, v in over.items():
+        old = out.get(k)
+        if isinstance(v, dict) and isinstance(old, dict):
+            out[k] = deep_merge(old, v)
+        elif isinstance(v, tuple) and isinstance(old, tuple) and isinstance(v[0], dict) and isinstance(old[0], dict):
+            out[k] = (deep_merge(old[0], v[0]), v[1])
+        else:
+            out[k] = v
+    return out
+
+
+def load_yaml_chain(path: str | os.PathLike, _seen: tuple = ()) -> tuple[dict, list[str]]:
+    """A recipe with its `base:` ancestors merged in (base first). Returns (values, files)."""
+    p = Path(path).resolve()
+    if p in _seen:
+        raise RecipeError(f"base: '{path}' extends itself through {' -> '.join(map(str, _seen))}; remove the cycle")
+    data = _read_yaml(Path(path))
+    base = data.pop("base", None)
+    if base is None:
+        return _tag(data, str(path)), [str(path)]
+    if not isinstance(base, str):
+        raise RecipeError(f"base: in '{path}' must be a relative path string, got {base!r}")
+    base_path = Path(os.path.normpath(Path(path).parent / base))
+    if not base_path.is_file():
+        raise RecipeError(f"base: '{base}' (from '{path}') not found at '{base_path}'; the path is relative to the recipe")
+    parent, files = load_yaml_chain(base_path, _seen + (p,))
+    return deep_merge(parent, _tag(data, str(path))), files + [str(path)]
+
+
+class _Src(str):
+    """A value's origin, kept beside it for error messages."""
+
+
+def _tag(data: dict, src: str) -> dict:
+    return {k: (_tag(v, src) if isinstance(v, dict) and k in NESTED else (v, _Src(src))) for k, v in data.items()}
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+
+
+def parse_argv(argv: list[str]) -> tuple[list[str], dict[str, tuple[Any, str]]]:
+    """Split a command line into recipe files and `--key value` pairs (values still strings)."""
+    options = all_options()
+    files: list[str] = []
+    flags: dict[str, tuple[Any, str]] = {}
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        i += 1
+        if not tok.startswith("--"):
+            files.append(tok)
+            continue
+        name, eq, value = tok[2:].partition("=")
+        if name == "config":  # TRL-style `--config recipe.yaml`
+            if not eq:
+                if i >= len(argv):
+                    raise RecipeError("--config needs a recipe path")
+                value, i = argv[i], i + 1
+            files.append(value)
+            continue
+        key = ALIASES.get(name, name)
+        opt = options.get(key)
+        kind = opt.kind if opt else "str"
+        if eq:
+            raw: Any = value
+        elif kind == "list":
+            raw = []
+            while i < len(argv) and not argv[i].startswith("--"):
+                raw.append(argv[i])
+                i += 1
+        elif i < len(argv) and not argv[i].startswith("--") and (kind != "bool" or argv[i].lower() in TRUE | FALSE):
+            raw, i = argv[i], i + 1
+        elif kind in ("bool", "str") and opt is not None and (kind == "bool" or name == "fsdp"):
+            raw = "true"  # bare `--push_to_hub`
+        else:
+            raise RecipeError(f"--{name} needs a value; write --{name} VALUE")
+        flags[name] = (raw, _Src(f"--{name}"))
+    return files, flags
+
+
+# ----------------------------------------------------------------------------------------------- coercion
+
+
+def _suggest(name: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(name, candidates, n=3, cutoff=0.6)
+    if close:
+        return "did you mean " + " or ".join(close) + "?"
+    return "see `python train.py --help` for the valid keys"
+
+
+def coerce(opt: Option, value: Any, src: str) -> Any:
+    """One value of one option to its declared type, or a RecipeError naming the key and the fix."""
+    name = opt.name
+    where = src if src.startswith("--") else f"{name} (in {src})"
+    from_cli = src.startswith("--")
+    if value is None or (from_cli and isinstance(value, str) and value.lower() in ("none", "null") and opt.kind != "list"):
+        if opt.nullable:
+            return None
+        raise RecipeError(f"{where}: may not be empty; give a {opt.kind} value")
+    kind = opt.kind
+
+    def bad(expected: str, hint: str = "") -> RecipeError:
+        got = f"{value!r} ({type(value).__name__})"
+        return RecipeError(f"{where}: expected {expected}, got {got}{hint}")
+
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in TRUE | FALSE:
+            return value.lower() in TRUE
+        raise bad("true or false")
+    if kind in ("int", "float"):
+        if isinstance(value, bool):
+            raise bad(f"a number", "; YAML reads bare yes/no/on/off as booleans")
+        if isinstance(value, str):
+            try:
+                value = float(value) if kind == "float" or "." in value or "e" in value.lower() else int(value)
+            except ValueError:
+                raise bad(f"a number") from None
+        if kind == "int":
+            if isinstance(value, float) and not value.is_integer():
+                raise bad("a whole number")
+            return int(value)
+        return float(value)
+    if kind in ("str", "int|str"):
+        if isinstance(value, bool):
+            raise bad(
+                "a string",
+                f"; YAML reads bare yes/no/on/off/true/false as booleans — quote it: {name}: \"{str(value).lower()}\""
+                if not from_cli else "",
+            )
+        if kind == "int|str" and isinstance(value, int):
+            return value
+        if isinstance(value, (dict, list)):
+            raise bad("a string")
+        value = str(value)
+        if opt.choices and value not in opt.choices:
+            raise RecipeError(
+                f"{where}: {value!r} is not one of {', '.join(map(str, opt.choices))}; {_suggest(value, list(map(str, opt.choices)))}"
+            )
+        return value
+    if kind == "bool|str":
+        if isinstance(value, bool):
+            return value
+        return str(value)
+    if kind == "list":
+        if isinstance(value, str):
+            return [v for v in (s.strip() for s in value.split(",")) if v]
+        if isinstance(value, (list, tuple)) and all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value):
+            return [str(v) for v in value]
+        raise bad("a list of strings (or one comma-separated string)")
+    if kind == "dict":
+        if isinstance(value, dict):
+            return value
+        if isinstance(value, str):
+            if value.strip().startswith("{"):
+                try:
+                    return json.loads(value)
+                except json.JSONDecodeError as e:
+                    raise RecipeError(f"{where}: not valid JSON ({e.msg}); write a mapping or a JSON object") from None
+            if not Path(value).is_file():
+                raise RecipeError(f"{where}: file '{value}' not found; give a mapping, a JSON object or an existing file")
+            return value
+        raise bad("a mapping, a JSON object string or a file path")
+    raise RecipeError(f"{where}: cannot be set from a recipe (type {kind}); remove it")
+
+
+# ----------------------------------------------------------------------------------------------- build
+
+
+def load_recipe(argv: list[str] | None = None, files: list[str] | None = None, overrides: dict | None = None) -> Recipe:
+    """Recipe from recipe files and/or a command line. CLI flags override files; later files override earlier."""
+    options = all_options()
+    argv = list(argv or [])
+    cli_files, flags = parse_argv(argv)
+    paths = list(files or []) + cli_files
+    merged: dict[str, Any] = {}
+    sources: list[str] = []
+    for p in paths:
+        data, chain = load_yaml_chain(p)
+        merged = deep_merge(merged, data)
+        sources += chain
+    for k, v in (overrides or {}).items():
+        merged = deep_merge(merged, {k: ({kk: (vv, _Src("overrides")) for kk, vv in v.items()} if k in NESTED else (v, _Src("overrides")))})
+    # CLI: `--launch.gpus_per_node 2` lands in the nested section
+    for name, (raw, src) in flags.items():
+        section, dot, sub = name.partition(".")
+        if dot and section in NESTED:
+            merged.setdefault(section, {})
+            merged[section] = deep_merge(merged[section], {sub: (raw, src)})
+        else:
+            merged[name] = (raw, src)
+
+    values: dict[str, Any] = {}
+    renamed: dict[str, str] = {}
+    flat_names = [n for n in options if "." not in n] + list(ALIASES)
+    for key, entry in merged.items():
+        if key in NESTED:
+            if not isinstance(entry, dict):
+                raise RecipeError(f"{key}: must be a mapping of its options ({entry[1]}), e.g. {key}: {{gpus_per_node: 2}}")
+            for sub, (raw, src) in entry.items():
+                full = f"{key}.{sub}"
+                if full not in options:
+                    subs = [n.split(".", 1)[1] for n in options if n.startswith(key + ".")]
+                    raise RecipeError(f"unknown key '{full}' ({src}); {_suggest(sub, subs)}")
+                values[full] = coerce(options[full], raw, src)
+            continue
+        raw, src = entry
+        canonical = ALIASES.get(key, key)
+        if canonical not in options:
+            nested_hint = [f"{s}.{key}" for s, cls in NESTED.items() if key in cls.__dataclass_fields__]
+            hint = f"it belongs under '{nested_hint[0].split('.')[0]}:' ({nested_hint[0]})" if nested_hint else _suggest(key, flat_names)
+            raise RecipeError(f"unknown key '{key}' ({src}); {hint}")
+        if canonical != key:
+            if canonical in merged and canonical != key:
+                raise RecipeError(f"'{key}' and '{canonical}' are the same option ({src}); keep only {canonical}")
+            renamed[key] = canonical
+        values[canonical] = coerce(options[canonical], raw, src)
+        if key == "warmup_ratio" and not 0.0 <= values[canonical] < 1.0:
+            raise RecipeError(f"warmup_ratio: {values[canonical]} is not a ratio in [0, 1) ({src}); for a step count use warmup_steps")
+
+    return _build(values, sources, renamed)
+
+
+def _build(values: dict[str, Any], sources: list[str], renamed: dict[str, str]) -> Recipe:
+    options = all_options()
+    kw: dict[str, dict[str, Any]] = {"model": {}, "data": {}, "launch": {}}
+    trl: dict[str, Any] = {}
+    for name, v in values.items():
+        owner = options[name].owner
+        if owner == "trl":
+            trl[name] = v
+        else:
+            kw[owner][name.split(".", 1)[-1]] = v
+    recipe = Recipe(
+        model=ModelOptions(**kw["model"]),
+        data=DataOptions(**kw["data"]),
+        launch=LaunchOptions(**kw["launch"]),
+        trl=trl,
+        explicit=set(values),
+        sources=sources,
+        renamed=renamed,
+    )
+    validate(recipe)
+    return recipe
+
+
+# ----------------------------------------------------------------------------------------------- validation
+
+
+def _looks_local(s: str) -> bool:
+    """Clearly a filesystem path (a hub id is `name` or `org/name`)."""
+    return s.startswith((".", "/", "~")) or s.count("/") > 1 or s.endswith((".json", ".jsonl", ".parquet", ".csv"))
+
+
+def validate(r: Recipe) -> None:
+    """Cross-key checks. Each failure is one line naming the key(s) and the fix."""
+    m, d, L, ex = r.model, r.data, r.launch, r.explicit
+
+    if not m.model_name_or_path:
+        raise RecipeError("model_name_or_path: required; set a hub id (meta-llama/Llama-2-7b-hf) or a local model folder")
+    for key, val in (("model_name_or_path", m.model_name_or_path), ("tokenizer_name_or_path", m.tokenizer_name_or_path),
+                     ("dataset_name", d.dataset_name)):
+        if val and _looks_local(val) and not Path(val).expanduser().exists():
+            raise RecipeError(f"{key}: local path '{val}' does not exist; fix the path (or build tiny assets: make assets)")
+    if not d.dataset_name:
+        raise RecipeError("dataset_name: required; set a hub dataset id, a local folder or a json/jsonl/parquet file")
+
+    # quantization
+    if m.use_4bit_quantization and m.use_8bit_quantization:
+        raise RecipeError("use_4bit_quantization and use_8bit_quantization are both true; keep one of them")
+    quant = m.use_4bit_quantization or m.use_8bit_quantization
+    four_bit_keys = ["use_nested_quant", "bnb_4bit_compute_dtype", "bnb_4bit_quant_type", "bnb_4bit_quant_storage_dtype"]
+    stray = [k for k in four_bit_keys if k in ex and not m.use_4bit_quantization]
+    if stray and not (stray == ["use_nested_quant"] and not m.use_nested_quant):
+        raise RecipeError(f"{stray[0]}: only applies to 4-bit loading; set use_4bit_quantization: true or remove {stray[0]}")
+    if quant and not m.use_peft_lora:
+        raise RecipeError("use_4bit_quantization/use_8bit_quantization: quantized weights cannot be trained directly; set use_peft_lora: true (QLoRA)")
+    if m.use_4bit_quantization and m.bnb_4bit_quant_storage_dtype != "uint8" and m.dtype not in ("auto", m.bnb_4bit_quant_storage_dtype):
+        raise RecipeError(
+            f"dtype: {m.dtype} differs from bnb_4bit_quant_storage_dtype {m.bnb_4bit_quant_storage_dtype}; "
+            f"FSDP/ZeRO-3 need one dtype for all weights — set dtype: {m.bnb_4bit_quant_storage_dtype} (or auto)"
+        )
+
+    # LoRA keys without LoRA would be silently ignored
+    lora_keys = ["lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"]
+    stray = [k for k in lora_keys if k in ex and not m.use_peft_lora]
+    if stray:
+        raise RecipeError(f"{stray[0]}: only applies to LoRA; set use_peft_lora: true or remove {stray[0]}")
+    if m.use_peft_lora:
+        if m.lora_r < 1:
+            raise RecipeError(f"lora_r: must be >= 1, got {m.lora_r}")
+        if not 0.0 <= m.lora_dropout < 1.0:
+            raise RecipeError(f"lora_dropout: must be in [0, 1), got {m.lora_dropout}")
+        if not m.lora_target_modules.strip(", "):
+            raise RecipeError("lora_target_modules: empty; use 'all-linear' or a comma-separated list like q_proj,v_proj")
+
+    # precision
+    bf16, fp16 = r.trl_value("bf16"), r.trl_value("fp16")
+    if bf16 and fp16:
+        raise RecipeError("bf16 and fp16 are both true; keep one mixed-precision mode")
+
+    # gradient checkpointing: two spellings upstream, one meaning
+    gc_old, gc_new = r.trl.get("gradient_checkpointing"), r.trl.get("activation_checkpointing")
+    if gc_old is not None and gc_new is not None and gc_old != gc_new:
+        raise RecipeError(f"gradient_checkpointing ({gc_old}) and activation_checkpointing ({gc_new}) disagree; they are one option, keep activation_checkpointing")
+    gc_on = gc_new if gc_new is not None else r.trl_value("gradient_checkpointing")
+    if "use_reentrant" in ex and not gc_on:
+        raise RecipeError("use_reentrant: only applies with gradient checkpointing; set gradient_checkpointing: true or remove use_reentrant")
+    for kw_key in ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"):
+        kwv = r.trl.get(kw_key)
+        if "use_reentrant" in ex and isinstance(kwv, dict) and "use_reentrant" in kwv and kwv["use_reentrant"] != m.use_reentrant:
+            raise RecipeError(f"use_reentrant ({m.use_reentrant}) and {kw_key}.use_reentrant ({kwv['use_reentrant']}) disagree; keep one")
+
+    # data
+    splits = [s.strip() for s in d.splits.split(",") if s.strip()]
+    if not splits or not any("train" in s for s in splits):
+        raise RecipeError(f"splits: '{d.splits}' names no training split; include one with 'train' in its name, e.g. train,test")
+    eval_on = str(r.trl_value("eval_strategy")) != "no"
+    if eval_on and not any("test" in s or "val" in s or "eval" in s for s in splits):
+        raise RecipeError(f"eval_strategy: {r.trl_value('eval_strategy')} needs an eval split, but splits is '{d.splits}'; add one (train,test) or set eval_strategy: no")
+    if r.trl_value("packing") and r.trl_value("max_length") is None:
+        raise RecipeError("packing: true needs max_length (alias max_seq_len) to set the packed length; set max_length: 2048")
+    if r.trl_value("max_length") is not None and r.trl_value("max_length") < 8:
+        raise RecipeError(f"max_length: {r.trl_value('max_length')} is too short to hold a formatted sample; use at least 8")
+    if m.chat_template_format == "none" and r.trl.get("assistant_only_loss"):
+        raise RecipeError("assistant_only_loss: needs conversations; set chat_template_format (chatml/zephyr/tokenizer) or remove assistant_only_loss")
+    if r.trl.get("completion_only_loss"):
+        raise RecipeError("completion_only_loss: prompt/completion data is not supported by this pipeline; use 'messages' data with assistant_only_loss: true")
+    if r.trl.get("dataset_kwargs") and isinstance(r.trl["dataset_kwargs"], dict) and r.trl["dataset_kwargs"].get("skip_prepare_dataset"):
+        raise RecipeError("dataset_kwargs.skip_prepare_dataset: would skip truncation and packing of the tokenized data; remove it")
+
+    # resume
+    resume = r.trl.get("resume_from_checkpoint")
+    if resume not in (None, "auto") and not Path(resume).is_dir():
+        raise RecipeError(f"resume_from_checkpoint: '{resume}' is not a folder; give a checkpoint folder or 'auto' (latest complete one in output_dir)")
+    if not r.trl.get("output_dir"):
+        raise RecipeError("output_dir: required; set the folder for checkpoints and the final model, e.g. output_dir: outputs/my-run")
+
+    # integers that must be positive
+    for key in ("per_device_train_batch_size", "gradient_accumulation_steps"):
+        if r.trl_value(key) < 1:
+            raise RecipeError(f"{key}: must be >= 1, got {r.trl_value(key)}")
+    for key in ("num_machines", "gpus_per_node", "cpu_threads"):
+        if getattr(L, key) < 1:
+            raise RecipeError(f"launch.{key}: must be >= 1, got {getattr(L, key)}")
+
+
+def help_text() -> str:
+    lines = ["usage: python train.py RECIPE.yaml [--key value ...]", "",
+             "Every key below is a YAML key and a --flag. Launch keys go under `launch:` (flag --launch.KEY).", ""]
+    groups: dict[str, list[Option]] = {}
+    for o in all_options().values():
+        groups.setdefault(o.owner, []).append(o)
+    titles = {"model": "Model, LoRA, quantization", "data": "Data", "launch": "Launch (launch: section)",
+              "trl": "TRL SFTConfig / transformers TrainingArguments (as TRL defines them)"}
+    for owner in ("model", "data", "launch", "trl"):
+        lines.append(f"{titles[owner]}:")
+        for o in groups.get(owner, []):
+            lines.append(f"  --{o.name}  {o.describe()}")
+        lines.append("")
+    lines.append("Aliases: " + ", ".join(f"{a} -> {c}" for a, c in ALIASES.items()))
+    return "\n".join(lines)

@@ -1,0 +1,256 @@
+"""Every recipe option, declared once.
+
+Two sources, no hand-written copies:
+
+* The project's own options (model loading, LoRA/quantization, data formatting, launch topology) are the
+  dataclasses below. Each field carries its help text, default and type; ``choices`` in the metadata limits
+  a string option.
+* TRL's ``SFTConfig`` (which includes transformers' ``TrainingArguments``) is used as it is. Its fields are
+  read from the live class by :func:`trl_snapshot`, and a copy is kept in ``trl_options.json`` so that a
+  recipe can be validated (and ``--help`` printed) in a fraction of a second, before torch is imported.
+  ``tests/test_schema.py`` fails when that copy differs from the installed TRL; ``python -m sftrecipes
+  schema --refresh`` rewrites it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+TRL_SNAPSHOT = Path(__file__).with_name("trl_options.json")
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def opt(default: Any, help: str, choices: tuple | None = None, aliases: tuple = ()) -> Any:
+    meta: dict[str, Any] = {"help": help}
+    if choices:
+        meta["choices"] = tuple(choices)
+    if aliases:
+        meta["aliases"] = tuple(aliases)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelOptions:
+    """How the tokenizer and model are built (model.py)."""
+
+    model_name_or_path: str | None = opt(
+        None, "Hub id (e.g. meta-llama/Llama-2-70b-hf) or local folder of the model to fine-tune. Required."
+    )
+    tokenizer_name_or_path: str | None = opt(None, "Tokenizer to load; defaults to model_name_or_path.")
+    dtype: str = opt(
+        "auto",
+        "dtype the weights are loaded in. 'auto': the 4-bit quant-storage dtype when that is a float type, "
+        "bf16/fp16 for LoRA when the matching mixed precision is on, otherwise float32 (trainable weights stay fp32).",
+        choices=("auto",) + DTYPES,
+        aliases=("torch_dtype",),
+    )
+    chat_template_format: str = opt(
+        "none",
+        "How conversations ('messages' column) become text: 'chatml' or 'zephyr' set that template (adding its "
+        "special tokens if missing), 'tokenizer' uses the tokenizer's own template, 'none' means the data is "
+        "already text in dataset_text_field.",
+        choices=("chatml", "zephyr", "tokenizer", "none"),
+    )
+    use_flash_attn: bool = opt(
+        False, "Use flash_attention_2 when the flash-attn package and a GPU are present; otherwise sdpa (warned)."
+    )
+    use_peft_lora: bool = opt(False, "Train LoRA adapters instead of all weights.")
+    lora_r: int = opt(64, "LoRA rank.")
+    lora_alpha: int = opt(16, "LoRA alpha (scaling = alpha / r).")
+    lora_dropout: float = opt(0.1, "Dropout on the LoRA path.")
+    lora_target_modules: str = opt(
+        "q_proj,k_proj,v_proj,o_proj,down_proj,up_proj,gate_proj",
+        "Comma-separated module names that get LoRA adapters, or 'all-linear'.",
+    )
+    use_4bit_quantization: bool = opt(False, "Load the base weights in 4 bits with bitsandbytes (QLoRA).")
+    use_8bit_quantization: bool = opt(False, "Load the base weights in 8 bits with bitsandbytes.")
+    use_nested_quant: bool = opt(False, "4-bit only: also quantize the quantization constants (double quant).")
+    bnb_4bit_compute_dtype: str = opt("float16", "4-bit only: dtype of the de-quantized matmuls.", choices=DTYPES)
+    bnb_4bit_quant_type: str = opt("nf4", "4-bit only: quantization data type.", choices=("nf4", "fp4"))
+    bnb_4bit_quant_storage_dtype: str = opt(
+        "uint8",
+        "4-bit only: dtype the packed 4-bit weights are stored in. FSDP and ZeRO-3 shard it like any tensor, so "
+        "it must equal the model dtype (use bfloat16 with bf16).",
+        choices=("uint8",) + DTYPES,
+    )
+    use_reentrant: bool = opt(
+        False, "Gradient checkpointing: use the reentrant implementation (activation_checkpointing_kwargs)."
+    )
+
+
+@dataclass
+class DataOptions:
+    """Where the data comes from and how it becomes token ids (data.py)."""
+
+    dataset_name: str | None = opt(
+        None, "Hub dataset id, local folder (train.jsonl/test.jsonl, parquet, ...) or one json/jsonl/parquet file."
+    )
+    splits: str = opt(
+        "train,test", "Comma-separated splits to load; the one named like 'train' trains, one like 'test' evaluates."
+    )
+    add_special_tokens: bool = opt(
+        False, "Let the tokenizer add its special tokens (e.g. Llama's BOS) when tokenizing each formatted sample."
+    )
+    append_concat_token: bool = opt(
+        False,
+        "Append the EOS token to each sample (the separator between packed samples), unless the sample already "
+        "ends with it.",
+    )
+
+
+@dataclass
+class LaunchOptions:
+    """Where the recipe runs: the `launch:` section (backends.py)."""
+
+    num_machines: int = opt(1, "Number of nodes. The run checks that it has num_machines x gpus_per_node processes.")
+    gpus_per_node: int = opt(1, "Processes (one per GPU) on each node.")
+    hardware: str = opt(
+        "auto",
+        "Target hardware. 'auto' picks 'cpu' when torch sees no GPU. The cpu target sets use_cpu, the gloo "
+        "backend and one thread per rank.",
+        choices=("auto", "gpu", "cpu"),
+    )
+    cpu_threads: int = opt(1, "cpu target only: torch threads per process.")
+
+
+SECTIONS: dict[str, type] = {"model": ModelOptions, "data": DataOptions}
+NESTED: dict[str, type] = {"launch": LaunchOptions}
+
+# Keys renamed upstream or spelled differently by the PEFT guide / older TRL. They are accepted and mapped;
+# `Recipe.renamed` lists them so the run can say so.
+ALIASES: dict[str, str] = {
+    "max_seq_len": "max_length",
+    "max_seq_length": "max_length",
+    "evaluation_strategy": "eval_strategy",
+    "torch_dtype": "dtype",
+    "warmup_ratio": "warmup_steps",  # transformers 5 reads warmup_steps in [0, 1) as a ratio (checked in recipe.py)
+}
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str
+    kind: str  # bool | int | float | str | dict | list | int|str | str|bool | object
+    default: Any
+    help: str
+    choices: tuple | None = None
+    nullable: bool = False
+    owner: str = "trl"  # trl | model | data | launch
+
+    def describe(self) -> str:
+        extra = f" one of {', '.join(map(str, self.choices))}." if self.choices else ""
+        return f"{self.help}{extra} [{self.kind}, default {self.default!r}]"
+
+
+def _kind(tp: Any) -> tuple[str, bool, tuple | None]:
+    """(kind, nullable, choices) of a dataclass field annotation."""
+    args = typing.get_args(tp)
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        members = [a for a in args if a is not type(None)]
+        nullable = len(members) != len(args)
+        enums = [a for a in members if isinstance(a, type) and issubclass(a, enum.Enum)]
+        if enums:
+            return "str", nullable, tuple(e.value for e in enums[0])
+        names = set()
+        for m in members:
+            if typing.get_origin(m) is typing.Literal:
+                continue  # e.g. Literal[False] beside str
+            names.add(_kind(m)[0])
+        if names == {"dict", "str"}:
+            return "dict", nullable, None
+        if names <= {"list", "str"}:
+            return ("list" if "list" in names else "str"), nullable, None
+        if len(names) == 1:
+            return names.pop(), nullable, None
+        return "|".join(sorted(names)), nullable, None
+    if origin in (list, tuple):
+        return "list", False, None
+    if origin is dict or tp is dict:
+        return "dict", False, None
+    if tp in (bool, int, float, str):
+        return tp.__name__, False, None
+    return "object", False, None
+
+
+def _options_of(cls: type, owner: str) -> list[Option]:
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        kind, nullable, choices = _kind(hints[f.name])
+        choices = f.metadata.get("choices", choices)
+        if isinstance(choices, type({}.keys())):
+            choices = tuple(choices)
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = None
+        if isinstance(default, enum.Enum):
+            default = default.value
+        out.append(
+            Option(f.name, kind, default, " ".join(str(f.metadata.get("help", "")).split()),
+                   tuple(choices) if choices else None, nullable or default is None, owner)
+        )
+    return out
+
+
+def trl_snapshot() -> list[dict]:
+    """Read SFTConfig's fields from the installed TRL (imports torch; used to refresh and to test the copy)."""
+    from trl import SFTConfig  # noqa: PLC0415 - heavy, only here
+
+    rows = []
+    for o in _options_of(SFTConfig, "trl"):
+        default = o.default
+        try:
+            json.dumps(default)
+        except TypeError:
+            default = repr(default)
+        rows.append({"name": o.name, "kind": o.kind, "default": default, "help": o.help,
+                     "choices": list(o.choices) if o.choices else None, "nullable": o.nullable})
+    return rows
+
+
+def write_trl_snapshot(path: Path = TRL_SNAPSHOT) -> None:
+    import trl  # noqa: PLC0415
+
+    data = {"trl_version": trl.__version__, "options": trl_snapshot()}
+    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+
+def load_trl_snapshot(path: Path = TRL_SNAPSHOT) -> dict:
+    return json.loads(path.read_text())
+
+
+_ALL: dict[str, Option] | None = None
+
+
+def all_options() -> dict[str, Option]:
+    """name -> Option for every flat key (project + TRL). Launch keys are under 'launch.<name>'."""
+    global _ALL
+    if _ALL is None:
+        table: dict[str, Option] = {}
+        for row in load_trl_snapshot()["options"]:
+            table[row["name"]] = Option(row["name"], row["kind"], row["default"], row["help"],
+                                        tuple(row["choices"]) if row["choices"] else None, row["nullable"], "trl")
+        for owner, cls in SECTIONS.items():
+            for o in _options_of(cls, owner):
+                if o.name in table:
+                    raise RuntimeError(f"option {o.name} declared by both TRL and {cls.__name__}")
+                table[o.name] = o
+        for section, cls in NESTED.items():
+            for o in _options_of(cls, section):
+                table[f"{section}.{o.name}"] = dataclasses.replace(o, name=f"{section}.{o.name}")
+        _ALL = table
+    return _ALL

@@ -1,0 +1,197 @@
+"""Recipe parsing: YAML + base: inheritance + CLI flags, the PEFT guide's flags verbatim, and every error path."""
+
+import shlex
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, run_cli
+from sftrecipes.recipe import RecipeError, load_recipe
+
+TINY = ".assets/tiny-llama"
+DATA = "data/tiny_chat"
+
+# The PEFT SFT guide's ZeRO-3 launch command (examples/sft/run_peft_deepspeed.sh), verbatim after train.py,
+# with the local tiny model, dataset and an output folder in place of the hub ones.
+GUIDE_ZERO3 = f"""
+--seed 100 --model_name_or_path "{TINY}" --dataset_name "{DATA}" --chat_template_format "chatml"
+--add_special_tokens False --append_concat_token False --splits "train,test" --max_seq_len 2048
+--num_train_epochs 1 --logging_steps 5 --log_level "info" --logging_strategy "steps" --eval_strategy "epoch"
+--save_strategy "epoch" --push_to_hub --hub_private_repo True --hub_strategy "every_save" --bf16 True
+--packing True --learning_rate 1e-4 --lr_scheduler_type "cosine" --weight_decay 1e-4 --warmup_ratio 0.0
+--max_grad_norm 1.0 --output_dir "outputs/guide" --per_device_train_batch_size 8 --per_device_eval_batch_size 8
+--gradient_accumulation_steps 4 --gradient_checkpointing True --use_reentrant False --dataset_text_field "content"
+--use_flash_attn True --use_peft_lora True --lora_r 8 --lora_alpha 16 --lora_dropout 0.1
+--lora_target_modules "all-linear" --use_4bit_quantization False
+"""
+GUIDE_QLORA_EXTRA = '--use_nested_quant True --bnb_4bit_compute_dtype "bfloat16" --bnb_4bit_quant_storage_dtype "bfloat16"'
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    p = tmp_path / name
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+def minimal(tmp_path, extra: str = "", name: str = "r.yaml") -> Path:
+    return write(tmp_path, name, f"model_name_or_path: {ROOT / TINY}\ndataset_name: {ROOT / DATA}\noutput_dir: {tmp_path / 'out'}\n" + textwrap.dedent(extra))
+
+
+def test_guide_zero3_command_line_equals_yaml_recipe(tiny_model):
+    cli = load_recipe(shlex.split(GUIDE_ZERO3))
+    yaml_recipe = load_recipe(["recipes/llama2-70b/lora.yaml", "--model_name_or_path", TINY, "--dataset_name", DATA,
+                               "--output_dir", "outputs/guide"])
+    a = {k: v for k, v in cli.as_dict().items() if not k.startswith("launch.")}
+    b = {k: v for k, v in yaml_recipe.as_dict().items() if not k.startswith("launch.")}
+    assert a == b
+    # and the settings really are the guide's
+    assert cli.trl["max_length"] == 2048 and cli.renamed == {"max_seq_len": "max_length", "warmup_ratio": "warmup_steps"}
+    assert cli.trl["push_to_hub"] is True and cli.trl["bf16"] is True and cli.trl["learning_rate"] == 1e-4
+    assert cli.model.lora_target_modules == "all-linear" and cli.model.use_reentrant is False
+    assert cli.data.add_special_tokens is False and cli.model.chat_template_format == "chatml"
+
+
+def test_guide_qlora_flags_parse(tiny_model):
+    r = load_recipe(shlex.split(GUIDE_ZERO3.replace("--use_4bit_quantization False", "--use_4bit_quantization True")) + shlex.split(GUIDE_QLORA_EXTRA))
+    assert r.model.use_4bit_quantization and r.model.use_nested_quant
+    assert r.model.bnb_4bit_quant_storage_dtype == "bfloat16" and r.model.bnb_4bit_compute_dtype == "bfloat16"
+
+
+def test_base_inheritance_deep_merge_and_cli_wins(tmp_path):
+    parent = minimal(tmp_path, """\
+        use_peft_lora: true
+        lora_r: 8
+        lora_alpha: 16
+        learning_rate: 1.0e-4
+        fsdp_config: {min_num_params: 10, xla: false}
+        launch: {num_machines: 2, gpus_per_node: 8}
+        """, name="a/parent.yaml")
+    child = write(tmp_path, "b/child.yaml", """\
+        base: ../a/parent.yaml
+        lora_r: 16
+        fsdp_config: {xla: true}
+        launch: {gpus_per_node: 4}
+        """)
+    r = load_recipe([str(child), "--lora_alpha", "32", "--launch.num_machines", "1"])
+    assert r.model.lora_r == 16  # child wins over base
+    assert r.model.lora_alpha == 32  # CLI wins over both
+    assert r.trl["learning_rate"] == 1e-4  # inherited
+    assert r.trl["fsdp_config"] == {"min_num_params": 10, "xla": True}  # dict options merge key by key
+    assert (r.launch.num_machines, r.launch.gpus_per_node) == (1, 4)  # sections merge deeply
+    assert r.sources == [str(parent), str(child)]
+
+
+def test_types_are_coerced_from_cli_and_yaml(tmp_path):
+    r = load_recipe([str(minimal(tmp_path, "learning_rate: 1e-4\n")), "--report_to", "tensorboard", "wandb", "--lora_r=4",
+                     "--use_peft_lora", "--max_grad_norm", "2", "--eval_steps", "None"])
+    assert r.trl["learning_rate"] == 1e-4  # YAML 1.1 reads 1e-4 as a string; the float option takes it
+    assert r.trl["report_to"] == ["tensorboard", "wandb"]
+    assert r.model.lora_r == 4 and r.model.use_peft_lora is True
+    assert r.trl["max_grad_norm"] == 2.0 and r.trl["eval_steps"] is None
+
+
+def test_defaults_are_trls_own(tmp_path):
+    r = load_recipe([str(minimal(tmp_path))])
+    assert "learning_rate" not in r.trl
+    assert r.trl_value("learning_rate") == 2e-5  # SFTConfig's default, not TrainingArguments'
+    assert r.trl_value("max_length") == 1024
+
+
+BAD = [
+    # (recipe extra or CLI, expected fragment of the one-line message)
+    ("lora_rank: 8\n", "unknown key 'lora_rank'"),
+    ("max_seq_lenght: 8\n", "did you mean max_seq_length"),
+    ("gpus_per_node: 8\n", "belongs under 'launch:'"),
+    ("launch: {gpu_per_node: 2}\n", "did you mean gpus_per_node"),
+    ("launch: 4\n", "launch: must be a mapping"),
+    ("use_peft_lora: true\nlora_r: eight\n", "lora_r (in"),
+    ("use_peft_lora: true\nlora_r: 8.5\n", "whole number"),
+    ("hub_model_id: no\n", "quote it"),
+    ("bf16: maybe\n", "expected true or false"),
+    ("lr_scheduler_type: cosinus\n", "did you mean cosine"),
+    ("chat_template_format: chatlm\n", "not one of chatml"),
+    ("use_peft_lora: true\nuse_4bit_quantization: true\nuse_8bit_quantization: true\n", "keep one of them"),
+    ("use_peft_lora: true\nuse_4bit_quantization: true\nbnb_4bit_quant_storage_dtype: bfloat16\ndtype: float32\n", "set dtype: bfloat16"),
+    ("use_4bit_quantization: true\n", "set use_peft_lora: true"),
+    ("bnb_4bit_quant_type: fp4\n", "only applies to 4-bit"),
+    ("lora_r: 8\n", "only applies to LoRA"),
+    ("bf16: true\nfp16: true\n", "keep one mixed-precision"),
+    ("gradient_checkpointing: false\nuse_reentrant: true\n", "only applies with gradient checkpointing"),
+    ("gradient_checkpointing: true\nactivation_checkpointing: false\n", "disagree"),
+    ("splits: test\n", "names no training split"),
+    ("splits: train\neval_strategy: epoch\n", "needs an eval split"),
+    ("packing: true\nmax_length: null\n", "packing: true needs max_length"),
+    ("max_seq_len: 10\nmax_length: 20\n", "same option"),
+    ("warmup_ratio: 3\n", "not a ratio"),
+    ("resume_from_checkpoint: /nonexistent/ckpt\n", "resume_from_checkpoint"),
+    ("assistant_only_loss: true\n", "needs conversations"),
+    ("completion_only_loss: true\n", "not supported"),
+    ("fsdp_config: '{bad json'\n", "not valid JSON"),
+    ("deepspeed: missing_ds.json\n", "file 'missing_ds.json' not found"),
+    ("launch: {gpus_per_node: 0}\n", "launch.gpus_per_node: must be >= 1"),
+    ("per_device_train_batch_size: 0\n", "per_device_train_batch_size: must be >= 1"),
+    ("parallelism_config: {tp: 2}\n", "cannot be set from a recipe"),
+    ("use_peft_lora: true\nlora_dropout: 1.5\n", "lora_dropout: must be in"),
+]
+
+
+@pytest.mark.parametrize("extra,fragment", BAD, ids=[b[1][:30] for b in BAD])
+def test_bad_recipe_is_one_line_error(tmp_path, extra, fragment):
+    with pytest.raises(RecipeError) as e:
+        load_recipe([str(minimal(tmp_path, extra))])
+    msg = str(e.value)
+    assert fragment in msg, msg
+    assert "\n" not in msg
+
+
+@pytest.mark.parametrize("text,fragment", [
+    ("model_name_or_path: ./nowhere/model\ndataset_name: data/tiny_chat\noutput_dir: o\n", "local path './nowhere/model' does not exist"),
+    ("dataset_name: data/tiny_chat\noutput_dir: o\n", "model_name_or_path: required"),
+    ("model_name_or_path: x/y\noutput_dir: o\n", "dataset_name: required"),
+    ("model_name_or_path: x/y\ndataset_name: d/e\n", "output_dir: required"),
+    ("- a\n- b\n", "must be a mapping"),
+    ("a: [1, 2\n", "not valid YAML"),
+    ("base: nothere.yaml\n", "base: 'nothere.yaml'"),
+    ("base: r.yaml\n", "extends itself"),
+])
+def test_bad_files(tmp_path, text, fragment):
+    p = write(tmp_path, "r.yaml", text)
+    with pytest.raises(RecipeError, match=None) as e:
+        load_recipe([str(p)])
+    assert fragment in str(e.value), str(e.value)
+
+
+def test_missing_recipe_file():
+    with pytest.raises(RecipeError, match="file 'no/such.yaml' not found"):
+        load_recipe(["no/such.yaml"])
+
+
+def test_flag_without_value():
+    with pytest.raises(RecipeError, match="--lora_r needs a value"):
+        load_recipe(["--lora_r"])
+
+
+def test_cli_error_exit_code_2_one_line_nothing_written_no_torch(tmp_path):
+    """A bad recipe fails fast (torch is never imported), with exit 2, one line on stderr, nothing written."""
+    out = tmp_path / "out"
+    bad = minimal(tmp_path, "lora_rank: 8\n")
+    probe = (
+        "import sys; sys.path.insert(0, '.'); import train; rc = train.main(sys.argv[1:]);"
+        "assert 'torch' not in sys.modules, 'torch imported before validation'; sys.exit(rc)"
+    )
+    res = run_cli(["-c", probe, str(bad)])
+    assert res.returncode == 2, res.stderr
+    lines = [l for l in res.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: unknown key 'lora_rank'"), res.stderr
+    assert not out.exists()
+
+
+def test_help_lists_every_option():
+    res = run_cli(["train.py", "--help"])
+    assert res.returncode == 0
+    for name in ("--use_peft_lora", "--bnb_4bit_quant_storage_dtype", "--max_length", "--launch.gpus_per_node",
+                 "--eval_strategy", "--append_concat_token"):
+        assert name in res.stdout

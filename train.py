@@ -1,0 +1,102 @@
+#!/usr/bin/env python
+"""Supervised fine-tuning of a causal LM with TRL's SFTTrainer, driven by a recipe.
+
+    python train.py recipes/tiny/lora.yaml                      # a recipe
+    python train.py recipes/tiny/lora.yaml --lora_r 16          # ... with CLI overrides (CLI wins)
+    python train.py --model_name_or_path ... --use_peft_lora True ...   # the PEFT SFT guide's flags, verbatim
+    python train.py --help                                      # every option, its default and help
+
+Flow: parse -> hardware target -> tokenizer -> datasets -> model -> SFTTrainer -> train (resume) -> save + check.
+The logic lives in the `sftrecipes` package; this file only wires it up.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+from sftrecipes.recipe import RecipeError, help_text, load_recipe
+
+log = logging.getLogger("sftrecipes")
+
+
+def run(recipe) -> dict:
+    from trl import SFTTrainer
+
+    from sftrecipes import backends, checkpoints, data, model as models
+
+    # 1. where we run: the cpu target sets use_cpu/gloo/threads so GPU command lines work as written
+    backends.check_world_size(recipe)
+    target = backends.hardware(recipe)
+    backends.apply_process_env(recipe, target)
+    args = backends.training_args(recipe, target)
+    for alias, key in recipe.renamed.items():
+        log.info("recipe: '%s' is the old name of '%s'; using it as %s", alias, key, key)
+    if args.trust_remote_code:
+        log.warning("trust_remote_code: on — the model's own Python code from %s will run", recipe.model.model_name_or_path)
+
+    # 2. tokenizer (chat template, special tokens) and data: the main process prepares, the others reuse its cache
+    tokenizer, end_of_turn, added_tokens = models.load_tokenizer(recipe)
+    with args.main_process_first(desc="dataset preparation"):
+        train_ds, eval_ds = data.load_datasets(recipe, tokenizer, end_of_turn)
+
+    # 3. model: dtype, attention, 4/8-bit loading; LoRA is applied by the trainer from peft_config
+    model = models.load_model(recipe, tokenizer, target)
+    trainer = SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=train_ds,
+        eval_dataset=eval_ds,
+        processing_class=tokenizer,
+        peft_config=models.lora_config(recipe, added_tokens, model),
+    )
+
+    # 4. train, resuming from a checkpoint when asked ('auto' = the latest complete one in output_dir)
+    resume = checkpoints.resolve_resume(recipe.trl.get("resume_from_checkpoint"), args.output_dir)
+    start = time.time()
+    trainer.train(resume_from_checkpoint=resume)
+    seconds = time.time() - start
+
+    # 5. final save (adapter for LoRA, full weights otherwise), then check it holds every expected tensor
+    trainer.save_model(args.output_dir)
+    summary = {}
+    if trainer.is_world_process_zero():
+        unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+        n_tensors = checkpoints.check_saved(args.output_dir, checkpoints.expected_saved_names(unwrapped))
+        losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+        summary = {
+            "first_loss": losses[0] if losses else None,
+            "last_loss": losses[-1] if losses else None,
+            "losses": losses,
+            "steps": trainer.state.global_step,
+            "seconds": round(seconds, 2),
+            "saved_tensors": n_tensors,
+            "output_dir": args.output_dir,
+            "adapter": recipe.model.use_peft_lora,
+            "resumed_from": resume,
+        }
+        with open(f"{args.output_dir}/run_summary.json", "w") as f:
+            json.dump(summary, f, indent=1)
+        log.info("done: %d steps in %.1fs, loss %s -> %s, %d tensors saved to %s", summary["steps"], seconds,
+                 summary["first_loss"], summary["last_loss"], n_tensors, args.output_dir)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:
+        print(help_text())
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    try:
+        run(load_recipe(argv))
+    except RecipeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
