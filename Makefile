@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export PYTHONDONTWRITEBYTECODE ?= 1
 
-.PHONY: venv assets demo test data schema clean
+.PHONY: venv assets demo test data schema docs clean
 
 $(STAMP): requirements.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,9 @@ data: $(STAMP)              ## rewrite data/tiny_chat (checked in; tests compare
 
 schema: $(STAMP)            ## refresh sftrecipes/trl_options.json after upgrading TRL/transformers
 	$(BIN)/python -m sftrecipes schema --refresh
+
+docs: $(STAMP)              ## regenerate docs/options.md from the schema
+	$(BIN)/python -m sftrecipes schema --docs
 
 clean:
 	rm -rf outputs .assets

@@ -22,7 +22,8 @@ from sftrecipes.recipe import RecipeError, help_text, load_recipe
 log = logging.getLogger("sftrecipes")
 
 
-def run(recipe) -> dict:
+def run(recipe):
+    """Train as the recipe says. Returns (trainer, summary); the summary is also written to output_dir."""
     from trl import SFTTrainer
 
     from sftrecipes import backends, checkpoints, data, model as models
@@ -60,6 +61,7 @@ def run(recipe) -> dict:
     seconds = time.time() - start
 
     # 5. final save (adapter for LoRA, full weights otherwise), then check it holds every expected tensor
+    trainer.model.config.use_cache = True  # off for training only (see model.load_model); saved configs keep it on
     trainer.save_model(args.output_dir)
     summary = {}
     if trainer.is_world_process_zero():
@@ -81,7 +83,7 @@ def run(recipe) -> dict:
             json.dump(summary, f, indent=1)
         log.info("done: %d steps in %.1fs, loss %s -> %s, %d tensors saved to %s", summary["steps"], seconds,
                  summary["first_loss"], summary["last_loss"], n_tensors, args.output_dir)
-    return summary
+    return trainer, summary
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -67,13 +67,20 @@ def training_kwargs(recipe: Recipe, target: str) -> dict:
         ckpt_kwargs["use_reentrant"] = recipe.model.use_reentrant
     if ckpt_kwargs:
         kw["activation_checkpointing_kwargs"] = ckpt_kwargs
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 and kw.pop("ddp_backend", None):
+        log.info("ddp_backend: unused in a single process (no process group); ignoring it for this run")
     if target == "cpu":
         kw["use_cpu"] = True
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a single process must not ask for a process group
-            kw.setdefault("ddp_backend", "gloo")
+        if world > 1:
+            if kw.get("ddp_backend", "gloo") != "gloo":
+                log.warning("ddp_backend: %s needs GPUs; the cpu target uses gloo", kw["ddp_backend"])
+            kw["ddp_backend"] = "gloo"
         if kw.get("fp16"):
             log.warning("fp16: CPU autocast has no fp16 loss scaling; running fp16 mixed precision as bf16 on the cpu target")
             kw["fp16"], kw["bf16"] = False, True
+        if kw.pop("tf32", None):
+            log.warning("tf32: a GPU (Ampere+) matmul mode; it does not apply on the cpu target")
     return kw
 
 

@@ -3,7 +3,7 @@
     python -m sftrecipes tiny [--data] [--size tiny|medium] [--out DIR]   build the offline tiny model / dataset
     python -m sftrecipes merge ADAPTER OUT [--base DIR] [--dtype D]        streaming LoRA merge
     python -m sftrecipes demo                                              tiny LoRA run end to end on CPU
-    python -m sftrecipes schema [--refresh | --check]                      TRL option snapshot
+    python -m sftrecipes schema [--refresh | --docs]                       check/refresh the TRL option snapshot, docs
 
 Errors a user can fix print one line and exit 2.
 """
@@ -43,6 +43,12 @@ def _schema(ns) -> int:
     if ns.refresh:
         schema.write_trl_snapshot()
         print(f"wrote {schema.TRL_SNAPSHOT}")
+    if ns.docs or ns.refresh:
+        from .recipe import options_markdown
+        from .tiny import ROOT
+
+        (ROOT / "docs" / "options.md").write_text(options_markdown())
+        print("wrote docs/options.md")
         return 0
     live = schema.trl_snapshot()
     stored = schema.load_trl_snapshot()["options"]
@@ -76,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("demo", help="tiny LoRA fine-tune, merge, reload, generate")
     d.set_defaults(fn=_demo)
     s = sub.add_parser("schema", help="check or refresh the stored TRL option list")
-    s.add_argument("--refresh", action="store_true")
+    s.add_argument("--refresh", action="store_true", help="rewrite trl_options.json (and docs/options.md)")
+    s.add_argument("--docs", action="store_true", help="rewrite docs/options.md")
     s.set_defaults(fn=_schema)
     ns = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")

@@ -75,8 +75,13 @@ def load_tokenizer(recipe: Recipe):
         tok.chat_template = template
         if eot is not None:
             tok.eos_token = eot
-    elif fmt == "tokenizer" and not tok.chat_template:
-        raise RecipeError(f"chat_template_format: 'tokenizer' but {name} has no chat template; use chatml or zephyr")
+    elif fmt == "tokenizer":
+        if not tok.chat_template:
+            raise RecipeError(f"chat_template_format: 'tokenizer' but {name} has no chat template; use chatml or zephyr")
+        eot = end_of_turn(tok)
+        if eot != tok.eos_token:
+            log.info("chat template: end of turn is %s; using it as the eos token so generation stops there", eot)
+            tok.eos_token = eot
     if recipe.trl.get("eos_token"):
         if recipe.trl["eos_token"] not in tok.get_vocab():
             raise RecipeError(f"eos_token: '{recipe.trl['eos_token']}' is not in the tokenizer's vocabulary; pick a token it has")
@@ -88,6 +93,18 @@ def load_tokenizer(recipe: Recipe):
         else:
             tok.pad_token = "<pad>"
     return tok, tok.eos_token, added
+
+
+def end_of_turn(tok) -> str:
+    """The special token a chat template closes an assistant turn with (e.g. <|im_end|>, <|eot_id|>), else eos."""
+    sentinel = "SENTINEL-REPLY"
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": sentinel}], tokenize=False)
+    tail = text[text.rindex(sentinel) + len(sentinel):]
+    specials = set(tok.all_special_tokens)
+    for t in tok.convert_ids_to_tokens(tok(tail, add_special_tokens=False)["input_ids"]):
+        if t in specials:
+            return t
+    return tok.eos_token
 
 
 def quantization_config(recipe: Recipe):
@@ -132,7 +149,9 @@ def load_model(recipe: Recipe, tokenizer, hardware: str):
         eos = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id] if gen.eos_token_id is not None else []
         if tokenizer.eos_token_id not in eos:
             gen.eos_token_id = [tokenizer.eos_token_id, *eos]
-    model.config.use_cache = not recipe.gradient_checkpointing
+    # No KV cache while training: with a cache, transformers skips its packed-sequence detection and packed samples
+    # would attend to each other under sdpa/eager (tests/test_data.py shows it). Generation turns it back on.
+    model.config.use_cache = False
     return model
 
 

@@ -183,7 +183,9 @@ def coerce(opt: Option, value: Any, src: str) -> Any:
     name = opt.name
     where = src if src.startswith("--") else f"{name} (in {src})"
     from_cli = src.startswith("--")
-    if value is None or (from_cli and isinstance(value, str) and value.lower() in ("none", "null") and opt.kind != "list"):
+    cli_null = (from_cli and isinstance(value, str) and value.lower() in ("none", "null") and opt.kind != "list"
+                and opt.nullable and value not in (opt.choices or ()))
+    if value is None or cli_null:
         if opt.nullable:
             return None
         raise RecipeError(f"{where}: may not be empty; give a {opt.kind} value")
@@ -451,3 +453,25 @@ def help_text() -> str:
         lines.append("")
     lines.append("Aliases: " + ", ".join(f"{a} -> {c}" for a, c in ALIASES.items()))
     return "\n".join(lines)
+
+
+def options_markdown() -> str:
+    """docs/options.md: the option table, generated from the schema (tests fail when the file is stale)."""
+    out = ["# Recipe options", "",
+           "Generated from `sftrecipes/schema.py` and TRL's `SFTConfig` by `make docs`; do not edit by hand.",
+           "Every key is a YAML key and a `--flag`; launch keys live under `launch:` (flag `--launch.KEY`).", ""]
+    titles = {"model": "Model, LoRA, quantization", "data": "Data", "launch": "Launch (`launch:` section)",
+              "trl": "TRL `SFTConfig` / transformers `TrainingArguments` (defaults as TRL sets them)"}
+    groups: dict[str, list[Option]] = {}
+    for o in all_options().values():
+        groups.setdefault(o.owner, []).append(o)
+    for owner in ("model", "data", "launch", "trl"):
+        out += [f"## {titles[owner]}", "", "| key | type | default | help |", "|---|---|---|---|"]
+        for o in groups[owner]:
+            choices = f" One of: {', '.join(f'`{c}`' for c in o.choices)}." if o.choices else ""
+            help_ = (o.help + choices).replace("|", "\\|")
+            out.append(f"| `{o.name}` | {o.kind} | `{o.default!r}` | {help_} |")
+        out.append("")
+    out += ["## Aliases", "", "Accepted and mapped (the run logs the mapping):", ""]
+    out += [f"- `{a}` → `{c}`" for a, c in ALIASES.items()]
+    return "\n".join(out) + "\n"

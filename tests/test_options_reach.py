@@ -1,0 +1,257 @@
+"""No key is ever silently ignored: change each option and see it arrive where it acts.
+
+* Every TRL/transformers option (all of SFTConfig, read from the live class) is set to a non-default value and
+  must come out of the SFTConfig the trainer is built with.
+* Every project option has an observer below that finds its effect on the tokenizer, model, datasets or
+  trainer arguments. A new option without an observer fails `test_every_project_option_has_an_observer`.
+"""
+
+import logging
+
+import pytest
+import torch
+
+from sftrecipes import backends, data, model as models
+from sftrecipes.recipe import load_recipe
+from sftrecipes.schema import all_options
+
+BASE = ["--model_name_or_path", ".assets/tiny-llama", "--dataset_name", "data/tiny_chat", "--output_dir", "outputs/reach"]
+
+# Options whose probe needs a companion setting or whose effect is checked differently (key -> (value, extras, check)).
+SPECIAL = {
+    "output_dir": ("outputs/elsewhere", {}, lambda a: a.output_dir == "outputs/elsewhere"),
+    "fp16": (True, {}, lambda a: a.bf16 and not a.fp16),  # cpu target: fp16 autocast runs as bf16 (warned)
+    "tf32": (True, {}, lambda a: a.tf32 is None),  # cpu target: a GPU matmul mode, dropped with a warning
+    "ddp_backend": ("nccl", {}, lambda a: a.ddp_backend is None),  # single process: no process group (logged)
+    "activation_checkpointing_kwargs": ({"probe": 1}, {}, lambda a: a.activation_checkpointing_kwargs == {"probe": 1, "use_reentrant": False}),
+    "gradient_checkpointing_kwargs": ({"probe": 1}, {}, lambda a: a.activation_checkpointing_kwargs == {"probe": 1, "use_reentrant": False}),
+    "load_best_model_at_end": (True, {"eval_strategy": "steps", "save_strategy": "steps"}, lambda a: a.load_best_model_at_end),
+    "accelerator_config": ({"split_batches": True}, {}, lambda a: a.accelerator_config.split_batches),
+    "dataloader_prefetch_factor": (4, {"dataloader_num_workers": 1}, lambda a: a.dataloader_prefetch_factor == 4),
+    "fsdp": ("full_shard auto_wrap", {}, lambda a: a.fsdp is True and a.fsdp_config["reshard_after_forward"]),
+    "deepspeed": ({"zero_optimization": {"stage": 2}}, {}, lambda a: a.hf_deepspeed_config.config["zero_optimization"]["stage"] == 2),
+}
+# Applied by the data pipeline, not by SFTConfig: observed in tests/test_data.py and tests/test_train.py.
+PIPELINE = {
+    "assistant_only_loss": "test_data.py::test_assistant_only_loss_masks_everything_but_assistant_turns",
+    "completion_only_loss": "refused with a one-line error (tests/test_recipe.py BAD list)",
+    "resume_from_checkpoint": "test_train.py::test_resume_auto_continues_to_the_same_weights",
+}
+
+
+def probe_value(o):
+    d = o.default
+    if o.choices:
+        return next(c for c in o.choices if c != d)
+    make = {
+        "bool": lambda: (not d) if d is not None else True,
+        "int": lambda: (d or 0) + 2,
+        "float": lambda: round((d or 0) * 0.5 + 0.25, 4) if (d or 0) <= 1 else d + 1,
+        "str": lambda: "probe-value",
+        "list": lambda: ["probe"],
+        "dict": lambda: {"probe": 1},
+        "int|str": lambda: 16,
+        "bool|str": lambda: "non_padding",
+    }
+    return make[o.kind]()
+
+
+TRL_KEYS = sorted(n for n, o in all_options().items() if o.owner == "trl" and n not in PIPELINE and o.kind != "object")
+
+
+@pytest.mark.parametrize("key", TRL_KEYS)
+def test_trl_option_reaches_training_args(tiny_model, key):
+    o = all_options()[key]
+    value, extras, check = SPECIAL.get(key, (probe_value(o), {}, None))
+    argv = [a for a in BASE if key != "output_dir" or a not in ("--output_dir", "outputs/reach")]
+    args = backends.training_args(load_recipe(argv, overrides={key: value, **extras}), "cpu")
+    if check is not None:
+        assert check(args), key
+    else:
+        got = getattr(args, key)
+        assert getattr(got, "value", got) == value, f"{key}: set {value!r}, trainer sees {got!r}"
+
+
+def test_object_options_are_refused():
+    objects = [n for n, o in all_options().items() if o.kind == "object"]
+    assert objects == ["parallelism_config"]  # refused with a one-line error: see test_recipe.py
+
+
+# ------------------------------------------------------------------------------------------ project options
+
+
+def recipe(*flags):
+    return load_recipe(BASE + [str(f) for f in flags])
+
+
+def tokenized(r):
+    tok, eot, _ = models.load_tokenizer(r)
+    train, _ = data.load_raw(r)
+    return tok, data.prepare(r, tok, eot, train.select(range(min(3, len(train)))), "train")
+
+
+def obs_model_name(tiny_model, tmp_path):
+    import shutil
+
+    other = tmp_path / "copy"
+    shutil.copytree(tiny_model, other)
+    r = recipe("--model_name_or_path", other)
+    tok, _, _ = models.load_tokenizer(r)
+    assert models.load_model(r, tok, "cpu").name_or_path == str(other) and tok.name_or_path == str(other)
+
+
+def obs_tokenizer_name(tiny_model, tmp_path):
+    import shutil
+
+    other = tmp_path / "tok"
+    shutil.copytree(tiny_model, other)
+    tok, _, _ = models.load_tokenizer(recipe("--tokenizer_name_or_path", other))
+    assert tok.name_or_path == str(other)
+
+
+def obs_dtype(tiny_model, tmp_path):
+    r = recipe("--dtype", "bfloat16")
+    tok, _, _ = models.load_tokenizer(r)
+    assert models.load_model(r, tok, "cpu").dtype == torch.bfloat16
+    assert models.load_dtype(recipe()) == torch.float32
+
+
+def obs_chat_template_format(tiny_model, tmp_path):
+    tok, ds = tokenized(recipe("--chat_template_format", "zephyr"))
+    assert "<|assistant|>" in tok.decode(ds[0]["input_ids"])
+
+
+def obs_use_flash_attn(tiny_model, tmp_path, caplog=None):
+    r = recipe("--use_flash_attn", "True")
+    assert models.attn_implementation(recipe(), "gpu") == "sdpa"
+    assert models.attn_implementation(r, "cpu") == "sdpa"  # asked, but no GPU: the warned fallback
+    import importlib.util
+    from unittest import mock
+
+    with mock.patch.object(importlib.util, "find_spec", return_value=object()):
+        assert models.attn_implementation(r, "gpu") == "flash_attention_2"
+
+
+def lora(*flags):
+    return models.lora_config(recipe("--use_peft_lora", "True", *flags), [])
+
+
+def obs_use_peft_lora(tiny_model, tmp_path):
+    assert models.lora_config(recipe(), []) is None and lora() is not None
+
+
+def obs_lora_r(tiny_model, tmp_path):
+    assert lora("--lora_r", 4).r == 4
+
+
+def obs_lora_alpha(tiny_model, tmp_path):
+    assert lora("--lora_alpha", 7).lora_alpha == 7
+
+
+def obs_lora_dropout(tiny_model, tmp_path):
+    assert lora("--lora_dropout", 0.3).lora_dropout == 0.3
+
+
+def obs_lora_target_modules(tiny_model, tmp_path):
+    assert lora("--lora_target_modules", "q_proj,v_proj").target_modules == {"q_proj", "v_proj"}
+    assert lora("--lora_target_modules", "all-linear").target_modules == "all-linear"
+
+
+def qc(*flags):
+    return models.quantization_config(recipe("--use_peft_lora", "True", "--use_4bit_quantization", "True", *flags))
+
+
+def obs_use_4bit_quantization(tiny_model, tmp_path):
+    assert qc().load_in_4bit and models.quantization_config(recipe()) is None
+
+
+def obs_use_8bit_quantization(tiny_model, tmp_path):
+    assert models.quantization_config(recipe("--use_peft_lora", "True", "--use_8bit_quantization", "True")).load_in_8bit
+
+
+def obs_use_nested_quant(tiny_model, tmp_path):
+    assert qc("--use_nested_quant", "True").bnb_4bit_use_double_quant and not qc().bnb_4bit_use_double_quant
+
+
+def obs_bnb_4bit_compute_dtype(tiny_model, tmp_path):
+    assert qc("--bnb_4bit_compute_dtype", "bfloat16").bnb_4bit_compute_dtype == torch.bfloat16
+
+
+def obs_bnb_4bit_quant_type(tiny_model, tmp_path):
+    assert qc("--bnb_4bit_quant_type", "fp4").bnb_4bit_quant_type == "fp4"
+
+
+def obs_bnb_4bit_quant_storage_dtype(tiny_model, tmp_path):
+    r = recipe("--use_peft_lora", "True", "--use_4bit_quantization", "True", "--bnb_4bit_quant_storage_dtype", "bfloat16")
+    assert models.quantization_config(r).bnb_4bit_quant_storage == torch.bfloat16
+    assert models.load_dtype(r) == torch.bfloat16  # the model dtype follows the storage dtype
+
+
+def obs_use_reentrant(tiny_model, tmp_path):
+    args = backends.training_args(recipe("--gradient_checkpointing", "True", "--use_reentrant", "True"), "cpu")
+    assert args.activation_checkpointing_kwargs["use_reentrant"] is True
+
+
+def obs_dataset_name(tiny_model, tmp_path):
+    import json
+
+    f = tmp_path / "d.jsonl"
+    f.write_text(json.dumps({"messages": [{"role": "user", "content": "zebra"}]}) + "\n")
+    tok, ds = tokenized(recipe("--dataset_name", f, "--splits", "train", "--chat_template_format", "chatml"))
+    assert "zebra" in tok.decode(ds[0]["input_ids"])
+
+
+def obs_splits(tiny_model, tmp_path):
+    assert data.load_raw(recipe("--splits", "train"))[1] is None and len(data.load_raw(recipe())[1]) == 40
+
+
+def obs_add_special_tokens(tiny_model, tmp_path):
+    tok, ds = tokenized(recipe("--chat_template_format", "chatml", "--add_special_tokens", "True"))
+    assert ds[0]["input_ids"][0] == tok.bos_token_id
+
+
+def obs_append_concat_token(tiny_model, tmp_path):
+    import json
+
+    f = tmp_path / "t.jsonl"
+    f.write_text(json.dumps({"text": "plain text"}) + "\n")
+    tok, ds = tokenized(recipe("--dataset_name", f, "--splits", "train", "--append_concat_token", "True"))
+    assert ds[0]["input_ids"][-1] == tok.eos_token_id
+
+
+def obs_launch_hardware(tiny_model, tmp_path):
+    assert backends.hardware(recipe("--launch.hardware", "gpu")) == "gpu" and backends.hardware(recipe()) == "cpu"
+
+
+def obs_launch_cpu_threads(tiny_model, tmp_path):
+    assert backends.cpu_env(recipe("--launch.cpu_threads", 3))["OMP_NUM_THREADS"] == "3"
+
+
+def obs_launch_num_machines(tiny_model, tmp_path):
+    from sftrecipes.recipe import RecipeError
+
+    with pytest.raises(RecipeError, match="describes 2 processes"):
+        backends.check_world_size(recipe("--launch.num_machines", 2))
+
+
+def obs_launch_gpus_per_node(tiny_model, tmp_path):
+    from sftrecipes.recipe import RecipeError
+
+    with pytest.raises(RecipeError, match="describes 4 processes"):
+        backends.check_world_size(recipe("--launch.gpus_per_node", 4))
+    assert backends.check_world_size(recipe()) == 1
+
+
+OBSERVERS = {name[4:].replace("launch_", "launch."): fn for name, fn in globals().items() if name.startswith("obs_")}
+OBSERVERS["model_name_or_path"] = OBSERVERS.pop("model_name")
+OBSERVERS["tokenizer_name_or_path"] = OBSERVERS.pop("tokenizer_name")
+
+
+def test_every_project_option_has_an_observer():
+    project = {n for n, o in all_options().items() if o.owner != "trl"}
+    assert project == set(OBSERVERS)
+
+
+@pytest.mark.parametrize("key", sorted(OBSERVERS))
+def test_project_option_reaches_its_target(tiny_model, tmp_path, key):
+    OBSERVERS[key](tiny_model, tmp_path)

@@ -1,0 +1,47 @@
+"""Checked-in generated files never drift: TRL's option snapshot, the tiny dataset; tiny builds are deterministic."""
+
+import hashlib
+import json
+
+from sftrecipes import schema, tiny
+
+
+def test_trl_snapshot_matches_installed_trl():
+    stored = schema.load_trl_snapshot()
+    import trl
+
+    assert stored["trl_version"] == trl.__version__, "run: make schema"
+    assert stored["options"] == schema.trl_snapshot(), "sftrecipes/trl_options.json is stale; run: make schema"
+
+
+def test_project_options_do_not_shadow_trl():
+    trl_names = {row["name"] for row in schema.load_trl_snapshot()["options"]}
+    for cls in schema.SECTIONS.values():
+        assert not trl_names & set(cls.__dataclass_fields__)
+    assert set(schema.ALIASES.values()) <= set(schema.all_options())
+
+
+def test_shipped_dataset_is_what_the_generator_writes(tmp_path):
+    tiny.write_dataset(tmp_path)
+    for split in ("train", "test"):
+        assert (tmp_path / f"{split}.jsonl").read_bytes() == (tiny.DATA_DIR / f"{split}.jsonl").read_bytes(), "run: make data"
+    rows = [json.loads(l) for l in (tiny.DATA_DIR / "train.jsonl").read_text().splitlines()]
+    assert len(rows) == 320 and all(r["messages"][-1]["role"] == "assistant" for r in rows)
+
+
+def digest(folder):
+    h = hashlib.sha256()
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        h.update((folder / name).read_bytes())
+    return h.hexdigest()
+
+
+def test_tiny_model_build_is_deterministic(tmp_path, tiny_model):
+    a = tiny.build_model(tmp_path / "a")
+    assert digest(a) == digest(tiny_model)
+
+
+def test_options_doc_is_current():
+    from sftrecipes.recipe import options_markdown
+
+    assert (tiny.ROOT / "docs" / "options.md").read_text() == options_markdown(), "run: make docs"

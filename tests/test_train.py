@@ -1,0 +1,152 @@
+"""Single-process training on CPU through train.run: LoRA, full, QLoRA 4-bit; save -> reload; resume."""
+
+import json
+import shutil
+import shlex
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import train
+from sftrecipes.recipe import load_recipe
+from test_recipe import GUIDE_ZERO3
+
+PROMPT = [{"role": "user", "content": "What is 7 plus 5?"}]
+
+
+def logits_of(model, tok):
+    ids = tok.apply_chat_template(PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    model.eval()
+    with torch.no_grad():
+        return model(**ids).logits
+
+
+def falls(summary):
+    return summary["last_loss"] < summary["first_loss"] * 0.9
+
+
+@pytest.fixture(scope="module")
+def lora_run(tiny_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("lora")
+    trainer, summary = train.run(load_recipe(["recipes/tiny/lora.yaml", "--output_dir", str(out), "--max_steps", "30"]))
+    return trainer, summary, out
+
+
+def test_lora_loss_falls_and_adapter_saved(lora_run):
+    trainer, summary, out = lora_run
+    assert falls(summary), summary["losses"]
+    assert summary["steps"] == 30
+    saved = load_file(out / "adapter_model.safetensors")
+    assert len(saved) == summary["saved_tensors"] == 2 * 7 * 2  # A and B for 7 linear modules x 2 layers
+    assert all("lora_" in k for k in saved)
+    assert json.loads((out / "run_summary.json").read_text())["last_loss"] == summary["last_loss"]
+
+
+def test_lora_reload_gives_identical_logits(lora_run):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    trainer, _, out = lora_run
+    tok = AutoTokenizer.from_pretrained(out)
+    trained = logits_of(trainer.model, tok)
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(".assets/tiny-llama"), out)
+    assert torch.equal(trained, logits_of(reloaded, tok))
+    base = logits_of(AutoModelForCausalLM.from_pretrained(".assets/tiny-llama"), tok)
+    assert not torch.allclose(base, trained, atol=1e-3)  # the adapter changed something
+
+
+def test_streaming_merge_equals_peft_merge(lora_run, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sftrecipes.export import merge_lora
+
+    _, _, out = lora_run
+    merged_dir = merge_lora(out, tmp_path / "merged")
+    tok = AutoTokenizer.from_pretrained(merged_dir)
+    ours = AutoModelForCausalLM.from_pretrained(merged_dir)
+    peft_merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(".assets/tiny-llama"), out).merge_and_unload()
+    for (n, a), (_, b) in zip(ours.state_dict().items(), peft_merged.state_dict().items()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=n)
+    torch.testing.assert_close(logits_of(ours, tok), logits_of(peft_merged, tok), atol=1e-5, rtol=1e-5)
+    assert tok.eos_token == "<|im_end|>" and tok.eos_token_id in ours.generation_config.eos_token_id
+    assert not list(tmp_path.glob("merged.tmp-*"))  # the temporary folder was renamed, not left behind
+
+
+def test_merge_bf16_output_and_bad_inputs(lora_run, tmp_path):
+    from sftrecipes.export import merge_lora
+    from sftrecipes.recipe import RecipeError
+
+    _, _, out = lora_run
+    merged = merge_lora(out, tmp_path / "m16", dtype="bfloat16")
+    assert {t.dtype for t in load_file(merged / "model.safetensors").values()} == {torch.bfloat16}
+    assert json.loads((merged / "config.json").read_text())["dtype"] == "bfloat16"
+    with pytest.raises(RecipeError, match="no adapter_config.json"):
+        merge_lora(tmp_path, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+
+
+def test_full_fine_tune_loss_falls_and_reloads_identically(tiny_model, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    trainer, summary = train.run(load_recipe(["recipes/tiny/full.yaml", "--output_dir", str(tmp_path), "--max_steps", "20"]))
+    assert falls(summary), summary["losses"]
+    assert summary["saved_tensors"] == 21  # every weight of the tiny Llama
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert torch.equal(logits_of(trainer.model, tok), logits_of(reloaded, tok))
+    assert reloaded.config.use_cache is True
+
+
+def test_qlora_4bit_on_cpu(tiny_model, tmp_path):
+    import bitsandbytes as bnb
+
+    trainer, summary = train.run(load_recipe(["recipes/tiny/qlora.yaml", "--output_dir", str(tmp_path), "--max_steps", "15"]))
+    model = trainer.model
+    four_bit = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(four_bit) == 14
+    w = four_bit[0].weight
+    assert w.quant_state.quant_type == "nf4" and w.quant_state.nested and w.dtype == torch.bfloat16  # quant storage
+    assert four_bit[0].compute_dtype == torch.bfloat16
+    assert falls(summary), summary["losses"]
+    assert len(load_file(tmp_path / "adapter_model.safetensors")) == 28
+
+
+def test_guide_command_line_runs_on_cpu(tiny_model, tmp_path, caplog):
+    """The guide's GPU command line (bf16, flash-attn, eval each epoch, packing, reentrant-free checkpointing)
+    runs as written on a CPU machine: the cpu target supplies use_cpu, flash-attn falls back to sdpa."""
+    argv = shlex.split(GUIDE_ZERO3.replace("--push_to_hub", "").replace("outputs/guide", str(tmp_path)))
+    recipe = load_recipe(argv + ["--max_steps", "3", "--max_seq_len", "256", "--save_strategy", "no"])
+    with caplog.at_level("WARNING", logger="sftrecipes"):
+        trainer, summary = train.run(recipe)
+    assert trainer.args.use_cpu and trainer.args.bf16
+    assert trainer.args.activation_checkpointing and trainer.args.activation_checkpointing_kwargs == {"use_reentrant": False}
+    assert trainer.model.base_model.model.config._attn_implementation == "sdpa"
+    assert sum("falling back to sdpa" in r.message for r in caplog.records) == 1
+    assert any("eval_loss" in e for e in trainer.state.log_history)  # eval_strategy epoch with the test split
+    assert summary["steps"] == 3
+
+
+def test_resume_auto_continues_to_the_same_weights(tiny_model, tmp_path):
+    common = ["recipes/tiny/lora.yaml", "--max_steps", "12", "--save_strategy", "steps", "--save_steps", "6",
+              "--lr_scheduler_type", "linear"]
+    straight = tmp_path / "straight"
+    train.run(load_recipe(common + ["--output_dir", str(straight)]))
+    # an interrupted run: it got as far as checkpoint-6, then died
+    broken = tmp_path / "broken"
+    shutil.copytree(straight / "checkpoint-6", broken / "checkpoint-6")
+    (broken / "checkpoint-12").mkdir()  # a checkpoint that never completed: auto must skip it
+    _, summary = train.run(load_recipe(common + ["--output_dir", str(broken), "--resume_from_checkpoint", "auto"]))
+    assert summary["resumed_from"] == str(broken / "checkpoint-6")
+    assert summary["steps"] == 12
+    a = load_file(straight / "adapter_model.safetensors")
+    b = load_file(broken / "adapter_model.safetensors")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0, msg=k)
+
+
+def test_resume_auto_without_checkpoint_starts_fresh(tiny_model, tmp_path):
+    _, summary = train.run(load_recipe(["recipes/tiny/lora.yaml", "--output_dir", str(tmp_path), "--max_steps", "2",
+                                        "--resume_from_checkpoint", "auto"]))
+    assert summary["resumed_from"] is None and summary["steps"] == 2
