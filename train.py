@@ -33,6 +33,7 @@ def run(recipe):
     target = backends.hardware(recipe)
     backends.apply_process_env(recipe, target)
     args = backends.training_args(recipe, target)
+    resume = checkpoints.resolve_resume(recipe.trl.get("resume_from_checkpoint"), args.output_dir)
     for alias, key in recipe.renamed.items():
         log.info("recipe: '%s' is the old name of '%s'; using it as %s", alias, key, key)
     if args.trust_remote_code:
@@ -54,8 +55,7 @@ def run(recipe):
         peft_config=models.lora_config(recipe, added_tokens, model),
     )
 
-    # 4. train, resuming from a checkpoint when asked ('auto' = the latest complete one in output_dir)
-    resume = checkpoints.resolve_resume(recipe.trl.get("resume_from_checkpoint"), args.output_dir)
+    # 4. train, resuming from the checkpoint chosen above ('auto' = the latest complete one in output_dir)
     start = time.time()
     trainer.train(resume_from_checkpoint=resume)
     seconds = time.time() - start

@@ -87,4 +87,7 @@ def training_kwargs(recipe: Recipe, target: str) -> dict:
 def training_args(recipe: Recipe, target: str):
     from trl import SFTConfig  # noqa: PLC0415
 
-    return SFTConfig(**training_kwargs(recipe, target))
+    try:
+        return SFTConfig(**training_kwargs(recipe, target))
+    except ValueError as e:  # transformers' own cross-checks (e.g. load_best_model_at_end without matching strategies)
+        raise RecipeError("training arguments: " + " ".join(str(e).split())) from None

@@ -150,7 +150,9 @@ def parse_argv(argv: list[str]) -> tuple[list[str], dict[str, tuple[Any, str]]]:
             continue
         key = ALIASES.get(name, name)
         opt = options.get(key)
-        kind = opt.kind if opt else "str"
+        if opt is None:
+            raise RecipeError(f"unknown flag --{name}; {_suggest(name, list(options) + list(ALIASES))}")
+        kind = opt.kind
         if eq:
             raw: Any = value
         elif kind == "list":
@@ -160,7 +162,7 @@ def parse_argv(argv: list[str]) -> tuple[list[str], dict[str, tuple[Any, str]]]:
                 i += 1
         elif i < len(argv) and not argv[i].startswith("--") and (kind != "bool" or argv[i].lower() in TRUE | FALSE):
             raw, i = argv[i], i + 1
-        elif kind in ("bool", "str") and opt is not None and (kind == "bool" or name == "fsdp"):
+        elif kind == "bool" or name == "fsdp":
             raw = "true"  # bare `--push_to_hub`
         else:
             raise RecipeError(f"--{name} needs a value; write --{name} VALUE")
@@ -212,7 +214,10 @@ def coerce(opt: Option, value: Any, src: str) -> Any:
         if kind == "int":
             if isinstance(value, float) and not value.is_integer():
                 raise bad("a whole number")
-            return int(value)
+            value = int(value)
+            if opt.choices and value not in opt.choices:
+                raise RecipeError(f"{where}: {value} is not one of {', '.join(map(str, opt.choices))}")
+            return value
         return float(value)
     if kind in ("str", "int|str"):
         if isinstance(value, bool):
@@ -436,6 +441,42 @@ def validate(r: Recipe) -> None:
     for key in ("num_machines", "gpus_per_node", "cpu_threads"):
         if getattr(L, key) < 1:
             raise RecipeError(f"launch.{key}: must be >= 1, got {getattr(L, key)}")
+    for key in ("gpu_memory_gb", "cpu_ram_gb"):
+        if getattr(L, key) is not None and getattr(L, key) <= 0:
+            raise RecipeError(f"launch.{key}: must be > 0 GB, got {getattr(L, key)}")
+    _validate_launch(r)
+
+
+DEEPSPEED_KEYS = ("zero_stage", "offload_optimizer", "offload_params", "zero3_init")
+FSDP_KEYS = ("fsdp_version", "fsdp_sharding_strategy", "fsdp_state_dict_type", "fsdp_cpu_ram_efficient_loading",
+             "fsdp_sync_module_states", "fsdp_offload_params")
+
+
+def _validate_launch(r: Recipe) -> None:
+    L, ex, m = r.launch, r.explicit, r.model
+    world = L.num_machines * L.gpus_per_node
+    if L.backend == "none" and world > 1:
+        raise RecipeError(f"launch.backend: none runs one process, but num_machines x gpus_per_node = {world}; set backend: ddp, deepspeed or fsdp")
+    for backend, keys in (("deepspeed", DEEPSPEED_KEYS), ("fsdp", FSDP_KEYS)):
+        stray = [k for k in keys if f"launch.{k}" in ex and L.backend != backend]
+        if stray:
+            raise RecipeError(f"launch.{stray[0]}: only applies to backend {backend}, but backend is {L.backend}; set launch.backend: {backend} or remove it")
+    if L.backend == "deepspeed" and L.zero_stage != 3:
+        for key in ("offload_optimizer", "offload_params"):
+            if getattr(L, key):
+                raise RecipeError(f"launch.{key}: offload needs ZeRO-3 here, but zero_stage is {L.zero_stage}; set launch.zero_stage: 3")
+        if "launch.zero3_init" in ex and L.zero3_init:
+            raise RecipeError(f"launch.zero3_init: only applies to zero_stage 3 (got {L.zero_stage}); remove it")
+    if L.backend == "fsdp":
+        if L.fsdp_cpu_ram_efficient_loading and not L.fsdp_sync_module_states:
+            raise RecipeError("launch.fsdp_cpu_ram_efficient_loading: needs fsdp_sync_module_states: true (ranks other than 0 start empty); set it or turn loading off")
+    if L.backend in ("fsdp", "deepspeed") and m.use_4bit_quantization and m.bnb_4bit_quant_storage_dtype == "uint8":
+        raise RecipeError(
+            f"bnb_4bit_quant_storage_dtype: uint8 4-bit weights cannot be sharded with the float weights by {L.backend}; "
+            "set bnb_4bit_quant_storage_dtype: bfloat16 (and bf16: true)"
+        )
+    if L.backend in ("fsdp", "deepspeed") and m.use_8bit_quantization:
+        raise RecipeError(f"use_8bit_quantization: 8-bit weights cannot be sharded by {L.backend}; use 4-bit QLoRA with bnb_4bit_quant_storage_dtype: bfloat16")
 
 
 def help_text() -> str:

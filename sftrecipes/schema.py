@@ -108,17 +108,44 @@ class DataOptions:
 
 @dataclass
 class LaunchOptions:
-    """Where the recipe runs: the `launch:` section (backends.py)."""
+    """Where the recipe runs: the `launch:` section (backends.py renders the accelerate config from it)."""
 
+    backend: str = opt(
+        "none", "Distribution: none (one process), ddp, deepspeed or fsdp.", choices=("none", "ddp", "deepspeed", "fsdp")
+    )
     num_machines: int = opt(1, "Number of nodes. The run checks that it has num_machines x gpus_per_node processes.")
     gpus_per_node: int = opt(1, "Processes (one per GPU) on each node.")
+    gpu_memory_gb: float | None = opt(None, "Memory of one GPU in GB (decimal), for the memory planner, e.g. 80.")
+    cpu_ram_gb: float | None = opt(None, "CPU RAM of one node in GB, for the memory planner (loading, offload).")
     hardware: str = opt(
         "auto",
         "Target hardware. 'auto' picks 'cpu' when torch sees no GPU. The cpu target sets use_cpu, the gloo "
-        "backend and one thread per rank.",
+        "backend, DS_ACCELERATOR=cpu and cpu_threads threads per rank.",
         choices=("auto", "gpu", "cpu"),
     )
     cpu_threads: int = opt(1, "cpu target only: torch threads per process.")
+    main_process_port: int = opt(29500, "Rendezvous port of machine rank 0.")
+    zero_stage: int = opt(3, "deepspeed only: ZeRO stage 0-3.", choices=(0, 1, 2, 3))
+    offload_optimizer: bool = opt(False, "deepspeed only: keep optimizer states (and the step) on the CPU. Needs zero_stage 3.")
+    offload_params: bool = opt(False, "deepspeed only: keep parameters on the CPU between uses. Needs zero_stage 3.")
+    zero3_init: bool = opt(True, "deepspeed zero_stage 3 only: partition weights while loading (zero3_init_flag).")
+    fsdp_version: int = opt(2, "fsdp only: 1 (FlatParameter) or 2 (per-parameter DTensor shards).", choices=(1, 2))
+    fsdp_sharding_strategy: str = opt(
+        "FULL_SHARD", "fsdp only: what is sharded.", choices=("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+    )
+    fsdp_state_dict_type: str = opt(
+        "SHARDED_STATE_DICT",
+        "fsdp only: checkpoint format during training. SHARDED writes one piece per rank (fast, no rank-0 gather); "
+        "the final model is saved whole.",
+        choices=("SHARDED_STATE_DICT", "FULL_STATE_DICT"),
+    )
+    fsdp_cpu_ram_efficient_loading: bool = opt(
+        True, "fsdp only: rank 0 reads the weights, the other ranks start on the meta device and receive them."
+    )
+    fsdp_sync_module_states: bool = opt(True, "fsdp only: broadcast rank 0's weights at wrap time (needed by RAM-efficient loading).")
+    fsdp_offload_params: bool = opt(False, "fsdp only: keep parameters and gradients on the CPU.")
+    slurm_partition: str | None = opt(None, "Multi-node: SLURM partition for the emitted batch script.")
+    slurm_time: str = opt("24:00:00", "Multi-node: SLURM time limit.")
 
 
 SECTIONS: dict[str, type] = {"model": ModelOptions, "data": DataOptions}

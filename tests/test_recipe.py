@@ -67,7 +67,7 @@ def test_base_inheritance_deep_merge_and_cli_wins(tmp_path):
         lora_alpha: 16
         learning_rate: 1.0e-4
         fsdp_config: {min_num_params: 10, xla: false}
-        launch: {num_machines: 2, gpus_per_node: 8}
+        launch: {backend: ddp, num_machines: 2, gpus_per_node: 8}
         """, name="a/parent.yaml")
     child = write(tmp_path, "b/child.yaml", """\
         base: ../a/parent.yaml
@@ -169,6 +169,13 @@ def test_missing_recipe_file():
         load_recipe(["no/such.yaml"])
 
 
+def test_unknown_flag_names_the_closest():
+    with pytest.raises(RecipeError, match=r"unknown flag --lora_rnk; did you mean lora_r"):
+        load_recipe(["--lora_rnk"])
+    with pytest.raises(RecipeError, match=r"unknown flag --launch.gpus; did you mean launch.gpus_per_node"):
+        load_recipe(["--launch.gpus", "2"])
+
+
 def test_flag_without_value():
     with pytest.raises(RecipeError, match="--lora_r needs a value"):
         load_recipe(["--lora_r"])
@@ -195,3 +202,12 @@ def test_help_lists_every_option():
     for name in ("--use_peft_lora", "--bnb_4bit_quant_storage_dtype", "--max_length", "--launch.gpus_per_node",
                  "--eval_strategy", "--append_concat_token"):
         assert name in res.stdout
+
+
+def test_transformers_cross_checks_become_one_line_errors(tmp_path):
+    from sftrecipes import backends
+
+    r = load_recipe([str(minimal(tmp_path, "load_best_model_at_end: true\neval_strategy: epoch\nsave_strategy: steps\n"))])
+    with pytest.raises(RecipeError) as e:
+        backends.training_args(r, "cpu")
+    assert str(e.value).startswith("training arguments: --load_best_model_at_end") and "\n" not in str(e.value)

@@ -150,3 +150,12 @@ def test_resume_auto_without_checkpoint_starts_fresh(tiny_model, tmp_path):
     _, summary = train.run(load_recipe(["recipes/tiny/lora.yaml", "--output_dir", str(tmp_path), "--max_steps", "2",
                                         "--resume_from_checkpoint", "auto"]))
     assert summary["resumed_from"] is None and summary["steps"] == 2
+
+
+def test_8bit_lora_on_cpu(tiny_model, tmp_path):
+    import bitsandbytes as bnb
+
+    trainer, summary = train.run(load_recipe(["recipes/tiny/lora.yaml", "--use_8bit_quantization", "True",
+                                              "--output_dir", str(tmp_path), "--max_steps", "4", "--logging_steps", "1"]))
+    assert len([m for m in trainer.model.modules() if isinstance(m, bnb.nn.Linear8bitLt)]) == 14
+    assert summary["last_loss"] < summary["first_loss"]
