@@ -1,0 +1,336 @@
+"""The memory planner: shapes offline, textbook model-state figures, the PEFT guide's published 70B numbers, pitfall
+checks, and a calibration against the measured live-tensor peak of real CPU training steps (docs/planner.md)."""
+
+import functools
+import textwrap
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from sftrecipes.plan import (GB, format_plan, lora_params, main, model_shape, pipeline_bubble, pitfalls, plan_recipe,
+                             preflight)
+from sftrecipes.recipe import RecipeError, load_recipe
+
+LORA_70B = "recipes/llama2-70b/lora.yaml"
+# The PEFT guide's QLoRA + ZeRO-3 run on 2 x 40 GB (run_peft_qlora_deepspeed_stage3.sh), as overrides of the LoRA recipe
+QLORA_70B = [LORA_70B, "--use_4bit_quantization", "True", "--use_nested_quant", "True", "--bnb_4bit_compute_dtype",
+             "bfloat16", "--bnb_4bit_quant_storage_dtype", "bfloat16", "--per_device_train_batch_size", "2",
+             "--launch.gpus_per_node", "2", "--launch.gpu_memory_gb", "40"]
+# Published per-GPU memory (PEFT docs, "DeepSpeed" accelerate guide); +-15%: they are nvidia-smi readings of one run
+# (allocator cache, CUDA context, GB vs GiB unstated) while the plan models tensors + a stated allowance.
+PUBLISHED_LORA_ZERO3_GB, PUBLISHED_QLORA_ZERO3_GB = 64.0, 36.6
+
+
+def write(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(text))
+    return str(p)
+
+
+def full_recipe(tmp_path, **launch):
+    """Llama-2-70B full fine-tuning, micro-batch 1, checkpointing, bf16; launch: DeepSpeed ZeRO-3 on 8 x 80 GB unless
+    overridden. Returns the recipe; its file is tmp_path/full70b.yaml."""
+    launch = {"backend": "deepspeed", "gpus_per_node": 8, "gpu_memory_gb": 80, **launch}
+    if launch["backend"] == "deepspeed":
+        launch.setdefault("zero_stage", 3)
+    lines = "".join(f"\n  {k}: {v}" for k, v in launch.items())
+    path = write(tmp_path, "full70b.yaml", textwrap.dedent("""
+        model_name_or_path: meta-llama/Llama-2-70b-hf
+        dataset_name: data/tiny_chat
+        output_dir: outputs/full70b
+        max_length: 2048
+        per_device_train_batch_size: 1
+        gradient_checkpointing: true
+        use_flash_attn: true
+        bf16: true
+        launch:""") + lines + "\n")
+    return load_recipe([path])
+
+
+# ----------------------------------------------------------------------------------------------- shapes
+
+
+def test_shipped_configs_give_the_published_parameter_counts():
+    # counts from the models' safetensors index / model cards
+    assert model_shape("meta-llama/Llama-2-7b-hf").params == 6_738_415_616
+    assert model_shape("meta-llama/Llama-2-13b-hf").params == 13_015_864_320
+    assert model_shape("meta-llama/Llama-2-70b-hf").params == 68_976_648_192
+    assert model_shape("meta-llama/Meta-Llama-3-8B").params == 8_030_261_248
+    assert model_shape("meta-llama/Meta-Llama-3-70B").params == 70_553_706_496
+    assert model_shape("mistralai/Mistral-7B-v0.1").params == 7_241_732_096
+
+
+def test_unknown_hub_id_is_one_line_error_naming_the_fix():
+    with pytest.raises(RecipeError) as e:
+        model_shape("someone/Unknown-7b")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("model_name_or_path:") and "someone--Unknown-7b.json" in msg
+
+
+def test_local_folder_config_and_exact_lora_count_match_peft(tiny_model):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shape = model_shape(str(tiny_model))
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model), dtype=torch.float32)
+    assert shape.params == sum(p.numel() for p in model.parameters())
+    for targets in ("all-linear", "q_proj,v_proj", "down_proj"):
+        peft = get_peft_model(AutoModelForCausalLM.from_config(model.config), LoraConfig(
+            r=4, target_modules=targets if targets == "all-linear" else targets.split(","), task_type="CAUSAL_LM"))
+        assert lora_params(shape, targets, 4) == peft.get_nb_trainable_parameters()[0], targets
+    with pytest.raises(RecipeError, match="lora_target_modules"):
+        lora_params(shape, "q_proj,qkv", 4)
+
+
+# ----------------------------------------------------------------------------------------------- textbook figures
+
+
+@pytest.mark.parametrize("launch,expected", [
+    ({"backend": "ddp"}, lambda P, N: 16 * P),
+    ({"zero_stage": 1}, lambda P, N: 4 * P + 12 * P / N),
+    ({"zero_stage": 2}, lambda P, N: 2 * P + 14 * P / N),
+    ({"zero_stage": 3}, lambda P, N: 16 * P / N),
+    ({"backend": "fsdp", "fsdp_sharding_strategy": "FULL_SHARD"}, lambda P, N: 16 * P / N),
+])
+def test_mixed_precision_adam_model_states_per_rank(tmp_path, launch, expected):
+    plan = plan_recipe(full_recipe(tmp_path, **launch), _alternatives=False)
+    P, N = plan.params, plan.world
+    assert plan.model_states_gb * GB == pytest.approx(expected(P, N), rel=1e-9)
+    if launch.get("zero_stage") == 1:
+        assert plan.model_states_gb * GB == pytest.approx(5.5 * P)  # at N = 8
+
+
+def test_full_70b_zero3_on_8x80_does_not_fit_and_16_gpus_or_offload_do(tmp_path, capsys):
+    r = full_recipe(tmp_path)
+    plan = plan_recipe(r)
+    optim = next(i for i in plan.states if i.name == "optimizer states")
+    assert optim.gb == pytest.approx(105, rel=0.03)  # 12 B/param (fp32 master, m, v) / 8 GPUs
+    assert plan.fits is False
+    by_name = {a.name: a for a in plan.alternatives}
+    assert by_name["ZeRO-3 on 16 GPUs"].fits and by_name["ZeRO-3 + offload optimizer"].fits
+    assert not by_name["ZeRO-1"].fits and not by_name["ZeRO-2"].fits and not by_name["DDP"].fits
+    fits = [a.fits for a in plan.alternatives]
+    assert fits == sorted(fits, key=lambda f: f is False)  # the fitting ones are listed first
+    assert main([str(tmp_path / "full70b.yaml")]) == 2
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "ZeRO-3 on 16 GPUs" in out
+
+
+def test_communication_volumes(tmp_path):
+    ddp = plan_recipe(full_recipe(tmp_path, backend="ddp"), _alternatives=False)
+    T = ddp.trainable * 2  # bf16 gradients
+    assert ddp.comm_gb * GB == pytest.approx(2 * T * 7 / 8)
+    z3 = plan_recipe(full_recipe(tmp_path, zero_stage=3), _alternatives=False)
+    gather, rs = z3.comm
+    assert gather.gb * GB == pytest.approx(2 * z3.params * 2 * 7 / 8) and rs.gb * GB == pytest.approx(T * 7 / 8)
+
+
+def test_pipeline_bubble():
+    assert pipeline_bubble(4, 8) == pytest.approx(3 / 11) and round(pipeline_bubble(4, 8), 2) == 0.27
+    assert pipeline_bubble(1, 8) == 0
+    r = load_recipe([LORA_70B, "--gradient_accumulation_steps", "8"])
+    assert plan_recipe(r, pipeline_degree=4, _alternatives=False).bubble == pytest.approx(3 / 11)
+    assert plan_recipe(r, _alternatives=False).bubble is None
+
+
+def test_cpu_ram_loading(tmp_path):
+    # 8 ranks each loading 70B in fp32 ~ 2.2 TB per node; RAM-efficient loading: only rank 0 reads it
+    each = plan_recipe(full_recipe(tmp_path, backend="fsdp", fsdp_cpu_ram_efficient_loading=False,
+                                   fsdp_sync_module_states=False), _alternatives=False)
+    eff = plan_recipe(full_recipe(tmp_path, backend="fsdp"), _alternatives=False)
+    load = lambda p: next(i.gb for i in p.cpu if i.name == "loading")  # noqa: E731
+    assert load(each) == pytest.approx(8 * 68.98e9 * 4 / GB, rel=1e-3) and load(eff) == pytest.approx(load(each) / 8)
+
+
+# ----------------------------------------------------------------------------------------------- published 70B runs
+
+
+def test_70b_lora_zero3_on_8_gpus_matches_the_peft_guide(capsys):
+    plan = plan_recipe(load_recipe([LORA_70B]))
+    print(format_plan(plan))
+    assert plan.fits is True
+    assert plan.gpu_total_gb == pytest.approx(PUBLISHED_LORA_ZERO3_GB, rel=0.15)
+    assert main([LORA_70B]) == 0
+
+
+def test_70b_qlora_zero3_on_2x40gb_matches_the_peft_guide():
+    plan = plan_recipe(load_recipe(QLORA_70B))
+    print(format_plan(plan))
+    assert plan.peak_phase.startswith("loading") and any("cannot partition 4-bit" in n for n in plan.notes)
+    assert plan.gpu_total_gb == pytest.approx(PUBLISHED_QLORA_ZERO3_GB, rel=0.15)
+    assert plan.fits is True
+
+
+def test_unknown_gpu_memory_gives_requirement_only(capsys):
+    r = load_recipe([LORA_70B, "--launch.gpu_memory_gb", "None"])
+    ok, text = preflight(r)
+    assert ok and "no launch.gpu_memory_gb" in text
+    assert main([LORA_70B, "--launch.gpu_memory_gb", "None"]) == 0
+    assert main(["recipes/tiny/lora.yaml", "--lora_target_modules", "nope"]) == 2
+    assert "lora_target_modules" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------- pitfalls
+
+
+def warnings_of(argv):
+    return [w for w in pitfalls(load_recipe(argv)) if w.startswith("WARNING")]
+
+
+def test_global_batch_always_and_learning_rate_kept_across_world_size(tmp_path):
+    assert pitfalls(load_recipe([LORA_70B]))[0] == "global batch = 8 per device x 4 accumulation x 8 ranks = 256 sequences per step"
+    child = write(tmp_path, "two.yaml", f"""
+        base: {(__import__('conftest').ROOT / LORA_70B)}
+        launch:
+          gpus_per_node: 2
+        """)
+    w = warnings_of([child])
+    assert len(w) == 1 and "learning_rate 0.0001 is kept" in w[0] and "global batch 64" in w[0]
+    scaled = write(tmp_path, "two_scaled.yaml", open(child).read() + "learning_rate: 2.5e-5\n")
+    assert warnings_of([scaled]) == []
+
+
+def test_data_order_and_loss_normalisation_across_ranks():
+    notes = pitfalls(load_recipe([LORA_70B]))
+    assert any(n.startswith("data order: every rank draws the same permutation") for n in notes)
+    assert warnings_of([LORA_70B]) == []
+    w = warnings_of([LORA_70B, "--average_tokens_across_devices", "False"])
+    assert len(w) == 1 and "num_items_in_batch" in w[0]
+    w = warnings_of([LORA_70B, "--accelerator_config", '{"use_seedable_sampler": false}'])
+    assert len(w) == 1 and "use_seedable_sampler" in w[0]
+    assert not any("average_tokens" in x for x in warnings_of(["recipes/tiny/lora.yaml", "--average_tokens_across_devices", "False"]))
+
+
+def qlora_7b(tmp_path, launch):
+    return [write(tmp_path, "q7b.yaml", f"""
+        model_name_or_path: meta-llama/Llama-2-7b-hf
+        dataset_name: data/tiny_chat
+        output_dir: outputs/q7b
+        use_peft_lora: true
+        use_4bit_quantization: true
+        bf16: true
+        gradient_checkpointing: true
+        launch: {launch}
+        """)]
+
+
+def test_use_reentrant_under_ddp_with_qlora(tmp_path):
+    ddp = qlora_7b(tmp_path, "{backend: ddp, gpus_per_node: 2}")
+    w = warnings_of(ddp + ["--use_reentrant", "True"])
+    assert len(w) == 1 and "use_reentrant" in w[0]
+    assert warnings_of(ddp + ["--use_reentrant", "True", "--ddp_find_unused_parameters", "False"]) == []
+    assert warnings_of(ddp + ["--use_reentrant", "False"]) == []
+
+
+def test_quant_storage_dtype_differs_from_mixed_precision_under_fsdp(tmp_path):
+    fsdp = qlora_7b(tmp_path, "{backend: fsdp, gpus_per_node: 2}")
+    w = warnings_of(fsdp + ["--bnb_4bit_quant_storage_dtype", "float16"])
+    assert len(w) == 1 and "set bnb_4bit_quant_storage_dtype: bfloat16" in w[0]
+    assert warnings_of(fsdp + ["--bnb_4bit_quant_storage_dtype", "bfloat16"]) == []
+
+
+def test_full_state_dict_too_big_for_rank0_cpu_ram(tmp_path):
+    small = full_recipe(tmp_path, backend="fsdp", fsdp_state_dict_type="FULL_STATE_DICT", cpu_ram_gb=128)
+    w = [x for x in pitfalls(small) if x.startswith("WARNING")]
+    assert len(w) == 1 and "FULL_STATE_DICT" in w[0] and "276 GB" in w[0]
+    big = full_recipe(tmp_path, backend="fsdp", fsdp_state_dict_type="FULL_STATE_DICT", cpu_ram_gb=2048)
+    assert not any("FULL_STATE_DICT" in x for x in pitfalls(big))
+
+
+# ----------------------------------------------------------------------------------------------- calibration
+
+
+class LiveStorage(TorchDispatchMode):
+    """Bytes of live tensor storages: every op's outputs are seen; a storage is counted once (views share it) and
+    uncounted when its last reference dies (weak-reference callback)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.current, self.peak = {}, 0, 0
+
+    def _free(self, key, n, _ref):
+        if self.live.pop(key, None) is not None:
+            self.current -= n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                if st._cdata not in self.live:
+                    n = st.nbytes()
+                    self.current += n
+                    self.peak = max(self.peak, self.current)
+                    self.live[st._cdata] = weakref.ref(st, functools.partial(self._free, st._cdata, n))
+        return out
+
+
+def test_live_storage_counts_each_storage_once_and_frees():
+    with LiveStorage() as m:
+        x = torch.zeros(1000)  # 4000 bytes
+        y = x.view(10, 100)[2:]  # a view: no new storage
+        z = x * 2
+        assert m.current == 8000
+        del z
+        assert m.current == 4000 and m.peak == 8000
+        del x, y
+        assert m.current == 0
+
+
+# hidden 1024, 3 layers, GQA 16/8 heads, vocab 1024, micro-batch 2 x 256 tokens: activations and model states are of
+# the same order as TRL's LM-head tile buffer, so the per-layer accounting is what is tested
+CAL = dict(hidden_size=1024, intermediate_size=2752, num_hidden_layers=3, num_attention_heads=16, num_key_value_heads=8,
+           vocab_size=1024, max_position_embeddings=512, tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("ckpt", [False, True], ids=["no-ckpt", "ckpt"])
+def test_calibration_plan_vs_measured_peak_on_cpu(tmp_path, lora, ckpt):
+    """Plan the test model's recipe (plan_recipe, as for 70B), then run 2 real steps (forward with TRL's fused LM head,
+    as SFTTrainer.compute_loss does, backward, fused AdamW, zero_grad) and compare with the measured peak."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    from trl.trainer.utils import add_fused_lm_head
+
+    from sftrecipes.model import load_dtype, lora_config
+
+    cfg = LlamaConfig(**CAL)
+    cfg.save_pretrained(tmp_path / "model")
+    recipe = load_recipe([write(tmp_path, "cal.yaml", textwrap.dedent(f"""
+        model_name_or_path: {tmp_path / 'model'}
+        dataset_name: data/tiny_chat
+        output_dir: {tmp_path / 'out'}
+        max_length: 256
+        per_device_train_batch_size: 2
+        gradient_checkpointing: {str(ckpt).lower()}
+        launch: {{hardware: cpu}}
+        """) + ("use_peft_lora: true\nlora_r: 8\nlora_dropout: 0.1\nlora_target_modules: all-linear\n" if lora else ""))])
+    plan = plan_recipe(recipe, _alternatives=False)
+    torch.manual_seed(0)
+    with LiveStorage() as mode:
+        model = AutoModelForCausalLM.from_config(cfg, dtype=load_dtype(recipe), attn_implementation="sdpa")
+        model.config.use_cache = False
+        add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))  # what SFTTrainer installs
+        if lora:
+            from peft import get_peft_model
+
+            model = get_peft_model(model, lora_config(recipe, []))
+        if ckpt:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+        ids = torch.randint(0, CAL["vocab_size"], (2, 256))
+        for _ in range(2):  # the second step has the Adam states of the first: the steady state
+            out = model(input_ids=ids, labels=ids, fused_lm_head=True)
+            loss = -out.log_probs.sum() / out.label_mask.sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            del out, loss
+    predicted = plan.tensor_peak_gb * GB
+    error = predicted / mode.peak - 1
+    print(f"calibration lora={lora} ckpt={ckpt}: measured {mode.peak / 1e6:.1f} MB, predicted {predicted / 1e6:.1f} MB "
+          f"({plan.peak_phase}), error {error:+.1%}")
+    assert abs(error) <= 0.10
