@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export PYTHONDONTWRITEBYTECODE ?= 1
 
-.PHONY: venv assets demo test data schema docs clean
+.PHONY: venv assets demo test data schema docs emit plan clean sft-70b-lora sft-70b-qlora sft-offload sft-70b-fsdp sft-70b-qlora-fsdp sft-ddp
 
 $(STAMP): requirements.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,27 @@ data: $(STAMP)              ## rewrite data/tiny_chat (checked in; tests compare
 
 schema: $(STAMP)            ## refresh sftrecipes/trl_options.json after upgrading TRL/transformers
 	$(BIN)/python -m sftrecipes schema --refresh
+
+plan: $(STAMP)              ## memory plan of a recipe: make plan RECIPE=recipes/llama2-70b/lora.yaml [ARGS="--lora_r 16"]
+	@test -n "$(RECIPE)" || { echo "usage: make plan RECIPE=recipes/<...>.yaml" >&2; exit 2; }
+	$(BIN)/python -m sftrecipes plan $(RECIPE) $(ARGS)
+
+emit: $(STAMP)              ## regenerate configs/ and scripts/ from recipes/ (checked in; tests compare)
+	$(BIN)/python -m sftrecipes emit
+
+# The shipped setups. ARGS are passed to the launcher: ARGS=--dry-run prints the command, ARGS="--lora_r 16" overrides.
+sft-70b-lora: $(STAMP)      ## Llama-2-70B LoRA, DeepSpeed ZeRO-3, 8 x 80 GB
+	scripts/run_llama2-70b-lora.sh $(ARGS)
+sft-70b-qlora: $(STAMP)     ## Llama-2-70B QLoRA, DeepSpeed ZeRO-3, 2 x 40 GB
+	scripts/run_llama2-70b-qlora.sh $(ARGS)
+sft-offload: $(STAMP)       ## Llama-2-7B full fine-tune, ZeRO-3 + CPU offload, 1 GPU
+	scripts/run_llama2-7b-offload.sh $(ARGS)
+sft-70b-fsdp: $(STAMP)      ## Llama-2-70B full fine-tune, FSDP, 2 nodes x 8 x 80 GB (this node's launcher; SLURM: sbatch scripts/slurm_llama2-70b-fsdp.sh)
+	scripts/run_llama2-70b-fsdp.sh $(ARGS)
+sft-70b-qlora-fsdp: $(STAMP) ## Llama-2-70B QLoRA, FSDP + offload, 2 x 24 GB
+	scripts/run_llama2-70b-qlora-fsdp.sh $(ARGS)
+sft-ddp: $(STAMP)           ## Llama-2-7B LoRA, DDP, 8 GPUs
+	scripts/run_llama2-7b-ddp.sh $(ARGS)
 
 docs: $(STAMP)              ## regenerate docs/options.md from the schema
 	$(BIN)/python -m sftrecipes schema --docs

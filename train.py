@@ -42,7 +42,7 @@ def run(recipe):
     # 2. tokenizer (chat template, special tokens) and data: the main process prepares, the others reuse its cache
     tokenizer, end_of_turn, added_tokens = models.load_tokenizer(recipe)
     with args.main_process_first(desc="dataset preparation"):
-        train_ds, eval_ds = data.load_datasets(recipe, tokenizer, end_of_turn)
+        train_ds, eval_ds, prompt = data.load_datasets(recipe, tokenizer, end_of_turn)
 
     # 3. model: dtype, attention, 4/8-bit loading; LoRA is applied by the trainer from peft_config
     model = models.load_model(recipe, tokenizer, target)
@@ -59,14 +59,18 @@ def run(recipe):
     start = time.time()
     trainer.train(resume_from_checkpoint=resume)
     seconds = time.time() - start
+    backend = backends.describe_backend(trainer)  # before save/generate, which gather shards
 
     # 5. final save (adapter for LoRA, full weights otherwise), then check it holds every expected tensor
-    trainer.model.config.use_cache = True  # off for training only (see model.load_model); saved configs keep it on
-    trainer.save_model(args.output_dir)
+    trainer.accelerator.unwrap_model(trainer.model).config.use_cache = True  # off for training only (model.load_model)
+    n_tensors = checkpoints.save_final(trainer, recipe)
+
+    # 6. a sample reply from the trained model (all ranks together: ZeRO-3/FSDP gather weights in each forward;
+    #    after the save: bitsandbytes' CPU kernels repack 4-bit weights for inference)
+    reply = backends.sample_reply(trainer, tokenizer, prompt, recipe.data.sample_max_new_tokens) if recipe.data.sample_max_new_tokens else None
+
     summary = {}
     if trainer.is_world_process_zero():
-        unwrapped = trainer.accelerator.unwrap_model(trainer.model)
-        n_tensors = checkpoints.check_saved(args.output_dir, checkpoints.expected_saved_names(unwrapped))
         losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
         summary = {
             "first_loss": losses[0] if losses else None,
@@ -78,9 +82,13 @@ def run(recipe):
             "output_dir": args.output_dir,
             "adapter": recipe.model.use_peft_lora,
             "resumed_from": resume,
+            "backend": backend,
+            "sample": {"prompt": prompt, "reply": reply},
         }
         with open(f"{args.output_dir}/run_summary.json", "w") as f:
             json.dump(summary, f, indent=1)
+        if reply is not None:
+            log.info("sample: %r -> %r", prompt[-1]["content"] if isinstance(prompt, list) else prompt, reply)
         log.info("done: %d steps in %.1fs, loss %s -> %s, %d tensors saved to %s", summary["steps"], seconds,
                  summary["first_loss"], summary["last_loss"], n_tensors, args.output_dir)
     return trainer, summary

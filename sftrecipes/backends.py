@@ -34,7 +34,12 @@ def cpu_env(recipe: Recipe) -> dict[str, str]:
 
 
 def apply_process_env(recipe: Recipe, target: str) -> None:
-    """Set this process up for the target (environment a launcher did not set, torch threads)."""
+    """Set this process up for the target before any accelerate/transformers state exists: environment a launcher
+    did not set, torch threads, and the compatibility shims the backend needs (compat.py)."""
+    from . import compat  # noqa: PLC0415
+
+    if recipe.launch.backend == "fsdp":
+        compat.fix_peft_prefixes_under_wrappers()
     if target != "cpu":
         return
     for k, v in cpu_env(recipe).items():
@@ -42,6 +47,8 @@ def apply_process_env(recipe: Recipe, target: str) -> None:
     import torch  # noqa: PLC0415
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    if recipe.launch.backend == "fsdp":
+        compat.enable_fsdp_on_cpu()
 
 
 def check_world_size(recipe: Recipe) -> int:
@@ -91,3 +98,186 @@ def training_args(recipe: Recipe, target: str):
         return SFTConfig(**training_kwargs(recipe, target))
     except ValueError as e:  # transformers' own cross-checks (e.g. load_best_model_at_end without matching strategies)
         raise RecipeError("training arguments: " + " ".join(str(e).split())) from None
+
+
+def render_target(recipe: Recipe) -> str:
+    """The hardware an emitted config is for: the recipe's, with 'auto' meaning the GPU cluster it names."""
+    return "cpu" if recipe.launch.hardware == "cpu" else "gpu"
+
+
+def accelerate_config(recipe: Recipe) -> dict:
+    """The launch section as a standard accelerate config (what `accelerate config` would write)."""
+    L = recipe.launch
+    cpu = render_target(recipe) == "cpu"
+    world = L.num_machines * L.gpus_per_node
+    mixed = "bf16" if recipe.trl_value("bf16") else "fp16" if recipe.trl_value("fp16") else "no"
+    # accelerate launches several ranks (torchrun) only for GPU-family types: MULTI_CPU starts ONE process. So DDP on
+    # the cpu target is written MULTI_GPU, and the rank itself asks for the CPU (use_cpu in training_kwargs). use_cpu
+    # stays false in the file: launchers would export ACCELERATE_USE_CPU, which silently turns DeepSpeed into DDP.
+    dist = {"none": "NO", "ddp": "MULTI_GPU", "deepspeed": "DEEPSPEED", "fsdp": "FSDP"}[L.backend]
+    cfg: dict = {
+        "compute_environment": "LOCAL_MACHINE",
+        "debug": False,
+        "distributed_type": dist,
+        "downcast_bf16": "no",
+        "machine_rank": 0,
+        "main_process_port": L.main_process_port,
+        "main_training_function": "main",
+        "mixed_precision": mixed,
+        "num_machines": L.num_machines,
+        "num_processes": world,
+        "rdzv_backend": "static",
+        "same_network": True,
+        "use_cpu": cpu and L.backend == "none",
+    }
+    if L.backend == "deepspeed":
+        cfg["deepspeed_config"] = {
+            "deepspeed_multinode_launcher": "standard",
+            "zero_stage": L.zero_stage,
+            "offload_optimizer_device": "cpu" if L.offload_optimizer else "none",
+            "offload_param_device": "cpu" if L.offload_params else "none",
+            "zero3_init_flag": bool(L.zero_stage == 3 and L.zero3_init),
+            "zero3_save_16bit_model": L.zero_stage == 3,
+            "gradient_clipping": recipe.trl_value("max_grad_norm"),
+        }
+    elif L.backend == "fsdp":
+        fsdp = {
+            "fsdp_version": L.fsdp_version,
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_cpu_ram_efficient_loading": L.fsdp_cpu_ram_efficient_loading,
+            "fsdp_offload_params": L.fsdp_offload_params,
+            "fsdp_state_dict_type": L.fsdp_state_dict_type,
+            # activation checkpointing is the recipe's gradient_checkpointing (FSDP's own loses LoRA saves)
+            "fsdp_activation_checkpointing": False,
+        }
+        if L.fsdp_version == 1:
+            fsdp.update(fsdp_sharding_strategy=L.fsdp_sharding_strategy, fsdp_backward_prefetch="BACKWARD_PRE",
+                        fsdp_forward_prefetch=False, fsdp_sync_module_states=L.fsdp_sync_module_states,
+                        fsdp_use_orig_params=True)
+        else:
+            fsdp["fsdp_reshard_after_forward"] = L.fsdp_sharding_strategy == "FULL_SHARD"
+        cfg["fsdp_config"] = fsdp
+    return cfg
+
+
+def launcher_env(recipe: Recipe) -> dict[str, str]:
+    """Environment the launcher exports before starting the ranks (the cpu target's needs; nothing on GPUs)."""
+    return cpu_env(recipe) if render_target(recipe) == "cpu" else {}
+
+
+def gpu_count() -> int:
+    import torch  # noqa: PLC0415
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def preflight(recipe: Recipe, force: bool = False) -> str:
+    """Can this recipe start on this machine? First the memory plan (does it fit the GPUs it names?), then the
+    hardware (are those GPUs here?). A RecipeError (exit 2) says why not; --force skips only the memory verdict."""
+    from . import plan  # noqa: PLC0415
+
+    L = recipe.launch
+    world = L.num_machines * L.gpus_per_node
+    fits, plan_text = plan.preflight(recipe)
+    lines = [plan_text, "", f"preflight: {L.backend} on {L.num_machines} node(s) x {L.gpus_per_node} process(es), hardware {L.hardware}"]
+    if not fits:
+        if not force:
+            print("\n".join(lines))
+            raise RecipeError("preflight: the memory plan above says this recipe does not fit; pick a strategy from the table, or pass --force to launch anyway")
+        lines.append("preflight: the plan says it does not fit; launching anyway (--force)")
+    if render_target(recipe) == "gpu" and (world > 1 or L.backend != "none" or L.hardware == "gpu"):
+        have = gpu_count()
+        if have < L.gpus_per_node:
+            mem = f" of {L.gpu_memory_gb:g} GB" if L.gpu_memory_gb else ""
+            raise RecipeError(
+                f"launch: this recipe needs {L.gpus_per_node} GPU(s){mem} per node ({L.backend}, {world} processes in all) "
+                f"but this machine has {have}; run it on a GPU node (its CPU twin under recipes/tiny/ runs here)"
+            )
+        lines.append(f"preflight: {have} GPU(s) visible")
+    return "\n".join(lines)
+
+
+def _elements(module) -> tuple[int, int, int]:
+    """(parameter elements this rank stores, elements of the whole model, elements of its trainable parameters)
+    for plain, DTensor (FSDP2), ZeRO-3 partitioned and FSDP1 flat-sharded parameters."""
+    flat = {}
+    for m in module.modules():  # FSDP1: the FlatParameters know their unsharded size
+        handle = getattr(m, "_handle", None)
+        fp = getattr(handle, "flat_param", None)
+        if fp is not None:
+            flat[id(fp)] = fp
+    if flat:
+        local = sum(fp.numel() for fp in flat.values())
+        full = sum(fp._unpadded_unsharded_size.numel() for fp in flat.values())
+        trainable = sum(fp._unpadded_unsharded_size.numel() for fp in flat.values() if fp.requires_grad)
+        return local, full, trainable
+    local = full = trainable = 0
+    for p in module.parameters():
+        if hasattr(p, "ds_tensor"):  # DeepSpeed ZeRO-3 partition
+            a, b = p.ds_tensor.numel(), p.ds_numel
+        elif hasattr(p, "to_local"):  # DTensor shard (FSDP2)
+            a, b = p.to_local().numel(), p.numel()
+        else:
+            a = b = p.numel()
+        local, full = local + a, full + b
+        trainable += b if p.requires_grad else 0
+    return local, full, trainable
+
+
+def describe_backend(trainer) -> dict:
+    """What really ran, read from the live objects: distribution type, wrapper, ZeRO stage, and how many parameter
+    and optimizer-state elements this rank holds versus the whole model (the evidence that sharding took effect)."""
+    acc = trainer.accelerator
+    wrapped = trainer.model_wrapped
+    local, full, trainable = _elements(wrapped)
+    info = {
+        "distributed_type": acc.state.distributed_type.value,
+        "world_size": acc.num_processes,
+        "wrapper": type(wrapped).__name__,
+        "param_elements_local": local,
+        "param_elements_full": full,
+        "trainable_elements_full": trainable,
+        "param_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in wrapped.parameters()}),
+    }
+    engine = getattr(trainer, "deepspeed", None)
+    if engine is not None:
+        info["zero_stage"] = engine.zero_optimization_stage()
+        for key, cfg in (("zero_offload_optimizer", engine.zero_offload_optimizer()), ("zero_offload_params", engine.zero_offload_param())):
+            info[key] = str(getattr(cfg, "device", "none") or "none").split(".")[-1]
+        opt = engine.optimizer
+        groups = getattr(opt, "single_partition_of_fp32_groups", None) or getattr(opt, "fp32_partitioned_groups_flat", None) or []
+        info["optimizer_fp32_elements_local"] = int(sum(g.numel() for g in groups))
+        info["optimizer"] = type(getattr(opt, "optimizer", opt)).__name__
+    plugin = getattr(acc.state, "fsdp_plugin", None)
+    if plugin is not None:
+        info["fsdp_version"] = plugin.fsdp_version
+    return info
+
+
+def sample_reply(trainer, tokenizer, prompt, max_new_tokens: int) -> str:
+    """Greedy reply of the trained model to `prompt` (messages or text). Called on every rank: under ZeRO-3 and
+    FSDP each forward gathers parameters from all ranks, so all must generate together (synced_gpus)."""
+    import torch  # noqa: PLC0415
+
+    acc = trainer.accelerator
+    model = acc.unwrap_model(trainer.model)
+    if isinstance(prompt, list):
+        enc = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    else:
+        enc = tokenizer(prompt, return_tensors="pt")
+    enc = {k: v.to(acc.device) for k, v in enc.items()}
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, use_cache=True, pad_token_id=tokenizer.pad_token_id,
+                  synced_gpus=acc.num_processes > 1)
+    was_training = model.training
+    model.eval()
+    plugin = getattr(acc.state, "fsdp_plugin", None)
+    with torch.no_grad():
+        if plugin is not None and plugin.fsdp_version == 1:  # FSDP1's flat shards must be gathered around generate
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: PLC0415
+
+            with FSDP.summon_full_params(trainer.model_wrapped, writeback=False, recurse=True):
+                out = model.generate(**enc, **kwargs)
+        else:
+            out = model.generate(**enc, **kwargs)
+    model.train(was_training)
+    return tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)

@@ -84,19 +84,59 @@ def check_saved(folder: str | Path, expected: set[str]) -> int:
 
 
 def expected_saved_names(model) -> set[str]:
-    """Tensor names `save_model` must write for this (unwrapped) model: the adapter's for a PEFT model,
-    otherwise every persistent tensor except the second name of tied (shared-storage) weights."""
-    try:
-        from peft import PeftModel, get_peft_model_state_dict  # noqa: PLC0415
-    except ImportError:  # pragma: no cover - peft is a requirement
-        PeftModel = ()
-    if PeftModel and isinstance(model, PeftModel):
+    """Tensor names `save_model` must write for this (unwrapped) model: the adapter's for a PEFT model, otherwise
+    every state-dict entry except the tied copies save_pretrained leaves out (e.g. lm_head tied to embed_tokens)."""
+    from peft import PeftModel, get_peft_model_state_dict  # noqa: PLC0415
+
+    if isinstance(model, PeftModel):
         return set(get_peft_model_state_dict(model).keys())
-    seen, names = set(), set()
-    for name, t in model.state_dict().items():
-        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)) if t.numel() else None
-        if key is not None and key in seen:
-            continue
-        seen.add(key)
-        names.add(name)
-    return names
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+    return {name for name in model.state_dict() if name not in tied}
+
+
+def dcp_tensor_names(folder: str | Path) -> dict[str, tuple[int, ...]]:
+    """name -> shape of every tensor in a torch distributed checkpoint folder (its .metadata; no data read)."""
+    from torch.distributed.checkpoint import FileSystemReader  # noqa: PLC0415
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa: PLC0415
+
+    meta = FileSystemReader(str(folder)).read_metadata()
+    return {k: tuple(v.size) for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+
+
+def save_final(trainer, recipe) -> int:
+    """The run's final save, then its check (every expected tensor present and non-empty). Returns the tensor count.
+
+    LoRA adapters are small: under FSDP they are gathered (FULL_STATE_DICT) and saved as safetensors. A full model
+    under FSDP with SHARDED_STATE_DICT is saved sharded (one piece per rank, no rank-0 gather of the whole model) as
+    <output_dir>/pytorch_model_fsdp_0, beside config and tokenizer; `python -m sftrecipes export` converts it.
+    """
+    out = Path(trainer.args.output_dir)
+    acc = trainer.accelerator
+    plugin = getattr(acc.state, "fsdp_plugin", None)
+    sharded = plugin is not None and "SHARDED" in str(plugin.state_dict_type) and not recipe.model.use_peft_lora
+    unwrapped = acc.unwrap_model(trainer.model)
+    expected = expected_saved_names(unwrapped)
+    if sharded:
+        from accelerate.utils import save_fsdp_model  # noqa: PLC0415
+
+        save_fsdp_model(plugin, acc, trainer.model, str(out))
+        if trainer.is_world_process_zero():
+            unwrapped.config.save_pretrained(out)
+            unwrapped.generation_config.save_pretrained(out)
+            trainer.processing_class.save_pretrained(out)
+    else:
+        if plugin is not None:
+            plugin.set_state_dict_type("FULL_STATE_DICT")
+        trainer.save_model(str(out))
+    acc.wait_for_everyone()
+    if not trainer.is_world_process_zero():
+        return 0
+    if sharded:
+        saved = dcp_tensor_names(out / "pytorch_model_fsdp_0")
+        expected = {f"model.{n}" for n in expected}
+        missing = sorted(expected - set(saved))
+        empty = [k for k, shape in saved.items() if 0 in shape]
+        if not saved or missing or empty:
+            raise RuntimeError(f"save check: sharded save in {out} lacks {len(missing)} tensors (e.g. {missing[:3]}), {len(empty)} empty")
+        return len(saved)
+    return check_saved(out, expected)

@@ -2,6 +2,11 @@
 
     python -m sftrecipes tiny [--data] [--size tiny|medium] [--out DIR]   build the offline tiny model / dataset
     python -m sftrecipes merge ADAPTER OUT [--base DIR] [--dtype D]        streaming LoRA merge
+    python -m sftrecipes emit [RECIPE ...] [--check]                       configs/ and scripts/ from recipes
+    python -m sftrecipes plan RECIPE [--key value ...]                     memory plan: breakdown, verdict, what would fit
+    python -m sftrecipes preflight RECIPE [--key value ...] [--force]      can it start here? (exit 2 if not)
+    python -m sftrecipes env RECIPE [--key value ...]                      environment its ranks need (export lines)
+    python -m sftrecipes export SRC DEST [--dtype D] [--base DIR]          run output -> loadable HF folder
     python -m sftrecipes demo                                              tiny LoRA run end to end on CPU
     python -m sftrecipes schema [--refresh | --docs]                       check/refresh the TRL option snapshot, docs
 
@@ -59,6 +64,46 @@ def _schema(ns) -> int:
     return 0
 
 
+def _emit(ns) -> int:
+    from .launch import main as emit_main
+
+    return emit_main(ns.args)
+
+
+def _env(ns) -> int:
+    """Shell `export` lines for the environment a rank of this recipe needs (launchers eval them)."""
+    import shlex
+
+    from .backends import launcher_env
+    from .recipe import load_recipe
+
+    for k, v in launcher_env(load_recipe(ns.args)).items():
+        print(f"export {k}={shlex.quote(v)}")
+    return 0
+
+
+def _preflight(ns) -> int:
+    from .backends import preflight
+    from .recipe import load_recipe
+
+    args = [a for a in ns.args if a != "--force"]
+    print(preflight(load_recipe(args), force="--force" in ns.args))
+    return 0
+
+
+def _plan(ns) -> int:
+    from .plan import main as plan_main
+
+    return plan_main(ns.args)
+
+
+def _export(ns) -> int:
+    from .export import export
+
+    print(export(ns.src, ns.dest, dtype=ns.dtype, base=ns.base))
+    return 0
+
+
 def _demo(ns) -> int:
     from .demo import demo
 
@@ -79,6 +124,21 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--base", default=None, help="base model folder or hub id (default: the adapter's base_model_name_or_path)")
     m.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"], help="output dtype (default: the base's)")
     m.set_defaults(fn=_merge)
+    e = sub.add_parser("emit", help="render configs/ and scripts/ from recipes (--check: compare only)")
+    e.add_argument("args", nargs="*")
+    e.set_defaults(fn=_emit)
+    for verb, fn, help_ in (("plan", _plan, "memory per GPU and per node for RECIPE: breakdown, verdict, strategies (exit 2: does not fit)"),
+                            ("env", _env, "print the environment a rank of RECIPE needs, as export lines"),
+                            ("preflight", _preflight, "check RECIPE can start here (hardware, memory); exit 2 if not")):
+        v = sub.add_parser(verb, help=help_, prefix_chars="\0")
+        v.add_argument("args", nargs="*", help="recipe file(s) and --key value overrides, as train.py takes them")
+        v.set_defaults(fn=fn)
+    x = sub.add_parser("export", help="turn a run's output into a folder transformers loads (merging LoRA adapters)")
+    x.add_argument("src")
+    x.add_argument("dest")
+    x.add_argument("--base", default=None)
+    x.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
+    x.set_defaults(fn=_export)
     d = sub.add_parser("demo", help="tiny LoRA fine-tune, merge, reload, generate")
     d.set_defaults(fn=_demo)
     s = sub.add_parser("schema", help="check or refresh the stored TRL option list")

@@ -134,10 +134,23 @@ def prepare(recipe: Recipe, tokenizer, eot: str, dataset, name: str):
     return out
 
 
+def sample_prompt(recipe: Recipe, dataset):
+    """The prompt of the end-of-run sample: the conversation up to its first user turn, or the first words of text."""
+    row = dataset[0]
+    if recipe.model.chat_template_format != "none":
+        msgs = row["messages"]
+        first_user = next(i for i, m in enumerate(msgs) if m["role"] == "user")
+        return msgs[: first_user + 1]
+    words = str(row[recipe.trl_value("dataset_text_field")]).split()
+    return " ".join(words[: max(1, len(words) // 2)])
+
+
 def load_datasets(recipe: Recipe, tokenizer, eot: str):
+    """(train, eval or None, sample prompt), tokenized."""
     train, evals = load_raw(recipe)
+    prompt = sample_prompt(recipe, evals if evals is not None else train)
     train = prepare(recipe, tokenizer, eot, train, "train split")
     if evals is not None:
         evals = prepare(recipe, tokenizer, eot, evals, "eval split")
     log.info("data: %d train / %s eval samples from %s", len(train), len(evals) if evals is not None else 0, recipe.data.dataset_name)
-    return train, evals
+    return train, evals, prompt

@@ -1,6 +1,7 @@
 """LoRA merge that streams: one tensor in memory at a time.
 
     python -m sftrecipes merge ADAPTER_DIR OUT_DIR [--base MODEL] [--dtype bfloat16|float16|float32]
+    python -m sftrecipes export RUN_OUTPUT DEST [--dtype ...]   (adapter: merge; full model: streamed copy)
 
 The base model's safetensors are read tensor by tensor; each weight that has a LoRA pair gets
 W + scale * B @ A (computed in fp32), rows of new tokens are taken from the adapter, and the result is
@@ -191,17 +192,78 @@ def _apply(w: torch.Tensor, entry: dict, name: str) -> torch.Tensor:
 def merge_lora(adapter_dir: str | Path, out_dir: str | Path, base: str | None = None, dtype: str | None = None,
                max_shard_bytes: int = 2 * 1024**3) -> Path:
     """Merge a LoRA adapter into its base, streaming. Returns the finished output folder."""
-    adapter, out = Path(adapter_dir), Path(out_dir)
+    adapter = Path(adapter_dir)
     cfg, tensors = read_adapter(adapter)
     base_dir = _local_model_dir(base or cfg.get("base_model_name_or_path") or "")
-    index = _base_index(base_dir)
-    plan = plan_merge(cfg, tensors, set(index))
-    reader = _Reader()
+    plan = plan_merge(cfg, tensors, set(_base_index(base_dir)))
+    tok_src = adapter if (adapter / "tokenizer_config.json").is_file() else base_dir
+    out = rewrite_model(base_dir, out_dir, plan, dtype, tok_src, max_shard_bytes)
+    log.info("merge: %d tensors changed (%d with LoRA) -> %s", len(plan), sum("A" in e for e in plan.values()), out)
+    return out
+
+
+class _SafetensorsSource:
+    """Tensors of a safetensors model folder (sharded or not), read one at a time."""
+
+    def __init__(self, folder: Path):
+        self.index = _base_index(folder)
+        self.reader = _Reader()
+
+    def names(self) -> list[str]:
+        return list(self.index)
+
+    def meta(self, name: str):
+        return self.reader.meta(self.index[name], name)
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.reader.get(self.index[name], name)
+
+
+class _DCPSource:
+    """Tensors of a torch distributed checkpoint (FSDP SHARDED_STATE_DICT), read one at a time without a process
+    group: memory holds one tensor, whichever ranks' files its pieces are in. accelerate nests the model's tensors
+    under `prefix` ('model.')."""
+
+    def __init__(self, folder: Path, prefix: str = "model."):
+        from torch.distributed.checkpoint import FileSystemReader  # noqa: PLC0415
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa: PLC0415
+
+        if not (folder / ".metadata").is_file():
+            raise RecipeError(f"export: '{folder}' has no .metadata; the sharded checkpoint is incomplete")
+        self.folder, self.prefix = folder, prefix
+        meta = FileSystemReader(str(folder)).read_metadata()
+        self.tensors = {k: v for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+
+    def names(self) -> list[str]:
+        return [k.removeprefix(self.prefix) for k in self.tensors]
+
+    def meta(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        v = self.tensors[self.prefix + name]
+        return v.properties.dtype, tuple(v.size)
+
+    def get(self, name: str) -> torch.Tensor:
+        import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+
+        dtype, shape = self.meta(name)
+        out = {self.prefix + name: torch.empty(shape, dtype=dtype)}
+        try:
+            dcp.load(out, storage_reader=dcp.FileSystemReader(str(self.folder)), no_dist=True)
+        except Exception as e:  # noqa: BLE001 - a torn or missing shard surfaces here
+            raise RecipeError(f"export: cannot read '{name}' from '{self.folder}' ({type(e).__name__}: {str(e).splitlines()[0][:120]}); a shard is missing or truncated") from None
+        return out[self.prefix + name]
+
+
+def rewrite_model(base_dir: Path, out_dir: str | Path, plan: dict[str, dict], dtype: str | None, tok_src: Path,
+                  max_shard_bytes: int = 2 * 1024**3, source=None) -> Path:
+    """Write a model folder tensor by tensor from `source` (default: the safetensors in base_dir), applying `plan`
+    and casting floats to `dtype`; config and tokenizer come from base_dir / tok_src."""
+    out = Path(out_dir)
+    source = source or _SafetensorsSource(base_dir)
     out_dtype = TORCH_DTYPES[dtype] if dtype else None
 
     layout = []
-    for name, path in index.items():
-        src_dtype, shape = reader.meta(path, name)
+    for name in source.names():
+        src_dtype, shape = source.meta(name)
         entry = plan.get(name, {})
         if "replace" in entry:
             shape = tuple(entry["replace"].shape)
@@ -228,7 +290,7 @@ def merge_lora(adapter_dir: str | Path, out_dir: str | Path, base: str | None = 
         for fname, shard in zip(names, shards):
             writer = SafetensorsStreamWriter(tmp / fname, shard)
             for name, want_dtype, _ in shard:
-                w = reader.get(index[name], name)
+                w = source.get(name)
                 if name in plan:
                     w = _apply(w, plan[name], name)
                 writer.write(name, w.to(want_dtype))
@@ -237,7 +299,6 @@ def merge_lora(adapter_dir: str | Path, out_dir: str | Path, base: str | None = 
         if len(shards) > 1:
             total = sum(math.prod(s) * torch.empty((), dtype=d).element_size() for _, d, s in layout)
             (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-        tok_src = adapter if (adapter / "tokenizer_config.json").is_file() else base_dir
         for f in TOKENIZER_FILES:
             if (tok_src / f).is_file():
                 shutil.copy2(tok_src / f, tmp / f)
@@ -248,8 +309,29 @@ def merge_lora(adapter_dir: str | Path, out_dir: str | Path, base: str | None = 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log.info("merge: %d tensors (%d with LoRA) -> %s", len(layout), sum("A" in e for e in plan.values()), out)
     return out
+
+
+def export(src: str | Path, dest: str | Path, dtype: str | None = None, base: str | None = None) -> Path:
+    """A run's output -> a folder `from_pretrained` loads: LoRA adapters are merged into their base; a full
+    model folder is rewritten (optionally cast to `dtype`). Anything else is named and refused."""
+    src = Path(src)
+    if not src.is_dir():
+        raise RecipeError(f"export: '{src}' is not a folder; give the run's output_dir (or a checkpoint-N in it)")
+    if (src / "adapter_config.json").is_file():
+        return merge_lora(src, dest, base=base, dtype=dtype)
+    if (src / "config.json").is_file() and ((src / "model.safetensors").is_file() or (src / "model.safetensors.index.json").is_file()):
+        return rewrite_model(src, dest, {}, dtype, src)
+    if (src / "pytorch_model_fsdp_0").is_dir():
+        meta_dir = src if (src / "config.json").is_file() else src.parent
+        if not (meta_dir / "config.json").is_file():
+            raise RecipeError(f"export: '{src}' is an FSDP sharded checkpoint but no config.json is beside it or in its parent; copy the model's config.json there")
+        return rewrite_model(meta_dir, dest, {}, dtype, meta_dir, source=_DCPSource(src / "pytorch_model_fsdp_0"))
+    found = sorted(p.name for p in src.iterdir())[:8]
+    raise RecipeError(
+        f"export: '{src}' holds neither a LoRA adapter (adapter_config.json) nor a safetensors model (config.json + "
+        f"model*.safetensors); found {', '.join(found) or 'nothing'}"
+    )
 
 
 def _write_config(base_dir: Path, out: Path, layout: list, out_dtype: torch.dtype | None) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -100,21 +101,26 @@ def deep_merge(base: dict, over: dict) -> dict:
 
 
 def load_yaml_chain(path: str | os.PathLike, _seen: tuple = ()) -> tuple[dict, list[str]]:
-    """A recipe with its `base:` ancestors merged in (base first). Returns (values, files)."""
+    """A recipe with its `base:` ancestors merged in (bases first, in the order listed; the recipe wins).
+    `base:` is one relative path or a list of them. Returns (values, files)."""
     p = Path(path).resolve()
     if p in _seen:
         raise RecipeError(f"base: '{path}' extends itself through {' -> '.join(map(str, _seen))}; remove the cycle")
     data = _read_yaml(Path(path))
-    base = data.pop("base", None)
-    if base is None:
-        return _tag(data, str(path)), [str(path)]
-    if not isinstance(base, str):
-        raise RecipeError(f"base: in '{path}' must be a relative path string, got {base!r}")
-    base_path = Path(os.path.normpath(Path(path).parent / base))
-    if not base_path.is_file():
-        raise RecipeError(f"base: '{base}' (from '{path}') not found at '{base_path}'; the path is relative to the recipe")
-    parent, files = load_yaml_chain(base_path, _seen + (p,))
-    return deep_merge(parent, _tag(data, str(path))), files + [str(path)]
+    bases = data.pop("base", None)
+    bases = [] if bases is None else [bases] if isinstance(bases, str) else bases
+    if not isinstance(bases, list) or not all(isinstance(b, str) for b in bases):
+        raise RecipeError(f"base: in '{path}' must be a relative path or a list of them, got {bases!r}")
+    merged: dict = {}
+    files: list[str] = []
+    for base in bases:
+        base_path = Path(os.path.normpath(Path(path).parent / base))
+        if not base_path.is_file():
+            raise RecipeError(f"base: '{base}' (from '{path}') not found at '{base_path}'; the path is relative to the recipe")
+        parent, parent_files = load_yaml_chain(base_path, _seen + (p,))
+        merged = deep_merge(merged, parent)
+        files += parent_files
+    return deep_merge(merged, _tag(data, str(path))), files + [str(path)]
 
 
 class _Src(str):
@@ -454,6 +460,11 @@ FSDP_KEYS = ("fsdp_version", "fsdp_sharding_strategy", "fsdp_state_dict_type", "
 
 def _validate_launch(r: Recipe) -> None:
     L, ex, m = r.launch, r.explicit, r.model
+    # these two land in #SBATCH directive lines, which no shell quoting protects: only plain values pass
+    if L.slurm_partition is not None and not re.fullmatch(r"[A-Za-z0-9_.,-]+", L.slurm_partition):
+        raise RecipeError(f"launch.slurm_partition: {L.slurm_partition!r} is not a partition name (letters, digits, _ . , -)")
+    if not re.fullmatch(r"(\d+-)?\d{1,3}(:\d{2}){0,2}", L.slurm_time):
+        raise RecipeError(f"launch.slurm_time: {L.slurm_time!r} is not a SLURM time; write HH:MM:SS or D-HH:MM:SS")
     world = L.num_machines * L.gpus_per_node
     if L.backend == "none" and world > 1:
         raise RecipeError(f"launch.backend: none runs one process, but num_machines x gpus_per_node = {world}; set backend: ddp, deepspeed or fsdp")
@@ -468,6 +479,17 @@ def _validate_launch(r: Recipe) -> None:
         if "launch.zero3_init" in ex and L.zero3_init:
             raise RecipeError(f"launch.zero3_init: only applies to zero_stage 3 (got {L.zero_stage}); remove it")
     if L.backend == "fsdp":
+        if L.fsdp_version == 2 and L.fsdp_sharding_strategy not in ("FULL_SHARD", "SHARD_GRAD_OP"):
+            raise RecipeError(f"launch.fsdp_sharding_strategy: {L.fsdp_sharding_strategy} needs fsdp_version: 1 (FSDP2 has FULL_SHARD and SHARD_GRAD_OP)")
+        if L.hardware == "cpu" and L.fsdp_offload_params:
+            raise RecipeError("launch.fsdp_offload_params: offloading to CPU needs a GPU to offload from (it pins memory); set it false on the cpu target")
+        if L.hardware == "cpu" and L.fsdp_version == 1:
+            # torch 2.13's FSDP1 cannot unshard on a CPU compute device (segfault / "setStorage ... size 0") and its
+            # plugin refuses sync_module_states without a GPU: keep to what works on CPU
+            if L.fsdp_sync_module_states or L.fsdp_cpu_ram_efficient_loading:
+                raise RecipeError("launch.fsdp_sync_module_states: FSDP1 cannot broadcast module states on the cpu target; set fsdp_sync_module_states and fsdp_cpu_ram_efficient_loading to false (or use fsdp_version: 2)")
+            if L.fsdp_state_dict_type == "FULL_STATE_DICT" or m.use_peft_lora:
+                raise RecipeError("launch.fsdp_version: FSDP1 cannot gather a full state dict on the cpu target (needed for FULL_STATE_DICT and LoRA adapters); use fsdp_version: 2")
         if L.fsdp_cpu_ram_efficient_loading and not L.fsdp_sync_module_states:
             raise RecipeError("launch.fsdp_cpu_ram_efficient_loading: needs fsdp_sync_module_states: true (ranks other than 0 start empty); set it or turn loading off")
     if L.backend in ("fsdp", "deepspeed") and m.use_4bit_quantization and m.bnb_4bit_quant_storage_dtype == "uint8":

@@ -104,6 +104,11 @@ class DataOptions:
         "Append the EOS token to each sample (the separator between packed samples), unless the sample already "
         "ends with it.",
     )
+    sample_max_new_tokens: int = opt(
+        32,
+        "After training, greedily generate this many tokens in reply to the first prompt of the eval split (else the "
+        "train split) and log it with the run summary; every rank takes part (ZeRO-3/FSDP need that). 0 turns it off.",
+    )
 
 
 @dataclass

@@ -231,15 +231,119 @@ def obs_launch_num_machines(tiny_model, tmp_path):
     from sftrecipes.recipe import RecipeError
 
     with pytest.raises(RecipeError, match="describes 2 processes"):
-        backends.check_world_size(recipe("--launch.num_machines", 2))
+        backends.check_world_size(recipe("--launch.backend", "ddp", "--launch.num_machines", 2))
 
 
 def obs_launch_gpus_per_node(tiny_model, tmp_path):
     from sftrecipes.recipe import RecipeError
 
     with pytest.raises(RecipeError, match="describes 4 processes"):
-        backends.check_world_size(recipe("--launch.gpus_per_node", 4))
+        backends.check_world_size(recipe("--launch.backend", "ddp", "--launch.gpus_per_node", 4))
     assert backends.check_world_size(recipe()) == 1
+
+
+def acc(*flags):
+    return backends.accelerate_config(recipe(*flags))
+
+
+def obs_launch_backend(tiny_model, tmp_path):
+    assert acc("--launch.backend", "deepspeed", "--launch.gpus_per_node", 2)["distributed_type"] == "DEEPSPEED"
+    assert acc("--launch.backend", "ddp", "--launch.gpus_per_node", 2)["distributed_type"] == "MULTI_GPU"
+    assert acc("--launch.backend", "fsdp", "--launch.gpus_per_node", 2)["distributed_type"] == "FSDP"
+
+
+def obs_launch_gpu_memory_gb(tiny_model, tmp_path):
+    from sftrecipes.recipe import RecipeError
+
+    with pytest.raises(RecipeError, match="needs 2 GPU\\(s\\) of 41 GB per node"):
+        backends.preflight(recipe("--launch.backend", "ddp", "--launch.gpus_per_node", 2, "--launch.gpu_memory_gb", 41))
+
+
+def obs_launch_main_process_port(tiny_model, tmp_path):
+    assert acc("--launch.main_process_port", 29777)["main_process_port"] == 29777
+
+
+def ds(*flags):
+    return acc("--launch.backend", "deepspeed", "--launch.gpus_per_node", 2, *flags)["deepspeed_config"]
+
+
+def obs_launch_zero_stage(tiny_model, tmp_path):
+    assert ds("--launch.zero_stage", 2)["zero_stage"] == 2 and ds()["zero_stage"] == 3
+
+
+def obs_launch_offload_optimizer(tiny_model, tmp_path):
+    assert ds("--launch.offload_optimizer", "True")["offload_optimizer_device"] == "cpu"
+
+
+def obs_launch_offload_params(tiny_model, tmp_path):
+    assert ds("--launch.offload_params", "True")["offload_param_device"] == "cpu"
+
+
+def obs_launch_zero3_init(tiny_model, tmp_path):
+    assert ds("--launch.zero3_init", "False")["zero3_init_flag"] is False and ds()["zero3_init_flag"] is True
+
+
+def fsdp(*flags):
+    return acc("--launch.backend", "fsdp", "--launch.gpus_per_node", 2, *flags)["fsdp_config"]
+
+
+def obs_launch_fsdp_version(tiny_model, tmp_path):
+    assert fsdp("--launch.fsdp_version", 1)["fsdp_version"] == 1
+
+
+def obs_launch_fsdp_sharding_strategy(tiny_model, tmp_path):
+    assert fsdp("--launch.fsdp_sharding_strategy", "SHARD_GRAD_OP")["fsdp_reshard_after_forward"] is False
+    assert fsdp("--launch.fsdp_version", 1, "--launch.fsdp_sharding_strategy", "HYBRID_SHARD")["fsdp_sharding_strategy"] == "HYBRID_SHARD"
+
+
+def obs_launch_fsdp_state_dict_type(tiny_model, tmp_path):
+    assert fsdp("--launch.fsdp_state_dict_type", "FULL_STATE_DICT")["fsdp_state_dict_type"] == "FULL_STATE_DICT"
+
+
+def obs_launch_fsdp_cpu_ram_efficient_loading(tiny_model, tmp_path):
+    assert fsdp("--launch.fsdp_cpu_ram_efficient_loading", "False")["fsdp_cpu_ram_efficient_loading"] is False
+
+
+def obs_launch_fsdp_sync_module_states(tiny_model, tmp_path):
+    flags = ("--launch.fsdp_version", 1, "--launch.fsdp_cpu_ram_efficient_loading", "False", "--launch.fsdp_sync_module_states", "False")
+    assert fsdp(*flags)["fsdp_sync_module_states"] is False
+
+
+def obs_launch_fsdp_offload_params(tiny_model, tmp_path):
+    assert fsdp("--launch.fsdp_offload_params", "True")["fsdp_offload_params"] is True
+
+
+def slurm_text(*flags):
+    from sftrecipes import launch
+
+    r = recipe("--launch.backend", "ddp", "--launch.num_machines", 2, *flags)
+    return launch.slurm_script(r, "recipes/x.yaml", "x")
+
+
+def obs_launch_slurm_partition(tiny_model, tmp_path):
+    assert "#SBATCH --partition=gpu-long\n" in slurm_text("--launch.slurm_partition", "gpu-long")
+
+
+def obs_launch_slurm_time(tiny_model, tmp_path):
+    assert "#SBATCH --time=2-00:00:00\n" in slurm_text("--launch.slurm_time", "2-00:00:00")
+
+
+def obs_launch_cpu_ram_gb(tiny_model, tmp_path):
+    from sftrecipes import plan
+
+    flags = ("--launch.backend", "ddp", "--launch.gpus_per_node", 2)
+    assert plan.plan_recipe(recipe(*flags, "--launch.cpu_ram_gb", 0.001)).cpu_fits is False
+    assert plan.plan_recipe(recipe(*flags, "--launch.cpu_ram_gb", 1000)).cpu_fits is True
+
+
+def obs_sample_max_new_tokens(tiny_model, tmp_path):
+    import train
+
+    common = ["--max_steps", 1, "--output_dir", tmp_path, "--launch.hardware", "cpu"]
+    _, summary = train.run(recipe("--chat_template_format", "chatml", "--sample_max_new_tokens", 3, *common))
+    assert 0 < len(summary["sample"]["reply"]) and summary["sample"]["prompt"][-1]["role"] == "user"
+    _, summary = train.run(recipe("--chat_template_format", "chatml", "--sample_max_new_tokens", 0, *common))
+    assert summary["sample"]["reply"] is None
 
 
 OBSERVERS = {name[4:].replace("launch_", "launch."): fn for name, fn in globals().items() if name.startswith("obs_")}

@@ -211,3 +211,28 @@ def test_transformers_cross_checks_become_one_line_errors(tmp_path):
     with pytest.raises(RecipeError) as e:
         backends.training_args(r, "cpu")
     assert str(e.value).startswith("training arguments: --load_best_model_at_end") and "\n" not in str(e.value)
+
+
+def test_base_list_merges_in_order(tmp_path):
+    write(tmp_path, "a.yaml", "lora_r: 4\nlora_alpha: 8\n")
+    write(tmp_path, "b.yaml", "lora_alpha: 32\n")
+    child = minimal(tmp_path, "base: [a.yaml, b.yaml]\nuse_peft_lora: true\n", name="c.yaml")
+    r = load_recipe([str(child)])
+    assert (r.model.lora_r, r.model.lora_alpha) == (4, 32)  # b overrides a; both under the child
+    assert [p.rsplit("/", 1)[-1] for p in r.sources] == ["a.yaml", "b.yaml", "c.yaml"]
+    bad = minimal(tmp_path, "base: {a: 1}\n", name="d.yaml")
+    with pytest.raises(RecipeError, match="must be a relative path or a list"):
+        load_recipe([str(bad)])
+
+
+def test_twins_extend_their_shipped_recipe():
+    """Each CPU twin's first base is the shipped recipe it stands for; it changes model, data, scale, hardware."""
+    twins = {"ddp": "llama2-7b/ddp", "zero3": "llama2-70b/lora", "offload": "llama2-7b/offload", "fsdp": "llama2-70b/fsdp",
+             "qlora-fsdp": "llama2-70b/qlora-fsdp", "qlora-zero3": "llama2-70b/qlora"}
+    for twin, shipped in twins.items():
+        t = load_recipe([f"recipes/tiny/{twin}.yaml"])
+        s = load_recipe([f"recipes/{shipped}.yaml"])
+        assert f"recipes/{shipped}.yaml" in t.sources
+        assert t.launch.hardware == "cpu" and t.launch.gpus_per_node == 2 and t.model.model_name_or_path == ".assets/tiny-llama"
+        assert t.launch.backend == s.launch.backend
+        assert (t.model.use_peft_lora, t.model.use_4bit_quantization) == (s.model.use_peft_lora, s.model.use_4bit_quantization)

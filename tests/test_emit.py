@@ -1,0 +1,133 @@
+"""Emitted launch files: never stale, standard accelerate format, safe quoting, dry runs, SLURM ranks."""
+
+import os
+import shlex
+import stat
+import subprocess
+import textwrap
+
+import pytest
+import yaml
+
+from conftest import ROOT, run_cli
+from sftrecipes import launch
+from sftrecipes.recipe import RecipeError
+
+
+def test_emitted_files_are_current():
+    stale = launch.emit(check=True)
+    assert not stale, f"stale generated files (run: make emit): {[str(p.relative_to(ROOT)) for p in stale]}"
+
+
+def test_every_make_target_has_its_launcher():
+    makefile = (ROOT / "Makefile").read_text()
+    for target, script in (("sft-70b-lora", "run_llama2-70b-lora.sh"), ("sft-70b-qlora", "run_llama2-70b-qlora.sh"),
+                           ("sft-offload", "run_llama2-7b-offload.sh"), ("sft-70b-fsdp", "run_llama2-70b-fsdp.sh"),
+                           ("sft-70b-qlora-fsdp", "run_llama2-70b-qlora-fsdp.sh"), ("sft-ddp", "run_llama2-7b-ddp.sh")):
+        assert f"{target}: $(STAMP)" in makefile and f"scripts/{script}" in makefile
+        assert os.access(ROOT / "scripts" / script, os.X_OK)
+
+
+def test_configs_are_standard_accelerate_configs():
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    for cfg_file in sorted((ROOT / "configs").glob("*.yaml")):
+        cfg = load_config_from_file(str(cfg_file))  # accelerate's own reader accepts every key
+        raw = yaml.safe_load(cfg_file.read_text())
+        assert cfg.distributed_type.value == raw["distributed_type"]
+    z3 = yaml.safe_load((ROOT / "configs/llama2-70b-lora.yaml").read_text())
+    assert z3["distributed_type"] == "DEEPSPEED" and z3["num_processes"] == 8 and z3["mixed_precision"] == "bf16"
+    assert z3["deepspeed_config"]["zero_stage"] == 3 and z3["deepspeed_config"]["zero3_init_flag"] is True
+    off = yaml.safe_load((ROOT / "configs/llama2-7b-offload.yaml").read_text())["deepspeed_config"]
+    assert off["offload_optimizer_device"] == "cpu" and off["offload_param_device"] == "cpu"
+    fsdp = yaml.safe_load((ROOT / "configs/llama2-70b-fsdp.yaml").read_text())
+    assert fsdp["num_machines"] == 2 and fsdp["num_processes"] == 16
+    assert fsdp["fsdp_config"]["fsdp_state_dict_type"] == "SHARDED_STATE_DICT"
+    assert fsdp["fsdp_config"]["fsdp_cpu_ram_efficient_loading"] is True
+
+
+def test_gpu_recipe_on_cpu_machine_stops_at_once_and_dry_run_shows_command():
+    res = subprocess.run(["make", "-s", "sft-70b-lora"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    assert "needs 8 GPU(s) of 80 GB per node" in res.stderr and "this machine has 0" in res.stderr
+    res = subprocess.run(["scripts/run_llama2-70b-lora.sh", "--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    argv = shlex.split(res.stdout)
+    assert argv[1:4] == ["-m", "accelerate.commands.launch", "--config_file"]
+    assert argv[argv.index("--num_processes") + 1] == "8" and argv[-2:] == ["train.py", "recipes/llama2-70b/lora.yaml"]
+
+
+def test_slurm_script_gives_each_node_its_rank_and_the_main_address(tmp_path):
+    """Run the SLURM batch script with SLURM's variables and stand-in srun/scontrol that start one task per node,
+    as SLURM does, and check what each node's launcher would run (--dry-run)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\n[ \"$1 $2\" = 'show hostnames' ] && printf 'gpu-node-17\\ngpu-node-18\\n'\n")
+    (bin_dir / "srun").write_text(textwrap.dedent("""\
+        #!/bin/bash
+        # stand-in: run the task once per node with the node's SLURM_NODEID, like srun --ntasks-per-node=1
+        while [[ "$1" == --* ]]; do shift; done
+        for node in 0 1; do SLURM_NODEID=$node "$@"; done
+        """))
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu-node-[17-18]",
+           "SLURM_SUBMIT_DIR": str(ROOT), "SLURM_JOB_ID": "4242"}
+    res = subprocess.run(["bash", "scripts/slurm_llama2-70b-fsdp.sh", "--dry-run"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    cmds = [shlex.split(l) for l in res.stdout.splitlines() if "accelerate.commands.launch" in l]
+    assert len(cmds) == 2
+    for rank, argv in enumerate(cmds):
+        assert argv[argv.index("--machine_rank") + 1] == str(rank)
+        assert argv[argv.index("--main_process_ip") + 1] == "gpu-node-17"
+        assert argv[argv.index("--num_machines") + 1] == "2" and argv[argv.index("--num_processes") + 1] == "16"
+    head = (ROOT / "scripts/slurm_llama2-70b-fsdp.sh").read_text()
+    assert "#SBATCH --nodes=2" in head and "#SBATCH --gres=gpu:8" in head
+
+
+HOSTILE = ["a b", "it's", 'say "hi"', "$(touch PWNED)", "`touch PWNED`", "x; touch PWNED", "line1\nline2", "*", "--no"]
+
+
+@pytest.mark.parametrize("value", HOSTILE)
+def test_recipe_strings_are_passed_literally(tmp_path, value):
+    """Values from a recipe (output_dir, SLURM fields) and extra CLI words reach argv unchanged; nothing runs."""
+    rdir = launch.RECIPES / "_pytest_tmp"
+    rdir.mkdir(exist_ok=True)
+    try:
+        rec = rdir / "hostile.yaml"
+        # SLURM fields land in #SBATCH lines, which shell quoting cannot protect: anything but a plain value is refused
+        for key in ("slurm_partition", "slurm_time"):
+            rec.write_text(yaml.safe_dump({"base": "../llama2-70b/fsdp.yaml", "launch": {key: value}}))
+            if key == "slurm_partition" and value == "--no":  # plain characters: a (strange) partition name
+                assert "#SBATCH --partition=--no\n" in launch.rendered(rec)[ROOT / "scripts/slurm__pytest_tmp-hostile.sh"]
+                continue
+            with pytest.raises(RecipeError, match=f"launch.{key}"):
+                launch.rendered(rec)
+        rec.write_text(yaml.safe_dump({"base": "../llama2-70b/fsdp.yaml", "output_dir": f"outputs/{value}"}))
+        files = launch.rendered(rec)
+        for path, text in files.items():
+            out = tmp_path / path.name
+            out.write_text(text)
+            res = subprocess.run(["bash", "-n", str(out)], capture_output=True, text=True)
+            assert res.returncode == 0, (path.name, res.stderr)
+        export = next(t for p, t in files.items() if p.name.startswith("export_"))
+        # run the export script's variable assignment alone and read the value back
+        assign = export[export.index("OUTPUT_DIR="):export.index("\nDEST=")]
+        got = subprocess.run(["bash", "-c", assign + '\nprintf "%s" "$OUTPUT_DIR"'], cwd=tmp_path, capture_output=True, text=True)
+        assert got.stdout == f"outputs/{value}"
+        # extra words given to the launcher reach its argv unchanged
+        res = subprocess.run(["scripts/run_llama2-70b-lora.sh", "--dry-run", "--run_name", value], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        assert shlex.split(res.stdout)[-2:] == ["--run_name", value]
+        assert not (ROOT / "PWNED").exists() and not (tmp_path / "PWNED").exists()
+    finally:
+        for f in rdir.iterdir():
+            f.unlink()
+        rdir.rmdir()
+
+
+def test_emitted_files_are_not_world_writable():
+    for f in list((ROOT / "scripts").glob("*.sh")) + list((ROOT / "configs").glob("*.yaml")):
+        assert not f.stat().st_mode & stat.S_IWOTH
