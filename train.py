@@ -45,6 +45,7 @@ def run(recipe):
         train_ds, eval_ds, prompt = data.load_datasets(recipe, tokenizer, end_of_turn)
 
     # 3. model: dtype, attention, 4/8-bit loading; LoRA is applied by the trainer from peft_config
+    rss_before = backends.rss_mb()
     model = models.load_model(recipe, tokenizer, target)
     trainer = SFTTrainer(
         model=model,
@@ -53,6 +54,7 @@ def run(recipe):
         eval_dataset=eval_ds,
         processing_class=tokenizer,
         peft_config=models.lora_config(recipe, added_tokens, model),
+        callbacks=[load_probe := backends.load_memory_probe()],
     )
 
     # 4. train, resuming from the checkpoint chosen above ('auto' = the latest complete one in output_dir)
@@ -60,6 +62,7 @@ def run(recipe):
     trainer.train(resume_from_checkpoint=resume)
     seconds = time.time() - start
     backend = backends.describe_backend(trainer)  # before save/generate, which gather shards
+    load_memory = backends.gather_load_memory(trainer.accelerator, rss_before, load_probe.at_first_step or rss_before)
 
     # 5. final save (adapter for LoRA, full weights otherwise), then check it holds every expected tensor
     trainer.accelerator.unwrap_model(trainer.model).config.use_cache = True  # off for training only (model.load_model)
@@ -83,6 +86,7 @@ def run(recipe):
             "adapter": recipe.model.use_peft_lora,
             "resumed_from": resume,
             "backend": backend,
+            "load_memory": load_memory,
             "sample": {"prompt": prompt, "reply": reply},
         }
         with open(f"{args.output_dir}/run_summary.json", "w") as f:

@@ -281,3 +281,38 @@ def sample_reply(trainer, tokenizer, prompt, max_new_tokens: int) -> str:
             out = model.generate(**enc, **kwargs)
     model.train(was_training)
     return tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def rss_mb() -> tuple[float, float]:
+    """(current, peak so far) resident memory of this process in MB."""
+    import resource  # noqa: PLC0415
+
+    import psutil  # noqa: PLC0415
+
+    return psutil.Process().memory_info().rss / 1e6, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6  # KiB
+
+
+def load_memory_probe():
+    """A callback that records this rank's memory at the start of the first step: after loading and wrapping (FSDP
+    sharding, ZeRO partitioning, rank-0 broadcast), before any optimizer state exists. Weights are memory-mapped
+    and count only when touched, which happens at wrapping, not in from_pretrained."""
+    from transformers import TrainerCallback  # noqa: PLC0415
+
+    class LoadMemoryProbe(TrainerCallback):
+        at_first_step = None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if self.at_first_step is None:
+                self.at_first_step = rss_mb()
+
+    return LoadMemoryProbe()
+
+
+def gather_load_memory(acc, before: tuple[float, float], after: tuple[float, float]) -> list[dict]:
+    """Every rank's CPU memory from just before model loading to `after` (the probe's reading at train begin; all
+    ranks call, it is a collective). With RAM-efficient loading only rank 0 ever holds the whole model."""
+    from accelerate.utils import gather_object  # noqa: PLC0415
+
+    mine = {"rank": acc.process_index, "rss_before_mb": round(before[0], 1), "peak_mb": round(after[1], 1),
+            "grew_mb": round(max(after[1] - before[0], 0.0), 1)}
+    return sorted(gather_object([mine]) if acc.num_processes > 1 else [mine], key=lambda d: d["rank"])

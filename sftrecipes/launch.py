@@ -9,6 +9,7 @@ For a recipe recipes/<dir>/<file>.yaml, named <dir>-<file>:
     scripts/run_<name>.sh      pre-flight, then `accelerate launch ... train.py <recipe>`; --dry-run prints it
     scripts/slurm_<name>.sh    multi-node recipes: sbatch script, one launcher per node (rank/address from SLURM)
     scripts/export_<name>.sh   turns the run's output into a folder transformers loads
+    docs/setups/<name>.md      shipped (non-tiny) recipes: the command, what it runs, the memory plan, the limits
 
 Recipe values never enter the scripts as shell code: the scripts pass the recipe path and the user's extra
 arguments as quoted words, and every value taken from a recipe is quoted with shlex.quote.
@@ -129,6 +130,67 @@ def export_script(recipe: Recipe, rel: str, name: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+MAKE_TARGETS = {"llama2-70b-lora": "sft-70b-lora", "llama2-70b-qlora": "sft-70b-qlora", "llama2-7b-offload": "sft-offload",
+                "llama2-70b-fsdp": "sft-70b-fsdp", "llama2-70b-qlora-fsdp": "sft-70b-qlora-fsdp", "llama2-7b-ddp": "sft-ddp"}
+
+
+def _header_comments(path: Path) -> list[str]:
+    lines = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line[1:].strip())
+    return lines
+
+
+def _twins(rel: str) -> list[str]:
+    """CPU twins (recipes/tiny/*) whose bases include this recipe."""
+    out = []
+    for p in sorted((RECIPES / "tiny").glob("*.yaml")):
+        if p.name.startswith("_"):
+            continue
+        if rel in load_recipe([str(p.relative_to(ROOT))]).sources:
+            out.append(p.relative_to(ROOT).as_posix())
+    return out
+
+
+def setup_doc(recipe: Recipe, path: Path, rel: str, name: str) -> str:
+    """docs/setups/<name>.md: the command first, then what it runs, the memory plan and the limits."""
+    from .plan import format_plan, plan_recipe  # noqa: PLC0415
+
+    L = recipe.launch
+    comments = _header_comments(path)
+    title = comments[0] if comments else name
+    cmd = [f"make {MAKE_TARGETS[name]}" if name in MAKE_TARGETS else f"scripts/run_{name}.sh"]
+    if L.num_machines > 1:
+        cmd.append(f"sbatch scripts/slurm_{name}.sh   # SLURM: one launcher per node")
+    cmd += [f"scripts/run_{name}.sh --dry-run       # the exact command, without running it",
+            f"scripts/export_{name}.sh              # after training: a folder from_pretrained loads"]
+    plan = plan_recipe(recipe, _alternatives=False)
+    twins = _twins(rel)
+    out = [f"<!-- {MARK} from {rel}; edit the recipe, then make emit -->", f"# {title}", "", "```bash", *cmd, "```", "",
+           f"Recipe: [`{rel}`](../../{rel}); accelerate config: [`configs/{name}.yaml`](../../configs/{name}.yaml).", ""]
+    out += ["## What it runs", ""] + [c for c in comments[1:] if c and not c.startswith(("make ", "scripts/", "sbatch "))] + [""]
+    out += [f"- backend: **{L.backend}** on {L.num_machines} node(s) x {L.gpus_per_node} GPU(s)"
+            + (f" of {L.gpu_memory_gb:g} GB" if L.gpu_memory_gb else ""),
+            f"- method: {'QLoRA (4-bit ' + recipe.model.bnb_4bit_quant_type + ')' if recipe.model.use_4bit_quantization else 'LoRA' if recipe.model.use_peft_lora else 'full fine-tuning'}"
+            + (f", r={recipe.model.lora_r}, alpha={recipe.model.lora_alpha}, targets {recipe.model.lora_target_modules}" if recipe.model.use_peft_lora else ""),
+            f"- sequence {recipe.trl_value('max_length')}, micro-batch {recipe.trl_value('per_device_train_batch_size')}, "
+            f"accumulation {recipe.trl_value('gradient_accumulation_steps')}, packing {recipe.trl_value('packing')}, "
+            f"gradient checkpointing {recipe.gradient_checkpointing}, flash-attn {recipe.model.use_flash_attn}", ""]
+    out += ["## Expected memory (python -m sftrecipes plan)", "", "```", format_plan(plan), "```", ""]
+    out += ["## Tested on CPU", ""]
+    out += [f"- [`{t}`](../../{t}) runs this recipe's settings on 2 CPU processes in `make test` (tests/test_twins.py)."
+            for t in twins] or ["- no CPU twin"]
+    out += ["", "## Limits", "",
+            "- Needs the hub for the model and data (gated Llama weights: accept the licence, `hf auth login`).",
+            "- flash-attention 2 needs `pip install -r requirements-gpu.txt` on a CUDA machine; without it the run falls "
+            "back to sdpa (logged).",
+            "- The memory plan is an estimate from tensor sizes plus a stated allowance; it was calibrated on CPU, not on "
+            "this GPU (see docs/planner.md)."]
+    return "\n".join(out) + "\n"
+
+
 def rendered(path: Path) -> dict[Path, str]:
     """Every file one recipe emits: path -> content."""
     rel = path.resolve().relative_to(ROOT).as_posix()
@@ -143,6 +205,8 @@ def rendered(path: Path) -> dict[Path, str]:
     }
     if recipe.launch.num_machines > 1:
         files[ROOT / "scripts" / f"slurm_{name}.sh"] = slurm_script(recipe, rel, name)
+    if recipe.launch.hardware != "cpu" and not rel.startswith("recipes/tiny/"):
+        files[ROOT / "docs" / "setups" / f"{name}.md"] = setup_doc(recipe, path, rel, name)
     return files
 
 
@@ -156,12 +220,13 @@ def emit(paths: list[Path] | None = None, check: bool = False) -> list[Path]:
         if not f.is_file() or f.read_text() != text:
             stale.append(f)
             if not check:
+                f.parent.mkdir(parents=True, exist_ok=True)
                 tmp = f.with_name(f.name + ".tmp")
                 tmp.write_text(text)
                 tmp.chmod(0o755 if f.suffix == ".sh" else 0o644)
                 tmp.replace(f)
     if not paths:  # files of recipes that no longer exist
-        for folder, pattern in ((ROOT / "configs", "*.yaml"), (ROOT / "scripts", "*_*.sh")):
+        for folder, pattern in ((ROOT / "configs", "*.yaml"), (ROOT / "scripts", "*_*.sh"), (ROOT / "docs" / "setups", "*.md")):
             for f in folder.glob(pattern):
                 if f not in expected and MARK in "".join(f.read_text().splitlines(True)[:12]):
                     stale.append(f)

@@ -139,7 +139,18 @@ def load_model(recipe: Recipe, tokenizer, hardware: str):
     qc = quantization_config(recipe)
     if qc is not None:
         kwargs["quantization_config"] = qc
+    rank = ram_efficient_rank(recipe, quantized=qc is not None)
+    if rank:  # not rank 0: build on the meta device, read nothing; FSDP receives rank 0's weights when it wraps
+        kwargs["device_map"] = "meta"
     model = AutoModelForCausalLM.from_pretrained(m.model_name_or_path, **kwargs)
+    if rank:
+        # Real but untouched storage: accelerate maps optimizer params to their shards by data_ptr, which is 0 for
+        # every meta tensor. Large torch.empty blocks are lazily mapped pages, so this costs address space, not RAM.
+        model.to_empty(device="cpu")
+        # a device map makes the Trainer treat the model as spread over devices (is_model_parallel), which it is not
+        model.__dict__.pop("hf_device_map", None)
+    if rank is not None:
+        _broadcast_buffers(model, rank)
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
         # exact size: every new row is then one of the added tokens, trained and saved (see lora_config)
         model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
@@ -153,6 +164,30 @@ def load_model(recipe: Recipe, tokenizer, hardware: str):
     # would attend to each other under sdpa/eager (tests/test_data.py shows it). Generation turns it back on.
     model.config.use_cache = False
     return model
+
+
+def ram_efficient_rank(recipe: Recipe, quantized: bool) -> int | None:
+    """This process's rank when only rank 0 should read the weights (FSDP2 with fsdp_cpu_ram_efficient_loading and
+    a process group), else None. transformers 5 reads the checkpoint on every rank even then (8 ranks x 70B x 4 B is
+    2 TB of RAM), so the other ranks load on the meta device here, and accelerate's FSDP2 preparation broadcasts
+    rank 0's state dict into their shards. 4-bit models are excluded, as accelerate excludes them."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    L = recipe.launch
+    if not (L.backend == "fsdp" and L.fsdp_version == 2 and L.fsdp_cpu_ram_efficient_loading and not quantized):
+        return None
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    return dist.get_rank()
+
+
+def _broadcast_buffers(model, rank: int) -> None:
+    """Non-persistent buffers (rotary inv_freq) are not in the state dict FSDP broadcasts: send rank 0's (small)
+    buffers to the ranks that did not read the checkpoint."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    for _, buf in model.named_buffers():
+        dist.broadcast(buf.data, src=0)  # rank 0 sends; the others receive into their (uninitialised) buffers
 
 
 def lora_config(recipe: Recipe, added_tokens: list[int], model=None):

@@ -107,6 +107,8 @@ def test_recipe_strings_are_passed_literally(tmp_path, value):
         rec.write_text(yaml.safe_dump({"base": "../llama2-70b/fsdp.yaml", "output_dir": f"outputs/{value}"}))
         files = launch.rendered(rec)
         for path, text in files.items():
+            if path.suffix != ".sh":
+                continue
             out = tmp_path / path.name
             out.write_text(text)
             res = subprocess.run(["bash", "-n", str(out)], capture_output=True, text=True)

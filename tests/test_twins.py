@@ -120,3 +120,24 @@ def test_multinode_launcher_two_machines(tiny_model, tmp_path):
     b = json.loads((out / "run_summary.json").read_text())["backend"]
     assert b["world_size"] == 2 and b["distributed_type"] == "FSDP"
     assert b["param_elements_local"] * 2 == b["param_elements_full"]
+
+
+def test_ram_efficient_loading_only_rank0_reads(tmp_path):
+    """FSDP2 with fsdp_cpu_ram_efficient_loading: rank 0 reads the weights, rank 1 starts without them and receives
+    its shard by broadcast. The medium model (25.7M params) is stored in bf16 and trained in fp32, so a rank that
+    reads it makes a private 103 MB fp32 copy — as 8 ranks loading 70B in fp32 would (2 TB)."""
+    from sftrecipes.tiny import ASSETS, ensure_tiny_model
+
+    medium = ensure_tiny_model(ASSETS / "medium-llama", "medium")
+    fp32_mb = 25.7e6 * 4 / 1e6
+    grew = {}
+    for efficient in (True, False):
+        out = tmp_path / f"eff-{efficient}"
+        summary, _ = launch("fsdp", out, ["--model_name_or_path", str(medium), "--max_steps", "1", "--save_strategy", "no",
+                                          "--sample_max_new_tokens", "0", "--launch.fsdp_cpu_ram_efficient_loading", str(efficient)])
+        grew[efficient] = {m["rank"]: m["grew_mb"] for m in summary["load_memory"]}
+    print("CPU RSS growth from load to first step (MB):", grew)
+    # without it, rank 1 also materialises the whole fp32 model; with it, rank 1 saves about that much
+    assert grew[False][1] - grew[True][1] > 0.8 * fp32_mb, grew
+    # and rank 1 stays well below rank 0, which holds the full model while broadcasting
+    assert grew[True][1] < 0.75 * grew[True][0], grew
