@@ -26,14 +26,20 @@ def run(recipe):
     """Train as the recipe says. Returns (trainer, summary); the summary is also written to output_dir."""
     from trl import SFTTrainer
 
-    from sftrecipes import backends, checkpoints, data, model as models
+    from sftrecipes import backends, checkpoints, data, metrics, model as models
 
     # 1. where we run: the cpu target sets use_cpu/gloo/threads so GPU command lines work as written
     backends.check_world_size(recipe)
+    backends.check_launcher_matches(recipe)
     target = backends.hardware(recipe)
     backends.apply_process_env(recipe, target)
     args = backends.training_args(recipe, target)
     resume = checkpoints.resolve_resume(recipe.trl.get("resume_from_checkpoint"), args.output_dir)
+    if args.process_index == 0:
+        from sftrecipes.plan import pitfalls
+
+        for line in pitfalls(recipe):  # the global batch first, then any warning
+            (log.warning if line.startswith("WARNING") else log.info)("%s", line)
     for alias, key in recipe.renamed.items():
         log.info("recipe: '%s' is the old name of '%s'; using it as %s", alias, key, key)
     if args.trust_remote_code:
@@ -54,8 +60,17 @@ def run(recipe):
         eval_dataset=eval_ds,
         processing_class=tokenizer,
         peft_config=models.lora_config(recipe, added_tokens, model),
-        callbacks=[load_probe := backends.load_memory_probe()],
+        callbacks=[load_probe := backends.load_memory_probe(), precision := backends.precision_probe(recipe),
+                   throughput := metrics.ThroughputCallback(peak_tflops=recipe.launch.peak_tflops)],
     )
+    precision.trainer = trainer
+    upcast = backends.apply_precision_policy(trainer, recipe)  # trainable params fp32 under mixed precision
+    if upcast:
+        log.info("precision: %d trainable tensors upcast to fp32 (e.g. %s)", len(upcast), upcast[0])
+    if recipe.model.precision == "memory_constrained":
+        log.warning("precision: memory_constrained — trainable weights and optimizer states stay %s: saves 2 bytes per "
+                    "trainable parameter plus half the optimizer states; small updates round away and training can "
+                    "stall or diverge", models.load_dtype(recipe))
 
     # 4. train, resuming from the checkpoint chosen above ('auto' = the latest complete one in output_dir)
     start = time.time()
@@ -87,6 +102,8 @@ def run(recipe):
             "resumed_from": resume,
             "backend": backend,
             "load_memory": load_memory,
+            "precision": precision.table,
+            "throughput": throughput.summary,  # tokens/s/device, step time, MFU, memory per rank (also metrics.json/png)
             "sample": {"prompt": prompt, "reply": reply},
         }
         with open(f"{args.output_dir}/run_summary.json", "w") as f:

@@ -63,6 +63,27 @@ def check_world_size(recipe: Recipe) -> int:
     return have
 
 
+def check_launcher_matches(recipe: Recipe) -> None:
+    """The accelerate launcher exports what its config file says (ACCELERATE_USE_DEEPSPEED, FSDP_VERSION, ...). A
+    recipe whose launch keys were changed on the command line, or a config from another recipe, would otherwise
+    run silently on the launcher's backend, not the recipe's."""
+    env = os.environ
+    if int(env.get("WORLD_SIZE", "1")) == 1 and not any(k.startswith("ACCELERATE_USE_") for k in env):
+        return  # not started by accelerate: nothing to compare
+    L = recipe.launch
+    ran = "deepspeed" if env.get("ACCELERATE_USE_DEEPSPEED") == "true" else "fsdp" if env.get("ACCELERATE_USE_FSDP") == "true" else None
+    wants = L.backend if L.backend in ("deepspeed", "fsdp") else None
+    problems = []
+    if ran != wants:
+        problems.append(f"backend {L.backend} but the launcher's accelerate config runs {ran or 'neither DeepSpeed nor FSDP'}")
+    elif ran == "deepspeed" and env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", str(L.zero_stage)) != str(L.zero_stage):
+        problems.append(f"zero_stage {L.zero_stage} but the launcher's config says {env['ACCELERATE_DEEPSPEED_ZERO_STAGE']}")
+    elif ran == "fsdp" and env.get("FSDP_VERSION", str(L.fsdp_version)) != str(L.fsdp_version):
+        problems.append(f"fsdp_version {L.fsdp_version} but the launcher's config says {env['FSDP_VERSION']}")
+    if problems:
+        raise RecipeError(f"launch: the recipe says {problems[0]}; start it with its own scripts/run_<recipe>.sh (after `make emit` if you edited the recipe)")
+
+
 def training_kwargs(recipe: Recipe, target: str) -> dict:
     """The SFTConfig keyword arguments: the recipe's explicit TRL keys plus what the project derives."""
     kw = {k: v for k, v in recipe.trl.items() if k not in CONSUMED_BY_PIPELINE}
@@ -74,6 +95,8 @@ def training_kwargs(recipe: Recipe, target: str) -> dict:
         ckpt_kwargs["use_reentrant"] = recipe.model.use_reentrant
     if ckpt_kwargs:
         kw["activation_checkpointing_kwargs"] = ckpt_kwargs
+    if recipe.model.precision == "memory_constrained":  # train in the load dtype itself: no autocast, no fp32 copy
+        kw["bf16"] = kw["fp16"] = False
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1 and kw.pop("ddp_backend", None):
         log.info("ddp_backend: unused in a single process (no process group); ignoring it for this run")
@@ -111,6 +134,8 @@ def accelerate_config(recipe: Recipe) -> dict:
     cpu = render_target(recipe) == "cpu"
     world = L.num_machines * L.gpus_per_node
     mixed = "bf16" if recipe.trl_value("bf16") else "fp16" if recipe.trl_value("fp16") else "no"
+    if recipe.model.precision == "memory_constrained":
+        mixed = "no"  # the weights themselves are bf16/fp16; nothing to autocast
     # accelerate launches several ranks (torchrun) only for GPU-family types: MULTI_CPU starts ONE process. So DDP on
     # the cpu target is written MULTI_GPU, and the rank itself asks for the CPU (use_cpu in training_kwargs). use_cpu
     # stays false in the file: launchers would export ACCELERATE_USE_CPU, which silently turns DeepSpeed into DDP.
@@ -316,3 +341,78 @@ def gather_load_memory(acc, before: tuple[float, float], after: tuple[float, flo
     mine = {"rank": acc.process_index, "rss_before_mb": round(before[0], 1), "peak_mb": round(after[1], 1),
             "grew_mb": round(max(after[1] - before[0], 0.0), 1)}
     return sorted(gather_object([mine]) if acc.num_processes > 1 else [mine], key=lambda d: d["rank"])
+
+
+def apply_precision_policy(trainer, recipe: Recipe) -> list[str]:
+    """fp32_trainable: trainable parameters in fp32 under mixed precision, whatever loaded or wrapped them (TRL casts
+    QLoRA adapters to bf16 and keeps ZeRO-3 adapters in the base dtype; accelerate upcasts for FSDP except with 4-bit
+    weights). DeepSpeed keeps fp32 master partitions itself, so its module is left as DeepSpeed wants it. Returns the
+    names upcast here."""
+    import torch  # noqa: PLC0415
+
+    mixed = trainer.args.bf16 or trainer.args.fp16
+    if recipe.model.precision != "fp32_trainable" or not mixed or recipe.launch.backend == "deepspeed":
+        return []
+    upcast = []
+    for name, p in trainer.model.named_parameters():
+        if p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.float()
+            upcast.append(name)
+    return upcast
+
+
+def _dtype(t) -> str:
+    return str(t).removeprefix("torch.")
+
+
+def precision_table(trainer) -> dict[str, str]:
+    """What dtype each part of training really has, read from the live objects after a step."""
+    acc = trainer.accelerator
+    wrapped = trainer.model_wrapped
+    params = list(wrapped.parameters())
+    frozen = sorted({_dtype(p.dtype) for p in params if not p.requires_grad}) or ["-"]
+    trainable = sorted({_dtype(p.dtype) for p in params if p.requires_grad})
+    table = {"loaded weights (frozen)": ", ".join(frozen), "trainable params": ", ".join(trainable)}
+    engine = getattr(trainer, "deepspeed", None)
+    if engine is not None:
+        compute = "bfloat16" if engine.bfloat16_enabled() else "float16" if engine.fp16_enabled() else "float32"
+        table["compute"] = f"{compute} (DeepSpeed module dtype)"
+        table["gradients reduce"] = _dtype(engine.communication_data_type)
+        opt = engine.optimizer
+        groups = getattr(opt, "single_partition_of_fp32_groups", None) or getattr(opt, "fp32_partitioned_groups_flat", None) or []
+        table["trainable params"] = f"{table['trainable params']} module, {', '.join(sorted({_dtype(g.dtype) for g in groups}))} master partitions"
+        inner = getattr(opt, "optimizer", opt)
+    else:
+        mp = acc.mixed_precision
+        table["compute"] = {"bf16": "bfloat16 autocast", "fp16": "float16 autocast"}.get(mp, ", ".join(trainable))
+        reduce = None
+        for m in wrapped.modules():  # FSDP2 keeps its policy on each parameter group, FSDP1 on each instance
+            state = getattr(m, "_get_fsdp_state", None)
+            group = getattr(state(), "_fsdp_param_group", None) if state else None
+            policy = getattr(group, "mp_policy", None) or getattr(m, "mixed_precision", None)
+            if policy is not None:
+                reduce = getattr(policy, "reduce_dtype", None) or getattr(policy, "param_dtype", None) or (trainable[0] if trainable else None)
+                break
+        table["gradients reduce"] = _dtype(reduce) if reduce is not None else ", ".join(trainable)
+        inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    states = sorted({_dtype(v.dtype) for st in inner.state.values() for k, v in st.items() if hasattr(v, "dtype") and k != "step"})
+    table["optimizer states"] = ", ".join(states) or "-"
+    return table
+
+
+def precision_probe(recipe: Recipe):
+    """Callback: after the first optimizer step, read and log the precision table (rank 0)."""
+    from transformers import TrainerCallback  # noqa: PLC0415
+
+    class PrecisionProbe(TrainerCallback):
+        table: dict | None = None
+        trainer = None
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if self.table is None and self.trainer is not None:
+                self.table = precision_table(self.trainer)
+                if state.is_world_process_zero:
+                    log.info("precision (%s):\n%s", recipe.model.precision,
+                             "\n".join(f"  {k:<26} {v}" for k, v in self.table.items()))
+
+    return PrecisionProbe()

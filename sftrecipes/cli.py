@@ -67,7 +67,7 @@ def _schema(ns) -> int:
 def _emit(ns) -> int:
     from .launch import main as emit_main
 
-    return emit_main(ns.args)
+    return emit_main(ns.args + (["--check"] if ns.check else []))
 
 
 def _env(ns) -> int:
@@ -86,8 +86,13 @@ def _preflight(ns) -> int:
     from .backends import preflight
     from .recipe import load_recipe
 
+    from .launch import check_config_matches
+
     args = [a for a in ns.args if a != "--force"]
-    print(preflight(load_recipe(args), force="--force" in ns.args))
+    recipe = load_recipe(args)
+    if args and args[0].endswith(".yaml"):  # launched from an emitted script: its config must match
+        check_config_matches(args[0], recipe)
+    print(preflight(recipe, force="--force" in ns.args))
     return 0
 
 
@@ -125,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"], help="output dtype (default: the base's)")
     m.set_defaults(fn=_merge)
     e = sub.add_parser("emit", help="render configs/ and scripts/ from recipes (--check: compare only)")
-    e.add_argument("args", nargs="*")
+    e.add_argument("args", nargs="*", help="recipe files (default: every recipe under recipes/)")
+    e.add_argument("--check", action="store_true", help="compare only; exit 1 naming stale files")
     e.set_defaults(fn=_emit)
     for verb, fn, help_ in (("plan", _plan, "memory per GPU and per node for RECIPE: breakdown, verdict, strategies (exit 2: does not fit)"),
                             ("env", _env, "print the environment a rank of RECIPE needs, as export lines"),

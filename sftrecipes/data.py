@@ -147,10 +147,9 @@ def sample_prompt(recipe: Recipe, dataset):
 
 def load_datasets(recipe: Recipe, tokenizer, eot: str):
     """(train, eval or None, sample prompt), tokenized."""
-    train, evals = load_raw(recipe)
-    prompt = sample_prompt(recipe, evals if evals is not None else train)
-    train = prepare(recipe, tokenizer, eot, train, "train split")
-    if evals is not None:
-        evals = prepare(recipe, tokenizer, eot, evals, "eval split")
+    train_raw, evals_raw = load_raw(recipe)
+    train = prepare(recipe, tokenizer, eot, train_raw, "train split")  # checks the columns first
+    evals = prepare(recipe, tokenizer, eot, evals_raw, "eval split") if evals_raw is not None else None
+    prompt = sample_prompt(recipe, evals_raw if evals_raw is not None else train_raw)
     log.info("data: %d train / %s eval samples from %s", len(train), len(evals) if evals is not None else 0, recipe.data.dataset_name)
     return train, evals, prompt

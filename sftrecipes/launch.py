@@ -210,6 +210,22 @@ def rendered(path: Path) -> dict[Path, str]:
     return files
 
 
+def check_config_matches(recipe_path: str, recipe: Recipe) -> None:
+    """Pre-flight: the emitted accelerate config must say what this recipe (with its command-line overrides) says,
+    or accelerate would run the config's backend, not the recipe's."""
+    cfg_file = ROOT / "configs" / f"{recipe_name(recipe_path)}.yaml"
+    if not cfg_file.is_file():
+        raise RecipeError(f"launch: {cfg_file.relative_to(ROOT)} does not exist; run make emit")
+    emitted = yaml.safe_load(cfg_file.read_text())
+    wanted = accelerate_config(recipe)
+    diff = sorted(k for k in set(emitted) | set(wanted) if emitted.get(k) != wanted.get(k))
+    if diff:
+        raise RecipeError(
+            f"launch: {cfg_file.relative_to(ROOT)} differs from the recipe as given ({', '.join(diff)}); launch keys cannot "
+            "be overridden on the command line: edit the recipe (or copy it) and run make emit"
+        )
+
+
 def emit(paths: list[Path] | None = None, check: bool = False) -> list[Path]:
     """Write (or, with check, compare) the emitted files. Returns the files that were stale."""
     stale = []

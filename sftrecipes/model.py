@@ -35,7 +35,7 @@ def load_dtype(recipe: Recipe) -> torch.dtype:
         return DTYPES[m.dtype]
     if m.use_4bit_quantization and m.bnb_4bit_quant_storage_dtype != "uint8":
         return DTYPES[m.bnb_4bit_quant_storage_dtype]
-    if m.use_peft_lora or m.use_4bit_quantization or m.use_8bit_quantization:
+    if m.use_peft_lora or m.use_4bit_quantization or m.use_8bit_quantization or m.precision == "memory_constrained":
         if recipe.trl_value("bf16"):
             return torch.bfloat16
         if recipe.trl_value("fp16"):

@@ -403,6 +403,14 @@ def validate(r: Recipe) -> None:
     if bf16 and fp16:
         raise RecipeError("bf16 and fp16 are both true; keep one mixed-precision mode")
 
+    if m.precision == "memory_constrained":
+        if not (bf16 or fp16):
+            raise RecipeError("precision: memory_constrained keeps weights in the bf16/fp16 load dtype; set bf16: true (or fp16: true)")
+        if r.launch.backend == "deepspeed":
+            raise RecipeError("precision: memory_constrained does not apply to DeepSpeed, which always keeps fp32 optimizer partitions; use fp32_trainable")
+        if m.dtype not in ("auto", "bfloat16" if bf16 else "float16"):
+            raise RecipeError(f"dtype: {m.dtype} contradicts precision: memory_constrained (everything in the {'bf16' if bf16 else 'fp16'} load dtype); set dtype: auto")
+
     # gradient checkpointing: two spellings upstream, one meaning
     gc_old, gc_new = r.trl.get("gradient_checkpointing"), r.trl.get("activation_checkpointing")
     if gc_old is not None and gc_new is not None and gc_old != gc_new:

@@ -81,6 +81,16 @@ class ModelOptions:
         "it must equal the model dtype (use bfloat16 with bf16).",
         choices=("uint8",) + DTYPES,
     )
+    precision: str = opt(
+        "fp32_trainable",
+        "Mixed-precision policy. fp32_trainable: trainable parameters and optimizer states are fp32 on every backend "
+        "(DeepSpeed's fp32 partitions; FSDP/DDP/single process keep the trainable parameters fp32 and compute in "
+        "bf16/fp16), so a recipe gives the same curve on FSDP and DeepSpeed. memory_constrained: everything stays in "
+        "the bf16/fp16 load dtype (no fp32 master copy): saves 2 bytes per trainable parameter and half the optimizer "
+        "states, but small updates round away in bf16 and training can stall or diverge. Not for DeepSpeed, which "
+        "always keeps fp32 partitions.",
+        choices=("fp32_trainable", "memory_constrained"),
+    )
     use_reentrant: bool = opt(
         False, "Gradient checkpointing: use the reentrant implementation (activation_checkpointing_kwargs)."
     )
@@ -122,6 +132,10 @@ class LaunchOptions:
     gpus_per_node: int = opt(1, "Processes (one per GPU) on each node.")
     gpu_memory_gb: float | None = opt(None, "Memory of one GPU in GB (decimal), for the memory planner, e.g. 80.")
     cpu_ram_gb: float | None = opt(None, "CPU RAM of one node in GB, for the memory planner (loading, offload).")
+    peak_tflops: float | None = opt(
+        None, "Peak dense TFLOP/s of one device in the training dtype, for MFU. None: looked up by GPU name "
+        "(sftrecipes.metrics.PEAK_TFLOPS); on the cpu target MFU is reported only when this is set."
+    )
     hardware: str = opt(
         "auto",
         "Target hardware. 'auto' picks 'cpu' when torch sees no GPU. The cpu target sets use_cpu, the gloo "

@@ -28,3 +28,35 @@ def _repo_cwd(monkeypatch):
 def run_cli(args: list[str], timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def accelerate_run(argv: list[str], out: Path, timeout: int = 600) -> dict:
+    """Run train.py under accelerate with the config `emit` would render for this recipe + flags (the launch keys
+    of the flags included), the way scripts/run_*.sh does. For tests that vary launch keys across runs."""
+    import json
+    import os
+
+    import yaml
+
+    from sftrecipes.backends import accelerate_config, launcher_env
+    from sftrecipes.recipe import load_recipe
+
+    recipe = load_recipe(argv)
+    cfg = out.parent / f"{out.name}.accelerate.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cfg.write_text(yaml.safe_dump(accelerate_config(recipe)))
+    world = recipe.launch.num_machines * recipe.launch.gpus_per_node
+    cmd = ["-m", "accelerate.commands.launch", "--config_file", str(cfg), "--num_machines", "1", "--num_processes",
+           str(world), "--machine_rank", "0", "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port()),
+           "train.py", *argv, "--output_dir", str(out)]
+    res = run_cli(cmd, timeout=timeout, env=launcher_env(recipe))
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    return json.loads((out / "run_summary.json").read_text())

@@ -133,3 +133,15 @@ def test_recipe_strings_are_passed_literally(tmp_path, value):
 def test_emitted_files_are_not_world_writable():
     for f in list((ROOT / "scripts").glob("*.sh")) + list((ROOT / "configs").glob("*.yaml")):
         assert not f.stat().st_mode & stat.S_IWOTH
+
+
+def test_launcher_refuses_a_recipe_that_does_not_fit():
+    """Pre-flight: the plan's breakdown and alternatives, exit 2; --force skips only the memory verdict."""
+    res = subprocess.run(["scripts/run_llama2-70b-lora.sh", "--launch.gpu_memory_gb", "40"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2
+    assert "VERDICT: DOES NOT FIT" in res.stdout and "Strategies" in res.stdout
+    assert res.stderr.strip().splitlines()[-1].startswith("error: preflight: the memory plan above says this recipe does not fit")
+    forced = subprocess.run(["scripts/run_llama2-70b-lora.sh", "--launch.gpu_memory_gb", "40", "--force"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert forced.returncode == 2 and "needs 8 GPU(s) of 40 GB" in forced.stderr  # past the plan, stopped by the GPU check

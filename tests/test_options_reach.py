@@ -346,6 +346,23 @@ def obs_sample_max_new_tokens(tiny_model, tmp_path):
     assert summary["sample"]["reply"] is None
 
 
+def obs_launch_peak_tflops(tiny_model, tmp_path):
+    import train
+
+    _, summary = train.run(recipe("--chat_template_format", "chatml", "--max_steps", 3, "--output_dir", tmp_path, "--launch.peak_tflops", 0.5,
+                                  "--sample_max_new_tokens", 0))
+    t = summary["throughput"]
+    assert t["peak_tflops"] == 0.5 and t["mfu"] == pytest.approx(t["model_tflops_per_device"] / 0.5)
+
+
+def obs_precision(tiny_model, tmp_path):
+    base = ("--bf16", "True")
+    r = recipe(*base, "--precision", "memory_constrained")
+    args = backends.training_args(r, "cpu")
+    assert models.load_dtype(r) == torch.bfloat16 and not args.bf16  # the weights themselves are bf16, no autocast
+    assert models.load_dtype(recipe(*base)) == torch.float32 and backends.training_args(recipe(*base), "cpu").bf16
+
+
 OBSERVERS = {name[4:].replace("launch_", "launch."): fn for name, fn in globals().items() if name.startswith("obs_")}
 OBSERVERS["model_name_or_path"] = OBSERVERS.pop("model_name")
 OBSERVERS["tokenizer_name_or_path"] = OBSERVERS.pop("tokenizer_name")

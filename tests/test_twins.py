@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, accelerate_run
 
 TWINS = {
     # name: expectations on run_summary["backend"]
@@ -132,12 +132,13 @@ def test_ram_efficient_loading_only_rank0_reads(tmp_path):
     fp32_mb = 25.7e6 * 4 / 1e6
     grew = {}
     for efficient in (True, False):
-        out = tmp_path / f"eff-{efficient}"
-        summary, _ = launch("fsdp", out, ["--model_name_or_path", str(medium), "--max_steps", "1", "--save_strategy", "no",
-                                          "--sample_max_new_tokens", "0", "--launch.fsdp_cpu_ram_efficient_loading", str(efficient)])
+        summary = accelerate_run(["recipes/tiny/fsdp.yaml", "--model_name_or_path", str(medium), "--max_steps", "1",
+                                  "--save_strategy", "no", "--sample_max_new_tokens", "0",
+                                  "--launch.fsdp_cpu_ram_efficient_loading", str(efficient)], tmp_path / f"eff-{efficient}")
         grew[efficient] = {m["rank"]: m["grew_mb"] for m in summary["load_memory"]}
     print("CPU RSS growth from load to first step (MB):", grew)
-    # without it, rank 1 also materialises the whole fp32 model; with it, rank 1 saves about that much
-    assert grew[False][1] - grew[True][1] > 0.8 * fp32_mb, grew
+    # without it, rank 1 also materialises the whole fp32 model; with it, rank 1 saves most of that (measured
+    # 68-102 MB of the 103 MB: allocator arenas blur the rest); reading the model on rank 1 would save ~0
+    assert grew[False][1] - grew[True][1] > 0.5 * fp32_mb, grew
     # and rank 1 stays well below rank 0, which holds the full model while broadcasting
     assert grew[True][1] < 0.75 * grew[True][0], grew

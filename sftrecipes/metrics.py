@@ -1,0 +1,462 @@
+"""Training throughput, model FLOPs utilisation (MFU) and memory, per rank: a TrainerCallback and its arithmetic.
+
+    trainer = SFTTrainer(..., callbacks=[ThroughputCallback(peak_tflops=None)])   # None: by GPU name; CPU: no MFU
+    python -m sftrecipes.metrics [--peak_tflops X] SCRIPT [ARGS...]   # run any SFTTrainer script with the callback
+
+What is counted
+* Real tokens: the tokens the model computes on, padding excluded (labels of -100 do not matter: masked prompt
+  tokens and the first token of each packed sample are still computed). A batch with an ``attention_mask`` counts
+  its ones; a padding-free batch (TRL packing: ``position_ids``, no mask) counts every token except the trailing pad
+  slots ``pad_to_multiple_of`` adds. Token slots (the batch's ``input_ids.numel()``) give the real-token share.
+* Step time: wall time between consecutive optimizer steps (``on_step_end``), so data loading, logging and saving
+  are included; throughput is steady state (first step, the warm-up, left out) and the first step is reported apart.
+* Model FLOPs (:func:`step_flops`): matmul FLOPs of the work the model needs, per token
+
+      4·N + 2·T + 6·A      N base matmul weights, T of them trained (N for a full fine-tune, 0 for LoRA), A adapters
+
+  forward 2·N, backward 2·N for activation gradients (also through frozen weights, which LoRA needs) + 2·T for weight
+  gradients; adapters 6·A like any trained weight. A full fine-tune gives the standard 6·N (Kaplan et al. 2020,
+  "Scaling Laws", sec. 2.1). N is every decoder linear plus the LM head (input embeddings are a lookup, no FLOPs).
+  Attention adds 12·L·d FLOPs per (query, key) pair a causal mask lets through (QKᵀ and AV: 2·d each forward, x3 for
+  training; d = heads·head_dim); a sample of length s has s(s+1)/2 pairs, i.e. ≈ 6·L·d·s per token: the causal half
+  of PaLM's 12·L·H·Q·T (Chowdhery et al. 2022, appendix B), as FlashAttention-2's benchmarks count it. Packed samples
+  are counted each with its own length (they do not attend to each other).
+* MFU = model FLOPs / step time / device peak. Gradient checkpointing's recomputed forward is not model work: it
+  counts only in HFU (hardware FLOPs utilisation), reported when checkpointing is on.
+* Memory: the accelerator's peak allocated memory (``torch.cuda.max_memory_allocated``) and the process RSS before
+  training, its peak during training (a background thread samples it every 50 ms) and at the end.
+
+Where it goes: per-step scalars of rank 0 to TensorBoard (always: its own event file under
+``output_dir/runs/throughput``, beside the trainer's own run when ``report_to`` has tensorboard; without it the
+callback also writes the trainer's loss/learning rate there, so TensorBoard works with ``report_to: none``). At the
+end every rank's totals are gathered to rank 0, printed as a table, written to ``output_dir/metrics.json`` and
+``output_dir/metrics.png`` (loss and throughput), and kept in ``callback.summary`` for the run summary.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+from .plan import Shape
+
+log = logging.getLogger("sftrecipes")
+
+GB = 1e9
+# Dense 16-bit (bf16/fp16) tensor-core peaks in TFLOP/s, from the vendors' datasheets, matched as substrings of
+# torch.cuda.get_device_name() in this order (more specific names first). For fp32/tf32 training pass the peak.
+PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("H200", 989.0), ("GH200", 989.0), ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H800", 989.0),
+    ("B200", 2250.0), ("A100", 312.0), ("A800", 312.0), ("A10G", 125.0), ("A10", 125.0), ("L40S", 362.0),
+    ("L40", 181.0), ("L4", 121.0), ("A6000", 155.0), ("RTX 4090", 165.0), ("V100", 125.0), ("T4", 65.0),
+    ("MI300X", 1307.0), ("MI250X", 383.0),
+)
+
+
+# ----------------------------------------------------------------------------------------------- FLOP arithmetic
+
+
+def device_peak_tflops(name: str | None = None) -> float | None:
+    """Dense 16-bit peak of a GPU by its name (default: the current CUDA device); None when unknown or no GPU."""
+    if name is None:
+        import torch  # noqa: PLC0415
+
+        if not torch.cuda.is_available():
+            return None
+        name = torch.cuda.get_device_name()
+    return next((peak for key, peak in PEAK_TFLOPS if key.lower() in name.lower()), None)
+
+
+def shape_from_config(config) -> Shape:
+    """The planner's Shape of a transformers config (a PretrainedConfig or its dict; multimodal: the text config)."""
+    c = config if isinstance(config, dict) else config.get_text_config().to_dict()
+    c = c.get("text_config", c)
+    heads = c["num_attention_heads"]
+    return Shape(c.get("_name_or_path", ""), c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], heads,
+                 c.get("num_key_value_heads") or heads, c.get("head_dim") or c["hidden_size"] // heads, c["vocab_size"],
+                 bool(c.get("tie_word_embeddings", False)), c.get("max_position_embeddings", 0))
+
+
+def matmul_params(shape: Shape) -> int:
+    """Weights that take part in a matmul per token: every decoder linear and the LM head (tied or not)."""
+    return shape.layers * shape.layer_linear_params + shape.vocab * shape.hidden
+
+
+def step_flops(shape: Shape, tokens: float, pairs: float, *, trainable: int | None = None, adapter: int = 0,
+               recompute: bool = False) -> float:
+    """Training FLOPs of `tokens` tokens whose attention covers `pairs` (query, key) pairs (module docstring).
+
+    trainable: base matmul weights that get weight gradients (None = all: full fine-tune; 0: LoRA/frozen base).
+    adapter: LoRA (A+B) parameters. recompute: add gradient checkpointing's second forward of the decoder layers
+    (hardware FLOPs, for HFU; model FLOPs leave it out)."""
+    n = matmul_params(shape)
+    t = n if trainable is None else trainable
+    d = shape.heads * shape.head_dim
+    flops = (4 * n + 2 * t + 6 * adapter) * tokens + 12 * shape.layers * d * pairs
+    if recompute:
+        flops += (2 * shape.layers * shape.layer_linear_params + 2 * adapter) * tokens + 4 * shape.layers * d * pairs
+    return float(flops)
+
+
+def flops_per_token(shape: Shape, seq_len: float, *, trainable: int | None = None, adapter: int = 0,
+                    causal: bool = True, recompute: bool = False) -> float:
+    """Training FLOPs per token of samples `seq_len` tokens long. causal=True counts the s(s+1)/2 pairs a causal
+    mask keeps (≈ 6·L·d·s per token); causal=False the full s² (PaLM's 12·L·d·s)."""
+    pairs = seq_len * (seq_len + 1) / 2 if causal else seq_len * seq_len
+    return step_flops(shape, seq_len, pairs, trainable=trainable, adapter=adapter, recompute=recompute) / seq_len
+
+
+def mfu(tokens_per_s: float, flops_per_tok: float, peak_tflops: float) -> float:
+    """Model FLOPs utilisation of one device: achieved model FLOP/s over the device's peak."""
+    return tokens_per_s * flops_per_tok / (peak_tflops * 1e12)
+
+
+def batch_counts(inputs: dict, pad_token_id: int | None) -> tuple[int, int, int]:
+    """(real tokens, token slots, causal attention pairs) of one model input (see the module docstring)."""
+    ids = inputs["input_ids"]
+    mask = inputs.get("attention_mask")
+    if mask is not None:  # padded rows: one sample (or one 'wrapped' chunk) per row, attending causally within it
+        lengths = mask.sum(dim=-1).flatten().tolist()
+    else:  # padding-free: one row of packed samples; a sample starts where position_ids is 0
+        pos = inputs.get("position_ids")
+        flat_ids = ids.flatten()
+        n = flat_ids.numel()
+        if pad_token_id is not None and pos is not None:  # trailing pad slots (pad_to_multiple_of) have position 0
+            pos = pos.flatten()
+            while n and int(flat_ids[n - 1]) == pad_token_id and int(pos[n - 1]) == 0:
+                n -= 1
+        if pos is None:
+            lengths = [n]
+        else:
+            starts = (pos.flatten()[:n] == 0).nonzero().flatten().tolist() + [n]
+            lengths = [b - a for a, b in zip(starts, starts[1:]) if b > a]
+    lengths = [int(s) for s in lengths]
+    return sum(lengths), int(ids.numel()), sum(s * (s + 1) // 2 for s in lengths)
+
+
+def trainable_split(model) -> tuple[int, int]:
+    """(trained base matmul weights, LoRA adapter parameters) of a model, sharded or not (ZeRO-3 ds_numel,
+    DTensor global numel). FSDP1 flattens parameters: count before it wraps (on_init_end does)."""
+    import torch  # noqa: PLC0415
+
+    def numel(p):
+        return int(getattr(p, "ds_numel", p.numel()))
+
+    trained = adapter = 0
+    for name, module in model.named_modules():
+        w = getattr(module, "weight", None)
+        if not isinstance(module, torch.nn.Linear) or w is None or not w.requires_grad:
+            continue
+        if "lora_" in name:
+            adapter += numel(w)
+        else:
+            trained += numel(w)
+    return trained, adapter
+
+
+# ----------------------------------------------------------------------------------------------- memory
+
+
+class _RssSampler(threading.Thread):
+    """Peak resident set size of this process, sampled every `interval` seconds until stop()."""
+
+    def __init__(self, interval: float = 0.05):
+        super().__init__(daemon=True, name="rss-sampler")
+        import psutil  # noqa: PLC0415
+
+        self.proc, self.interval, self.peak = psutil.Process(), interval, 0
+        self._stop_event = threading.Event()
+
+    def rss(self) -> int:
+        return self.proc.memory_info().rss
+
+    def run(self):
+        while not self._stop_event.is_set():
+            self.peak = max(self.peak, self.rss())
+            self._stop_event.wait(self.interval)
+
+    def stop(self) -> int:
+        self._stop_event.set()
+        self.join()
+        self.peak = max(self.peak, self.rss())
+        return self.peak
+
+
+# ----------------------------------------------------------------------------------------------- the callback
+
+
+class ThroughputCallback(TrainerCallback):
+    """Real tokens/s/device, step time, MFU/HFU, accelerator and CPU memory per rank (module docstring).
+
+    peak_tflops: the device's peak for MFU; None picks it from the GPU's name (PEAK_TFLOPS); on CPU, MFU is
+    reported only when given. plot: write output_dir/metrics.png. After training, `summary` holds the gathered
+    per-rank table (every rank gets it; rank 0 printed and wrote it)."""
+
+    def __init__(self, peak_tflops: float | None = None, plot: bool = True, tensorboard: bool = True):
+        self.peak_tflops, self.plot, self.tensorboard = peak_tflops, plot, tensorboard
+        self.summary: dict = {}
+        self._split: tuple[int, int] | None = None
+        self._hook = None
+        self._writer = None
+
+    # -- events
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        if model is not None:  # before accelerate wraps (FSDP1 flattens parameters)
+            self._split = trainable_split(model)
+
+    def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
+        import torch  # noqa: PLC0415
+
+        self.shape = shape_from_config(_base_model(model).config)
+        if self._split is None:
+            self._split = trainable_split(model)
+        self.recompute = bool(getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False))
+        self.cuda = torch.cuda.is_available() and not getattr(args, "use_cpu", False)
+        self.device = torch.cuda.get_device_name() if self.cuda else "cpu"
+        if self.peak_tflops is None and self.cuda:
+            self.peak_tflops = device_peak_tflops(self.device)
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        tok = getattr(processing_class, "tokenizer", processing_class)  # a processor wraps its tokenizer
+        self.pad_id = getattr(tok, "pad_token_id", None)
+        self.tokens = self.slots = self.pairs = 0  # since the last step end
+        self.steps: list[dict] = []
+        self.sampler = _RssSampler()
+        self.rss_before = self.sampler.rss()
+        self.sampler.start()
+        # The model's own forward sees exactly what trains: the callback handler's model is the unwrapped module
+        # that DDP/DeepSpeed/FSDP call into. Eval and generation run with model.training False and are skipped.
+        self._hook = model.register_forward_pre_hook(self._count, with_kwargs=True)
+        self._last = time.perf_counter()
+        self.t_begin = self._last
+        if state.is_world_process_zero and self.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415
+
+            self._writer = SummaryWriter(log_dir=os.path.join(args.output_dir, "runs", "throughput"))
+            self._mirror_logs = "tensorboard" not in (args.report_to or [])
+
+    def _count(self, module, args, kwargs):
+        if module.training and "input_ids" in kwargs:
+            real, slots, pairs = batch_counts(kwargs, self.pad_id)
+            self.tokens, self.slots, self.pairs = self.tokens + real, self.slots + slots, self.pairs + pairs
+
+    def on_step_end(self, args, state, control, **kwargs):
+        now = time.perf_counter()
+        row = {"step": state.global_step, "seconds": now - self._last, "tokens": self.tokens, "slots": self.slots,
+               "pairs": self.pairs, "unix": time.time()}
+        self.steps.append(row)
+        self.tokens = self.slots = self.pairs = 0
+        self._last = now
+        if self._writer is not None:
+            for tag, value in self._rates(row).items():
+                self._writer.add_scalar(tag, value, state.global_step)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self._writer is not None and self._mirror_logs and logs:
+            for k, v in logs.items():
+                if isinstance(v, (int, float)):
+                    self._writer.add_scalar(f"train/{k}", v, state.global_step)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        from accelerate.utils import gather_object  # noqa: PLC0415
+
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        mine = self._rank_totals(state)
+        ranks = gather_object([mine])  # every rank must call it: a collective under DDP/DeepSpeed/FSDP
+        self.summary = self._aggregate(ranks)
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        if state.is_world_process_zero:
+            print(format_table(self.summary), flush=True)
+            out = Path(args.output_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "metrics.json").write_text(json.dumps(self.summary, indent=1))  # per-step series included
+            if self.plot:
+                save_plot(out / "metrics.png", state.log_history, ranks)
+        for r in self.summary["ranks"]:
+            r.pop("series", None)
+
+    # -- arithmetic
+    def _flops(self, tokens: float, pairs: float, recompute: bool = False) -> float:
+        trained, adapter = self._split
+        return step_flops(self.shape, tokens, pairs, trainable=trained, adapter=adapter, recompute=recompute)
+
+    def _rates(self, row: dict) -> dict[str, float]:
+        """Per-step TensorBoard scalars of this rank."""
+        import torch  # noqa: PLC0415
+
+        s = max(row["seconds"], 1e-9)
+        out = {"perf/step_time_s": row["seconds"], "perf/tokens_per_s_per_device": row["tokens"] / s,
+               "perf/real_token_share": row["tokens"] / max(row["slots"], 1),
+               "perf/model_tflops_per_device": self._flops(row["tokens"], row["pairs"]) / s / 1e12,
+               "mem/rss_gb": self.sampler.rss() / GB}
+        if self.peak_tflops:
+            out["perf/mfu"] = out["perf/model_tflops_per_device"] / self.peak_tflops
+            if self.recompute:
+                out["perf/hfu"] = self._flops(row["tokens"], row["pairs"], True) / s / 1e12 / self.peak_tflops
+        if self.cuda:
+            out["mem/accelerator_peak_gb"] = torch.cuda.max_memory_allocated() / GB
+        return out
+
+    def _rank_totals(self, state) -> dict:
+        import torch  # noqa: PLC0415
+        from accelerate import PartialState  # noqa: PLC0415
+
+        rss_peak = self.sampler.stop()
+        steady = self.steps[1:] or self.steps  # the first step (warm-up) is reported apart
+        secs = sum(r["seconds"] for r in steady)
+        toks = sum(r["tokens"] for r in steady)
+        pairs = sum(r["pairs"] for r in steady)
+        tps = toks / secs if secs else 0.0
+        tflops = self._flops(toks, pairs) / secs / 1e12 if secs else 0.0
+        first = self.steps[0] if self.steps else None
+        rank = {
+            "rank": PartialState().process_index, "device": self.device, "steps": len(self.steps),
+            "real_tokens": sum(r["tokens"] for r in self.steps), "token_slots": sum(r["slots"] for r in self.steps),
+            "step_time_s": statistics.median(r["seconds"] for r in steady) if steady else None,
+            "tokens_per_s": tps, "ms_per_1k_real_tokens": 1e6 * secs / toks if toks else None,
+            "model_tflops": tflops,
+            "flops_per_token": self._flops(toks, pairs) / toks if toks else None,
+            "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
+            "hfu": (self._flops(toks, pairs, True) / secs / 1e12 / self.peak_tflops
+                    if self.peak_tflops and self.recompute and secs else None),
+            "first_step_s": first["seconds"] if first else None,
+            "first_step_unix": first["unix"] if first else None,  # wall clock, for launch-to-first-step
+            "accelerator_peak_gb": torch.cuda.max_memory_allocated() / GB if self.cuda else None,
+            "rss_before_gb": self.rss_before / GB, "rss_peak_gb": rss_peak / GB, "rss_end_gb": self.sampler.rss() / GB,
+            "series": [{k: r[k] for k in ("step", "seconds", "tokens", "slots")} for r in self.steps],
+        }
+        rank["real_token_share"] = rank["real_tokens"] / rank["token_slots"] if rank["token_slots"] else None
+        return rank
+
+    def _aggregate(self, ranks: list[dict]) -> dict:
+        ranks = sorted(ranks, key=lambda r: r["rank"])
+        n = len(ranks)
+        mean = lambda key: (sum(r[key] for r in ranks) / n) if all(r[key] is not None for r in ranks) else None  # noqa: E731
+        trained, adapter = self._split
+        return {
+            "world_size": n, "device": ranks[0]["device"], "peak_tflops": self.peak_tflops,
+            "tokens_per_s_per_device": mean("tokens_per_s"), "tokens_per_s": sum(r["tokens_per_s"] for r in ranks),
+            "step_time_s": mean("step_time_s"), "ms_per_1k_real_tokens": mean("ms_per_1k_real_tokens"),
+            "real_token_share": sum(r["real_tokens"] for r in ranks) / max(1, sum(r["token_slots"] for r in ranks)),
+            "mfu": mean("mfu"), "hfu": mean("hfu"), "model_tflops_per_device": mean("model_tflops"),
+            "flops_per_token": mean("flops_per_token"),
+            "flops_convention": "model FLOPs: (4N+2T+6A) per token + 12*L*d per causal (q,k) pair; "
+                                f"N={matmul_params(self.shape)} T={trained} A={adapter}; recompute in HFU only",
+            "ranks": ranks,
+        }
+
+
+def _base_model(model):
+    """The transformers model under PEFT (its config holds the shape)."""
+    get = getattr(model, "get_base_model", None)
+    return get() if callable(get) else model
+
+
+# ----------------------------------------------------------------------------------------------- output
+
+
+COLUMNS = (("rank", "rank", "{}"), ("steps", "steps", "{}"), ("real tokens", "real_tokens", "{}"),
+           ("real share", "real_token_share", "{:.3f}"), ("step ms", "step_time_s", "{:.1f}", 1e3),
+           ("tok/s", "tokens_per_s", "{:.0f}"), ("ms/1k tok", "ms_per_1k_real_tokens", "{:.1f}"),
+           ("TFLOP/s", "model_tflops", "{:.4f}"), ("MFU", "mfu", "{:.1%}"), ("HFU", "hfu", "{:.1%}"),
+           ("1st step s", "first_step_s", "{:.2f}"), ("accel peak GB", "accelerator_peak_gb", "{:.2f}"),
+           ("RSS before/peak/end GB", None, None))
+
+
+def format_table(summary: dict) -> str:
+    """The end-of-run table: one row per rank, then the mean/sum line."""
+    def cell(r, col):
+        name, key, fmt, *scale = col
+        if key is None:
+            return f"{r['rss_before_gb']:.2f}/{r['rss_peak_gb']:.2f}/{r['rss_end_gb']:.2f}"
+        v = r.get(key)
+        return "-" if v is None else fmt.format(v * scale[0] if scale else v)
+
+    rows = [[c[0] for c in COLUMNS]] + [[cell(r, c) for c in COLUMNS] for r in summary["ranks"]]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    lines = ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in rows]
+    mfu_txt = f"{summary['mfu']:.1%} of {summary['peak_tflops']:g} TFLOP/s" if summary["mfu"] is not None else "n/a (no peak_tflops)"
+    lines.append(f"throughput: {summary['tokens_per_s_per_device']:.0f} real tokens/s/device ({summary['tokens_per_s']:.0f} "
+                 f"total), real-token share {summary['real_token_share']:.3f}, MFU {mfu_txt} on {summary['device']}")
+    return "\n".join(lines[:1] + ["-" * len(lines[0])] + lines[1:])
+
+
+def save_plot(path: Path, log_history: list[dict], ranks: list[dict]) -> Path:
+    """Loss (rank 0's logged losses) and real tokens/s per step of every rank, as a PNG."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415 - no pyplot, no global backend
+    from matplotlib.figure import Figure  # noqa: PLC0415
+
+    fig = Figure(figsize=(9, 6))
+    FigureCanvasAgg(fig)
+    ax_loss, ax_tps = fig.subplots(2, 1, sharex=True)
+    losses = [(e["step"], e["loss"]) for e in log_history if "loss" in e and "step" in e]
+    if losses:
+        ax_loss.plot(*zip(*losses), marker=".")
+    ax_loss.set_ylabel("training loss")
+    for r in ranks:
+        pts = [(s["step"], s["tokens"] / s["seconds"]) for s in r["series"] if s["seconds"] > 0]
+        if pts:
+            ax_tps.plot(*zip(*pts), label=f"rank {r['rank']}")
+    ax_tps.set_ylabel("real tokens/s/device")
+    ax_tps.set_xlabel("optimizer step")
+    ax_tps.legend(loc="best")
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    return path
+
+
+# ----------------------------------------------------------------------------------------------- attach to any script
+
+
+def attach(peak_tflops: float | None = None) -> None:
+    """Make every SFTTrainer created from now on carry a ThroughputCallback (unless it already has one)."""
+    import trl  # noqa: PLC0415
+
+    init = trl.SFTTrainer.__init__
+    if getattr(init, "_with_throughput", False):
+        return
+
+    def patched(self, *args, callbacks=None, **kwargs):
+        callbacks = list(callbacks or [])
+        if not any(isinstance(c, ThroughputCallback) for c in callbacks):
+            callbacks.append(ThroughputCallback(peak_tflops=peak_tflops))
+        init(self, *args, callbacks=callbacks, **kwargs)
+
+    patched._with_throughput = True
+    trl.SFTTrainer.__init__ = patched
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m sftrecipes.metrics [--peak_tflops X] SCRIPT [ARGS...]`: run SCRIPT as __main__ with the callback."""
+    import runpy  # noqa: PLC0415
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    peak = None
+    if argv[:1] == ["--peak_tflops"]:
+        peak, argv = float(argv[1]), argv[2:]
+    if not argv:
+        print("usage: python -m sftrecipes.metrics [--peak_tflops X] SCRIPT [ARGS...]", file=sys.stderr)
+        return 2
+    from sftrecipes import metrics  # noqa: PLC0415 - not __main__'s copy: train.py's isinstance check needs the same class
+
+    metrics.attach(peak)
+    sys.argv = argv
+    sys.path.insert(0, str(Path(argv[0]).resolve().parent))
+    runpy.run_path(argv[0], run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

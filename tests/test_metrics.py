@@ -1,0 +1,215 @@
+"""sftrecipes.metrics: FLOP arithmetic by hand, token counting against the batches really fed, TensorBoard events,
+the plot and the per-rank table, single process and 2-process DDP on CPU."""
+
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import train
+from conftest import ROOT
+from sftrecipes import metrics
+from sftrecipes.plan import Shape, lora_params
+from sftrecipes.recipe import load_recipe
+
+# the tiny Llama's shape (.assets/tiny-llama/config.json), written out so the hand computations below are checkable
+TINY = Shape("tiny", hidden=64, intermediate=192, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=512, tied=False,
+             max_positions=1024)
+
+
+# ----------------------------------------------------------------------------------------------- arithmetic
+
+
+def test_flops_per_token_by_hand():
+    # per layer: q 64x64 + k,v 64x32 each + o 64x64 + gate,up 64x192 each + down 192x64 = 49152; N = 2 layers + head
+    n = 2 * 49152 + 512 * 64
+    assert metrics.matmul_params(TINY) == n == 131072
+    attn_causal = 12 * 2 * 64 * 129 / 2  # 12·L·d per pair, 128·129/2 pairs over 128 tokens
+    assert metrics.flops_per_token(TINY, 128) == 6 * n + attn_causal == 885504
+    assert metrics.flops_per_token(TINY, 128, causal=False) == 6 * n + 12 * 2 * 64 * 128 == 983040  # PaLM's 12·L·H·Q·T
+    a = lora_params(TINY, "all-linear", 8)
+    assert a == 16 * (128 + 2 * 96 + 128 + 2 * 256 + 256) == 19456
+    assert metrics.flops_per_token(TINY, 128, trainable=0, adapter=a) == 4 * n + 6 * a + attn_causal == 740096
+    # gradient checkpointing: a second forward of the decoder layers (linears + adapters + attention), HFU only
+    hfu = metrics.flops_per_token(TINY, 128, trainable=0, adapter=a, recompute=True)
+    assert hfu == 740096 + 2 * 98304 + 2 * a + 4 * 2 * 64 * 129 / 2
+    assert metrics.mfu(1e6, 885504, 312) == pytest.approx(885504e6 / 312e12)
+
+
+def test_step_flops_counts_packed_samples_apart():
+    # a packed row of samples 3 and 5 long: 3·4/2 + 5·6/2 = 21 attention pairs, not the 36 of one 8-token sample
+    packed = {"input_ids": torch.tensor([[7, 8, 9, 7, 8, 9, 10, 11]]), "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])}
+    assert metrics.batch_counts(packed, pad_token_id=3) == (8, 8, 21)
+    assert metrics.step_flops(TINY, 8, 21) == 8 * 6 * 131072 + 12 * 2 * 64 * 21
+
+
+def test_batch_counts_padding_and_padding_free():
+    padded = {"input_ids": torch.tensor([[5, 6, 7, 3, 3], [5, 6, 7, 8, 9]]),
+              "attention_mask": torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])}
+    assert metrics.batch_counts(padded, pad_token_id=3) == (8, 10, 6 + 15)
+    # padding-free + pad_to_multiple_of: trailing pad slots have position 0 and are not tokens (nor samples)
+    free = {"input_ids": torch.tensor([[5, 6, 5, 6, 7, 3, 3, 3]]), "position_ids": torch.tensor([[0, 1, 0, 1, 2, 0, 0, 0]])}
+    assert metrics.batch_counts(free, pad_token_id=3) == (5, 8, 3 + 6)
+    # a pad id inside a sample (pad == eos setups) is a real token
+    inner = {"input_ids": torch.tensor([[5, 3, 6]]), "position_ids": torch.tensor([[0, 1, 2]])}
+    assert metrics.batch_counts(inner, pad_token_id=3) == (3, 3, 6)
+
+
+@pytest.mark.parametrize("name, peak", [("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H200", 989),
+                                        ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA A10G", 125), ("NVIDIA L4", 121),
+                                        ("NVIDIA L40S", 362), ("Some Future Chip", None)])
+def test_device_peak_by_name(name, peak):
+    assert metrics.device_peak_tflops(name) == peak
+
+
+def test_shape_from_config_matches_planner(tiny_model):
+    from transformers import AutoConfig
+
+    from sftrecipes.plan import model_shape
+
+    got = metrics.shape_from_config(AutoConfig.from_pretrained(tiny_model))
+    want = model_shape(str(tiny_model))
+    assert (got.hidden, got.layers, got.heads, got.kv_heads, got.head_dim, got.vocab) == \
+           (want.hidden, want.layers, want.heads, want.kv_heads, want.head_dim, want.vocab) == (64, 2, 4, 2, 16, 512)
+
+
+# ----------------------------------------------------------------------------------------------- one process
+
+
+def run_with_callback(monkeypatch, argv, peak_tflops=None):
+    """train.run (which attaches its ThroughputCallback), recording every batch the trainer trains on."""
+    import trl
+
+    fed = []
+    step = trl.SFTTrainer.training_step
+
+    def recording_step(self, model, inputs, *a, **kw):
+        fed.append({k: v.detach().clone() for k, v in inputs.items() if k in ("input_ids", "position_ids", "attention_mask")})
+        return step(self, model, inputs, *a, **kw)
+
+    monkeypatch.setattr(trl.SFTTrainer, "training_step", recording_step)
+    if peak_tflops is not None:
+        argv = [*argv, "--launch.peak_tflops", str(peak_tflops)]
+    trainer, summary = train.run(load_recipe(argv))
+    callbacks = [c for c in trainer.callback_handler.callbacks if isinstance(c, metrics.ThroughputCallback)]
+    assert len(callbacks) == 1  # train.py wires exactly one
+    assert summary["throughput"] == callbacks[0].summary
+    return trainer, callbacks[0], fed
+
+
+def segments(batch) -> list[int]:
+    """Sample lengths of a fed batch, computed here independently: mask row sums, or runs of increasing positions."""
+    if "attention_mask" in batch:
+        return batch["attention_mask"].sum(-1).tolist()
+    lengths = []
+    for p in batch["position_ids"].flatten().tolist():
+        if p == 0:
+            lengths.append(0)
+        lengths[-1] += 1
+    return lengths
+
+
+def tb_scalars(folder) -> dict[str, list[float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def check_png(path):
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    assert width > 100 and height > 100
+
+
+def test_unpacked_run_counts_non_pad_tokens(tiny_model, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "unpacked"
+    trainer, cb, fed = run_with_callback(monkeypatch, ["recipes/tiny/lora.yaml", "--output_dir", str(out), "--max_steps", "6",
+                                                      "--packing", "false", "--sample_max_new_tokens", "0"])
+    pad = trainer.processing_class.pad_token_id
+    s, rank = cb.summary, cb.summary["ranks"][0]
+    assert len(fed) == rank["steps"] == 6
+    real = sum(int((b["input_ids"] != pad).sum()) for b in fed)
+    slots = sum(b["input_ids"].numel() for b in fed)
+    assert rank["real_tokens"] == real and rank["token_slots"] == slots
+    assert real < slots  # padded batches: the share is below 1 and is what we measured
+    assert s["real_token_share"] == pytest.approx(real / slots)
+    # steady-state FLOPs per token from the batches of steps 2..6, LoRA: trainable 0 base weights, all-linear r=8
+    toks = sum(sum(segments(b)) for b in fed[1:])
+    pairs = sum(x * (x + 1) // 2 for b in fed[1:] for x in segments(b))
+    a = lora_params(TINY, "all-linear", 8)
+    assert rank["flops_per_token"] == pytest.approx(metrics.step_flops(TINY, toks, pairs, trainable=0, adapter=a) / toks)
+    assert rank["mfu"] is None and s["mfu"] is None  # CPU without a given peak: no MFU
+    assert rank["rss_peak_gb"] >= rank["rss_before_gb"] > 0.05 and rank["accelerator_peak_gb"] is None
+    # report_to none: our own event file carries the perf scalars and mirrors the trainer's loss
+    scalars = tb_scalars(out / "runs" / "throughput")
+    for tag in ("perf/step_time_s", "perf/tokens_per_s_per_device", "perf/real_token_share", "perf/model_tflops_per_device",
+                "mem/rss_gb", "train/loss"):
+        assert tag in scalars, sorted(scalars)
+    assert len(scalars["perf/step_time_s"]) == 6
+    assert sum(v for v in scalars["perf/real_token_share"]) / 6 == pytest.approx(
+        sum(int((b["input_ids"] != pad).sum()) / b["input_ids"].numel() for b in fed) / 6)
+    assert scalars["train/loss"] == pytest.approx([e["loss"] for e in trainer.state.log_history if "loss" in e])
+    check_png(out / "metrics.png")
+    table = capsys.readouterr().out
+    assert "real share" in table and table.count("\n   0 ") == 1  # one row, rank 0
+    saved = json.loads((out / "metrics.json").read_text())
+    assert saved["ranks"][0]["real_tokens"] == real and len(saved["ranks"][0]["series"]) == 6
+    assert "series" not in rank  # the returned summary (for run_summary.json) leaves the per-step series out
+
+
+def test_packed_run_mfu_and_tensorboard_beside_trainer(tiny_model, tmp_path, monkeypatch):
+    out = tmp_path / "packed"
+    trainer, cb, fed = run_with_callback(monkeypatch, ["recipes/tiny/lora.yaml", "--output_dir", str(out), "--max_steps", "6",
+                                                      "--report_to", "tensorboard", "--sample_max_new_tokens", "0"],
+                                         peak_tflops=0.05)
+    rank, pad = cb.summary["ranks"][0], trainer.processing_class.pad_token_id
+    assert all("attention_mask" not in b and "position_ids" in b for b in fed)  # TRL's padding-free packing
+    assert rank["real_tokens"] == sum(int((b["input_ids"] != pad).sum()) for b in fed) == rank["token_slots"]
+    assert cb.summary["real_token_share"] == 1.0
+    assert rank["mfu"] == pytest.approx(rank["model_tflops"] / 0.05) and 0 < rank["mfu"] < 1
+    assert rank["model_tflops"] == pytest.approx(rank["tokens_per_s"] * rank["flops_per_token"] / 1e12)
+    assert rank["ms_per_1k_real_tokens"] == pytest.approx(1e6 / rank["tokens_per_s"])
+    scalars = tb_scalars(out / "runs" / "throughput")
+    assert "perf/mfu" in scalars and "train/loss" not in scalars  # the trainer's TensorBoardCallback writes the loss
+    trainer_runs = [p for p in (out / "runs").iterdir() if p.name != "throughput"]
+    assert trainer_runs and "train/loss" in tb_scalars(trainer_runs[0])
+    check_png(out / "metrics.png")
+
+
+# ----------------------------------------------------------------------------------------------- two processes
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ddp_two_ranks_gathered_to_rank0(tiny_model, tmp_path):
+    """The DDP twin through its emitted launcher: train.py's callback gathers both ranks to rank 0."""
+    out = tmp_path / "ddp"
+    cmd = ["scripts/run_tiny-ddp.sh", "--output_dir", str(out), "--sample_max_new_tokens", "0"]
+    env = {**os.environ, "MAIN_PROCESS_PORT": str(free_port())}
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    saved = json.loads((out / "metrics.json").read_text())
+    assert saved["world_size"] == 2 and [r["rank"] for r in saved["ranks"]] == [0, 1]
+    for r in saved["ranks"]:
+        assert r["steps"] == 6 and len(r["series"]) == 6
+        assert r["real_tokens"] == sum(s["tokens"] for s in r["series"]) > 0
+        assert r["real_token_share"] == 1.0  # the twin packs (padding-free)
+    assert saved["ranks"][0]["real_tokens"] != saved["ranks"][1]["real_tokens"]  # each rank its own shard of the data
+    assert saved["tokens_per_s"] == pytest.approx(sum(r["tokens_per_s"] for r in saved["ranks"]))
+    rows = [line for line in res.stdout.splitlines() if line.strip().split(" ")[0] in ("0", "1") and "/" in line]
+    assert len(rows) == 2, res.stdout[-3000:]  # the table printed once (rank 0) with a row per rank
+    check_png(out / "metrics.png")
+    summary = json.loads((out / "run_summary.json").read_text())
+    assert summary["backend"]["world_size"] == 2
