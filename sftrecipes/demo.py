@@ -44,6 +44,12 @@ def demo() -> int:
     print(f"recipe        {RECIPE}")
     print(f"steps         {summary['steps']} in {summary['seconds']:.1f}s of training ({time.time() - start:.0f}s in all)")
     print(f"loss          {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} ({'fell' if fell else 'DID NOT FALL'})")
+    t = summary["throughput"]
+    mfu = "n/a on CPU (no peak given)" if t["mfu"] is None else f"{t['mfu']:.2f}"
+    print(f"throughput    {t['tokens_per_s_per_device']:.0f} real tokens/s/device, {t['step_time_s'] * 1e3:.0f} ms/step, "
+          f"real-token share {t['real_token_share']:.2f}, MFU {mfu}")
+    print(f"precision     {', '.join(f'{k}: {v}' for k, v in summary['precision'].items())}")
+    print(f"metrics       {out / 'metrics.png'}, TensorBoard: tensorboard --logdir {out / 'runs'}")
     print(f"adapter       {out}  ({summary['saved_tensors']} tensors)")
     print(f"merged model  {merged}  (loaded with AutoModelForCausalLM.from_pretrained)")
     print(f"prompt        {PROMPT[0]['content']}")
