@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export PYTHONDONTWRITEBYTECODE ?= 1
 
-.PHONY: venv assets demo test data schema docs emit plan bench clean sft-70b-lora sft-70b-qlora sft-offload sft-70b-fsdp sft-70b-qlora-fsdp sft-ddp
+.PHONY: venv assets demo test data schema docs emit plan bench bench-export clean sft-70b-lora sft-70b-qlora sft-offload sft-70b-fsdp sft-70b-qlora-fsdp sft-ddp
 
 $(STAMP): requirements.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -56,6 +56,9 @@ sft-ddp: $(STAMP)           ## Llama-2-7B LoRA, DDP, 8 GPUs
 
 bench: $(STAMP)             ## training throughput: train.py vs a bare TRL script on the tiny model (~5 min); writes docs/benchmarks.md
 	$(BIN)/python bench/bench_train.py $(ARGS)
+
+bench-export: $(STAMP)      ## export memory/time: streaming merge/export vs peft and torch DCP (~6 min); writes docs/benchmarks.md
+	$(BIN)/python bench/bench_export.py
 
 docs: $(STAMP)              ## regenerate docs/options.md from the schema
 	$(BIN)/python -m sftrecipes schema --docs

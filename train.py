@@ -17,6 +17,7 @@ import logging
 import sys
 import time
 
+from sftrecipes.checkpoints import TrainingStopped
 from sftrecipes.recipe import RecipeError, help_text, load_recipe
 
 log = logging.getLogger("sftrecipes")
@@ -26,7 +27,7 @@ def run(recipe):
     """Train as the recipe says. Returns (trainer, summary); the summary is also written to output_dir."""
     from trl import SFTTrainer
 
-    from sftrecipes import backends, checkpoints, data, metrics, model as models
+    from sftrecipes import backends, checkpoints, data, metrics, model as models, plan
 
     # 1. where we run: the cpu target sets use_cpu/gloo/threads so GPU command lines work as written
     backends.check_world_size(recipe)
@@ -35,10 +36,9 @@ def run(recipe):
     backends.apply_process_env(recipe, target)
     args = backends.training_args(recipe, target)
     resume = checkpoints.resolve_resume(recipe.trl.get("resume_from_checkpoint"), args.output_dir)
+    push_later = backends.prepare_hub(args)  # token out of saved files; no push attempt when the hub is unreachable
     if args.process_index == 0:
-        from sftrecipes.plan import pitfalls
-
-        for line in pitfalls(recipe):  # the global batch first, then any warning
+        for line in plan.pitfalls(recipe):  # the global batch first, then any warning
             (log.warning if line.startswith("WARNING") else log.info)("%s", line)
     for alias, key in recipe.renamed.items():
         log.info("recipe: '%s' is the old name of '%s'; using it as %s", alias, key, key)
@@ -61,21 +61,23 @@ def run(recipe):
         processing_class=tokenizer,
         peft_config=models.lora_config(recipe, added_tokens, model),
         callbacks=[load_probe := backends.load_memory_probe(), precision := backends.precision_probe(recipe),
-                   throughput := metrics.ThroughputCallback(peak_tflops=recipe.launch.peak_tflops)],
+                   throughput := metrics.ThroughputCallback(peak_tflops=recipe.launch.peak_tflops),
+                   guard := checkpoints.nonfinite_guard(recipe.run.nan_patience)],
     )
     precision.trainer = trainer
-    upcast = backends.apply_precision_policy(trainer, recipe)  # trainable params fp32 under mixed precision
-    if upcast:
-        log.info("precision: %d trainable tensors upcast to fp32 (e.g. %s)", len(upcast), upcast[0])
-    if recipe.model.precision == "memory_constrained":
-        log.warning("precision: memory_constrained — trainable weights and optimizer states stay %s: saves 2 bytes per "
-                    "trainable parameter plus half the optimizer states; small updates round away and training can "
-                    "stall or diverge", models.load_dtype(recipe))
+    checkpoints.make_checkpoints_atomic(trainer)  # a marker written last; rotation never drops the last complete one
+    backends.apply_precision_policy(trainer, recipe)  # trainable params fp32 under mixed precision (logged)
 
     # 4. train, resuming from the checkpoint chosen above ('auto' = the latest complete one in output_dir)
     start = time.time()
     trainer.train(resume_from_checkpoint=resume)
     seconds = time.time() - start
+    if guard.stopped:  # nothing trained after this point is trustworthy: no final save
+        last = checkpoints.latest_checkpoint(args.output_dir)
+        raise checkpoints.TrainingStopped(
+            f"training stopped: {guard.stopped}; the last good checkpoint is {last or 'none (no checkpoint was saved)'}; "
+            "lower learning_rate or check the data, then resume_from_checkpoint: auto"
+        )
     backend = backends.describe_backend(trainer)  # before save/generate, which gather shards
     load_memory = backends.gather_load_memory(trainer.accelerator, rss_before, load_probe.at_first_step or rss_before)
 
@@ -85,7 +87,15 @@ def run(recipe):
 
     # 6. a sample reply from the trained model (all ranks together: ZeRO-3/FSDP gather weights in each forward;
     #    after the save: bitsandbytes' CPU kernels repack 4-bit weights for inference)
-    reply = backends.sample_reply(trainer, tokenizer, prompt, recipe.data.sample_max_new_tokens) if recipe.data.sample_max_new_tokens else None
+    reply = backends.sample_reply(trainer, tokenizer, prompt, recipe.run.sample_max_new_tokens) if recipe.run.sample_max_new_tokens else None
+
+    if trainer.args.push_to_hub and trainer.is_world_process_zero():
+        try:
+            trainer.push_to_hub()
+        except Exception as e:  # noqa: BLE001 - any hub failure: the local result stays, say how to push it
+            push_later = f"hf upload {trainer.hub_model_id} {args.output_dir}"
+            log.error("push_to_hub: failed (%s); the local result in %s is complete; push later with: %s",
+                      type(e).__name__, args.output_dir, push_later)
 
     summary = {}
     if trainer.is_world_process_zero():
@@ -105,6 +115,7 @@ def run(recipe):
             "precision": precision.table,
             "throughput": throughput.summary,  # tokens/s/device, step time, MFU, memory per rank (also metrics.json/png)
             "sample": {"prompt": prompt, "reply": reply},
+            "push_later": push_later,
         }
         with open(f"{args.output_dir}/run_summary.json", "w") as f:
             json.dump(summary, f, indent=1)
@@ -126,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except TrainingStopped as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -13,7 +13,8 @@ MACHINE_RANK="${MACHINE_RANK:-${SLURM_NODEID:-0}}"
 MAIN_PROCESS_IP="${MAIN_PROCESS_IP:-127.0.0.1}"
 MAIN_PROCESS_PORT="${MAIN_PROCESS_PORT:-29500}"
 CMD=("$PY" -m accelerate.commands.launch --config_file configs/tiny-lora.yaml train.py "$RECIPE" "${EXTRA[@]}")
-eval "$("$PY" -m sftrecipes env "$RECIPE" "${EXTRA[@]}")"
+ENV="$("$PY" -m sftrecipes env "$RECIPE" "${EXTRA[@]}")" || exit $?  # a bad recipe or flag stops here
+eval "$ENV"
 if [ "$DRY_RUN" = 1 ]; then "$PY" -c "import shlex, sys; print(shlex.join(sys.argv[1:]))" "${CMD[@]}"; exit 0; fi
 PREFLIGHT=("$PY" -m sftrecipes preflight "$RECIPE" "${EXTRA[@]}")
 if [ "$FORCE" = 1 ]; then PREFLIGHT+=(--force); fi

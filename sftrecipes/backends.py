@@ -350,14 +350,21 @@ def apply_precision_policy(trainer, recipe: Recipe) -> list[str]:
     names upcast here."""
     import torch  # noqa: PLC0415
 
+    if recipe.model.precision == "memory_constrained":
+        log.warning("precision: memory_constrained — trainable weights and optimizer states stay in the load dtype: "
+                    "saves 2 bytes per trainable parameter plus half the optimizer states; small updates round away "
+                    "and training can stall or diverge")
+        return []
     mixed = trainer.args.bf16 or trainer.args.fp16
-    if recipe.model.precision != "fp32_trainable" or not mixed or recipe.launch.backend == "deepspeed":
+    if not mixed or recipe.launch.backend == "deepspeed":
         return []
     upcast = []
     for name, p in trainer.model.named_parameters():
         if p.requires_grad and p.dtype != torch.float32:
             p.data = p.data.float()
             upcast.append(name)
+    if upcast:
+        log.info("precision: %d trainable tensors upcast to fp32 (e.g. %s)", len(upcast), upcast[0])
     return upcast
 
 
@@ -416,3 +423,35 @@ def precision_probe(recipe: Recipe):
                              "\n".join(f"  {k:<26} {v}" for k, v in self.table.items()))
 
     return PrecisionProbe()
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    from huggingface_hub import constants  # noqa: PLC0415
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    import socket  # noqa: PLC0415
+    from urllib.parse import urlparse  # noqa: PLC0415
+
+    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def prepare_hub(args) -> str | None:
+    """Keep the hub token out of everything written (training_args.bin pickles the arguments) by moving it to the
+    environment huggingface_hub reads, and turn pushing off for a run that cannot reach the hub (transformers would
+    fail at start). Returns the command that pushes the result later, when pushing was turned off."""
+    if args.hub_token:
+        os.environ["HF_TOKEN"] = args.hub_token
+        args.hub_token = None
+    if not args.push_to_hub or hub_reachable():
+        return None
+    args.push_to_hub = False
+    repo = args.hub_model_id or os.path.basename(os.path.normpath(args.output_dir))
+    later = f"hf upload {repo} {args.output_dir}" + (" --private" if args.hub_private_repo else "")
+    log.warning("push_to_hub: the hub is unreachable; training continues and saves locally; push later with: %s", later)
+    return later

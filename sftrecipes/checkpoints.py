@@ -11,30 +11,58 @@ from .recipe import RecipeError
 
 log = logging.getLogger("sftrecipes")
 
-WEIGHT_PATTERNS = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors", "pytorch_model*.bin",
-                   "pytorch_model_fsdp_*", "global_step*")
+MARKER = "checkpoint.complete.json"  # written last, after every rank finished writing the checkpoint
+
+
+def write_marker(ckpt: Path) -> None:
+    """Record every file of a finished checkpoint with its size; written atomically, last."""
+    files = {str(p.relative_to(ckpt)): p.stat().st_size for p in sorted(ckpt.rglob("*")) if p.is_file() and p.name != MARKER}
+    tmp = ckpt / (MARKER + ".tmp")
+    tmp.write_text(json.dumps({"step": int(ckpt.name.rsplit("-", 1)[-1]), "files": files}, indent=1))
+    tmp.replace(ckpt / MARKER)
+
+
+def torn(ckpt: Path) -> str | None:
+    """Why a checkpoint cannot be trusted (no marker, a file missing or of another size), or None if complete."""
+    marker = ckpt / MARKER
+    if not marker.is_file():
+        return f"no {MARKER} (the save did not finish)"
+    try:
+        files = json.loads(marker.read_text())["files"]
+    except (json.JSONDecodeError, KeyError):
+        return f"{MARKER} is unreadable"
+    for rel, size in files.items():
+        f = ckpt / rel
+        if not f.is_file():
+            return f"{rel} is missing"
+        if f.stat().st_size != size:
+            return f"{rel} has {f.stat().st_size} bytes, {size} were written"
+    return None
 
 
 def is_complete(ckpt: Path) -> bool:
-    """A Trainer checkpoint folder with its state and weights written."""
-    if not (ckpt / "trainer_state.json").is_file():
-        return False
-    return any(any(ckpt.glob(p)) for p in WEIGHT_PATTERNS)
+    return torn(ckpt) is None
+
+
+def checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
+    out = Path(output_dir)
+    found = []
+    if out.is_dir():
+        for p in out.iterdir():
+            m = re.fullmatch(r"checkpoint-(\d+)", p.name)
+            if m and p.is_dir():
+                found.append((int(m.group(1)), p))
+    return sorted(found)
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    out = Path(output_dir)
-    if not out.is_dir():
-        return None
-    found = []
-    for p in out.iterdir():
-        m = re.fullmatch(r"checkpoint-(\d+)", p.name)
-        if m and p.is_dir():
-            if is_complete(p):
-                found.append((int(m.group(1)), p))
-            else:
-                log.warning("resume: skipping incomplete checkpoint %s", p)
-    return max(found)[1] if found else None
+    """The newest complete checkpoint; incomplete ones are skipped with a warning."""
+    for _, p in reversed(checkpoints(output_dir)):
+        why = torn(p)
+        if why is None:
+            return p
+        log.warning("resume: skipping %s: %s", p, why)
+    return None
 
 
 def resolve_resume(value: str | None, output_dir: str) -> str | None:
@@ -45,9 +73,46 @@ def resolve_resume(value: str | None, output_dir: str) -> str | None:
         ckpt = latest_checkpoint(output_dir)
         log.info("resume: %s", f"from {ckpt}" if ckpt else f"no complete checkpoint in {output_dir}, starting fresh")
         return str(ckpt) if ckpt else None
-    if not is_complete(Path(value)):
-        raise RecipeError(f"resume_from_checkpoint: '{value}' is not a complete checkpoint (needs trainer_state.json and weights); pick another or use auto")
+    why = torn(Path(value))
+    if why is not None:
+        raise RecipeError(f"resume_from_checkpoint: '{value}' is not a complete checkpoint ({why}); pick another or use auto")
     return value
+
+
+def rotate(output_dir: Path, limit: int | None, keep: Path | None = None) -> list[Path]:
+    """save_total_limit, safely: delete complete checkpoints beyond the newest `limit` complete ones, never the
+    newest complete one, never an incomplete one (it is evidence), never `keep` (the best model)."""
+    if not limit:
+        return []
+    complete = [p for _, p in checkpoints(output_dir) if is_complete(p)]
+    doomed = [p for p in complete[: -max(limit, 1)] if keep is None or p.resolve() != Path(keep).resolve()]
+    for p in doomed:
+        import shutil  # noqa: PLC0415
+
+        shutil.rmtree(p, ignore_errors=True)
+    return doomed
+
+
+def make_checkpoints_atomic(trainer) -> None:
+    """Every checkpoint gets its marker only after all ranks wrote their files; rotation happens after that and by
+    the rule above (transformers rotates before anything marks a checkpoint complete)."""
+    original = trainer._save_checkpoint
+
+    def save_checkpoint(model, trial):
+        limit = trainer.args.save_total_limit
+        trainer.args.save_total_limit = None  # no rotation inside: it would run before the marker exists
+        try:
+            original(model, trial)
+        finally:
+            trainer.args.save_total_limit = limit
+        run_dir = Path(trainer._get_output_dir(trial=trial))
+        trainer.accelerator.wait_for_everyone()
+        if trainer.args.should_save:
+            write_marker(run_dir / f"checkpoint-{trainer.state.global_step}")
+            rotate(run_dir, limit, keep=trainer.state.best_model_checkpoint)
+        trainer.accelerator.wait_for_everyone()
+
+    trainer._save_checkpoint = save_checkpoint
 
 
 def saved_tensor_names(folder: str | Path) -> dict[str, tuple[int, ...]]:
@@ -140,3 +205,36 @@ def save_final(trainer, recipe) -> int:
             raise RuntimeError(f"save check: sharded save in {out} lacks {len(missing)} tensors (e.g. {missing[:3]}), {len(empty)} empty")
         return len(saved)
     return check_saved(out, expected)
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped itself (non-finite loss or gradient norm); its message is one line."""
+
+
+def nonfinite_guard(patience: int):
+    """Callback: stop training when the logged loss or grad_norm is NaN/inf more than `patience` logs in a row. No
+    checkpoint is written at a step whose log is non-finite, so the last good one stays the latest. Checked at each
+    log (logging_steps). transformers replaces a NaN loss in the log by the running mean (logging_nan_inf_filter), so
+    the gradient norm is what usually gives it away."""
+    import math  # noqa: PLC0415
+
+    from transformers import TrainerCallback  # noqa: PLC0415
+
+    class NonFiniteGuard(TrainerCallback):
+        stopped: str | None = None
+        bad = 0
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            values = {k: v for k, v in (logs or {}).items() if k in ("loss", "grad_norm") and isinstance(v, (int, float))}
+            broken = {k: v for k, v in values.items() if not math.isfinite(v)}
+            if not values:
+                return
+            self.bad = self.bad + 1 if broken else 0
+            if broken:
+                control.should_save = False  # never checkpoint a broken state, patience or not
+            if broken and self.bad > patience:
+                key = "loss" if "loss" in broken else "grad_norm"
+                self.stopped = f"{key} is {broken[key]} at step {state.global_step} ({self.bad} log(s) in a row, nan_patience {patience})"
+                control.should_training_stop = True
+
+    return NonFiniteGuard()

@@ -6,7 +6,7 @@
     python -m sftrecipes plan RECIPE [--key value ...]                     memory plan: breakdown, verdict, what would fit
     python -m sftrecipes preflight RECIPE [--key value ...] [--force]      can it start here? (exit 2 if not)
     python -m sftrecipes env RECIPE [--key value ...]                      environment its ranks need (export lines)
-    python -m sftrecipes export SRC DEST [--dtype D] [--base DIR]          run output -> loadable HF folder
+    python -m sftrecipes export SRC DEST [--dtype D] [--base DIR] [--verify]  run output/checkpoint -> loadable HF folder
     python -m sftrecipes demo                                              tiny LoRA run end to end on CPU
     python -m sftrecipes schema [--refresh | --docs]                       check/refresh the TRL option snapshot, docs
 
@@ -90,8 +90,11 @@ def _preflight(ns) -> int:
 
     args = [a for a in ns.args if a != "--force"]
     recipe = load_recipe(args)
-    if args and args[0].endswith(".yaml"):  # launched from an emitted script: its config must match
-        check_config_matches(args[0], recipe)
+    if args and args[0].endswith(".yaml"):
+        if Path(args[0]).resolve().is_relative_to(Path("recipes").resolve()):
+            check_config_matches(args[0], recipe)  # launched from an emitted script: its config must match
+        elif recipe.launch.backend != "none":
+            raise RecipeError(f"launch: '{args[0]}' has no emitted launcher or config (it is not under recipes/); copy it under recipes/ and run make emit")
     print(preflight(recipe, force="--force" in ns.args))
     return 0
 
@@ -105,7 +108,7 @@ def _plan(ns) -> int:
 def _export(ns) -> int:
     from .export import export
 
-    print(export(ns.src, ns.dest, dtype=ns.dtype, base=ns.base))
+    print(export(ns.src, ns.dest, dtype=ns.dtype, base=ns.base, verify=ns.verify))
     return 0
 
 
@@ -144,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     x.add_argument("dest")
     x.add_argument("--base", default=None)
     x.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
+    x.add_argument("--verify", action="store_true", help="reload the export and compare logits with the source (needs RAM for two fp32 copies)")
     x.set_defaults(fn=_export)
     d = sub.add_parser("demo", help="tiny LoRA fine-tune, merge, reload, generate")
     d.set_defaults(fn=_demo)

@@ -26,6 +26,7 @@ import yaml
 
 from .backends import accelerate_config
 from .recipe import Recipe, RecipeError, load_recipe
+from .schema import LaunchOptions
 from .tiny import ROOT
 
 RECIPES = ROOT / "recipes"
@@ -34,8 +35,10 @@ HEADER = MARK + " from {recipe} — edit the recipe, not this file, then re-emit
 
 
 def recipe_name(path: str | Path) -> str:
-    rel = Path(path).resolve().relative_to(RECIPES.resolve()).with_suffix("")
-    return "-".join(rel.parts)
+    p = Path(path).resolve()
+    if not p.is_relative_to(RECIPES.resolve()):
+        raise RecipeError(f"emit: recipe '{path}' is not under recipes/; generated files are named after its path there — move it under recipes/ and run make emit")
+    return "-".join(p.relative_to(RECIPES.resolve()).with_suffix("").parts)
 
 
 def runnable_recipes() -> list[Path]:
@@ -78,7 +81,8 @@ def run_script(recipe: Recipe, rel: str, name: str) -> str:
     lines += [
         f"CMD=({' '.join(cmd)})",
         # the environment a rank needs on the recipe's hardware (cpu target: DS_ACCELERATOR, threads)
-        'eval "$("$PY" -m sftrecipes env "$RECIPE" "${EXTRA[@]}")"',
+        'ENV="$("$PY" -m sftrecipes env "$RECIPE" "${EXTRA[@]}")" || exit $?  # a bad recipe or flag stops here',
+        'eval "$ENV"',
         # --dry-run: the exact argv, POSIX-quoted (shlex.join) so it can be pasted or parsed back
         'if [ "$DRY_RUN" = 1 ]; then "$PY" -c "import shlex, sys; print(shlex.join(sys.argv[1:]))" "${CMD[@]}"; exit 0; fi',
         # pre-flight: recipe valid, hardware present, (memory plan) — exit 2 with the reason otherwise
@@ -220,9 +224,13 @@ def check_config_matches(recipe_path: str, recipe: Recipe) -> None:
     wanted = accelerate_config(recipe)
     diff = sorted(k for k in set(emitted) | set(wanted) if emitted.get(k) != wanted.get(k))
     if diff:
+        as_file = load_recipe([str(recipe_path)])  # name the recipe keys the command line changed
+        changed = [f"launch.{k}" for k in LaunchOptions.__dataclass_fields__ if getattr(as_file.launch, k) != getattr(recipe.launch, k)]
+        changed += [k for k in ("bf16", "fp16", "precision") if (as_file.trl_value(k) if k != "precision" else as_file.model.precision)
+                    != (recipe.trl_value(k) if k != "precision" else recipe.model.precision)]
         raise RecipeError(
-            f"launch: {cfg_file.relative_to(ROOT)} differs from the recipe as given ({', '.join(diff)}); launch keys cannot "
-            "be overridden on the command line: edit the recipe (or copy it) and run make emit"
+            f"launch: {', '.join(changed or diff)} given on the command line change(s) the launcher's accelerate config "
+            f"{cfg_file.relative_to(ROOT)}; edit the recipe (or copy it under recipes/) and run make emit"
         )
 
 

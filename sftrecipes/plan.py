@@ -695,4 +695,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(text)
-    return 0 if ok else 2
+    if not ok:
+        L = recipe.launch
+        print(f"error: launch.gpu_memory_gb: the plan above does not fit {L.gpu_memory_gb:g} GB per GPU"
+              + (f" or {L.cpu_ram_gb:g} GB of CPU RAM per node" if L.cpu_ram_gb else "")
+              + "; pick a strategy from its table", file=sys.stderr)
+        return 2
+    return 0

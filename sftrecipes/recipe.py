@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from .schema import ALIASES, NESTED, SECTIONS, DataOptions, LaunchOptions, ModelOptions, Option, all_options
+from .schema import ALIASES, NESTED, SECTIONS, DataOptions, LaunchOptions, ModelOptions, Option, RunOptions, all_options
 
 RESERVED = ("base",)
 TRUE = {"true", "yes", "1", "on"}
@@ -34,6 +34,7 @@ class Recipe:
     model: ModelOptions
     data: DataOptions
     launch: LaunchOptions
+    run: RunOptions
     trl: dict[str, Any]  # SFTConfig keys the recipe sets explicitly; everything else keeps TRL's default
     explicit: set[str] = field(default_factory=set)  # every key the user set (flat names, launch.<x>)
     sources: list[str] = field(default_factory=list)  # recipe files, base first
@@ -128,7 +129,20 @@ class _Src(str):
 
 
 def _tag(data: dict, src: str) -> dict:
-    return {k: (_tag(v, src) if isinstance(v, dict) and k in NESTED else (v, _Src(src))) for k, v in data.items()}
+    """Pair each value with its origin, and file aliases under their canonical key, so that a later layer (a child
+    recipe, the command line) overrides a base whichever spelling each uses."""
+    out: dict = {}
+    for k, v in data.items():
+        if isinstance(v, dict) and k in NESTED:
+            out[k] = _tag(v, src)
+            continue
+        canonical = ALIASES.get(k, k)
+        if canonical in out or (canonical != k and canonical in data):
+            raise RecipeError(f"'{k}' and '{canonical}' are the same option ({src}); keep only {canonical}")
+        origin = _Src(src)
+        origin.alias = k if canonical != k else None
+        out[canonical] = (v, origin)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- CLI
@@ -227,9 +241,11 @@ def coerce(opt: Option, value: Any, src: str) -> Any:
         return float(value)
     if kind in ("str", "int|str"):
         if isinstance(value, bool):
+            spellings = ("yes", "on", "true") if value else ("no", "off", "false")
+            meant = next((c for c in (opt.choices or ()) if str(c) in spellings), str(value).lower())
             raise bad(
                 "a string",
-                f"; YAML reads bare yes/no/on/off/true/false as booleans — quote it: {name}: \"{str(value).lower()}\""
+                f"; YAML reads bare yes/no/on/off/true/false as booleans — quote it: {name}: \"{meant}\""
                 if not from_cli else "",
             )
         if kind == "int|str" and isinstance(value, int):
@@ -284,7 +300,7 @@ def load_recipe(argv: list[str] | None = None, files: list[str] | None = None, o
         merged = deep_merge(merged, data)
         sources += chain
     for k, v in (overrides or {}).items():
-        merged = deep_merge(merged, {k: ({kk: (vv, _Src("overrides")) for kk, vv in v.items()} if k in NESTED else (v, _Src("overrides")))})
+        merged = deep_merge(merged, _tag({k: v}, "overrides"))
     # CLI: `--launch.gpus_per_node 2` lands in the nested section
     for name, (raw, src) in flags.items():
         section, dot, sub = name.partition(".")
@@ -292,7 +308,7 @@ def load_recipe(argv: list[str] | None = None, files: list[str] | None = None, o
             merged.setdefault(section, {})
             merged[section] = deep_merge(merged[section], {sub: (raw, src)})
         else:
-            merged[name] = (raw, src)
+            merged = deep_merge(merged, _tag({name: raw}, src))
 
     values: dict[str, Any] = {}
     renamed: dict[str, str] = {}
@@ -309,17 +325,16 @@ def load_recipe(argv: list[str] | None = None, files: list[str] | None = None, o
                 values[full] = coerce(options[full], raw, src)
             continue
         raw, src = entry
-        canonical = ALIASES.get(key, key)
-        if canonical not in options:
+        alias = getattr(src, "alias", None)  # the spelling used, when it was an old name (see _tag)
+        if key not in options:
             nested_hint = [f"{s}.{key}" for s, cls in NESTED.items() if key in cls.__dataclass_fields__]
             hint = f"it belongs under '{nested_hint[0].split('.')[0]}:' ({nested_hint[0]})" if nested_hint else _suggest(key, flat_names)
             raise RecipeError(f"unknown key '{key}' ({src}); {hint}")
-        if canonical != key:
-            if canonical in merged and canonical != key:
-                raise RecipeError(f"'{key}' and '{canonical}' are the same option ({src}); keep only {canonical}")
-            renamed[key] = canonical
+        canonical = key
+        if alias:
+            renamed[alias] = canonical
         values[canonical] = coerce(options[canonical], raw, src)
-        if key == "warmup_ratio" and not 0.0 <= values[canonical] < 1.0:
+        if alias == "warmup_ratio" and not 0.0 <= values[canonical] < 1.0:
             raise RecipeError(f"warmup_ratio: {values[canonical]} is not a ratio in [0, 1) ({src}); for a step count use warmup_steps")
 
     return _build(values, sources, renamed)
@@ -327,7 +342,7 @@ def load_recipe(argv: list[str] | None = None, files: list[str] | None = None, o
 
 def _build(values: dict[str, Any], sources: list[str], renamed: dict[str, str]) -> Recipe:
     options = all_options()
-    kw: dict[str, dict[str, Any]] = {"model": {}, "data": {}, "launch": {}}
+    kw: dict[str, dict[str, Any]] = {"model": {}, "data": {}, "run": {}, "launch": {}}
     trl: dict[str, Any] = {}
     for name, v in values.items():
         owner = options[name].owner
@@ -339,6 +354,7 @@ def _build(values: dict[str, Any], sources: list[str], renamed: dict[str, str]) 
         model=ModelOptions(**kw["model"]),
         data=DataOptions(**kw["data"]),
         launch=LaunchOptions(**kw["launch"]),
+        run=RunOptions(**kw["run"]),
         trl=trl,
         explicit=set(values),
         sources=sources,
@@ -452,6 +468,9 @@ def validate(r: Recipe) -> None:
     for key in ("per_device_train_batch_size", "gradient_accumulation_steps"):
         if r.trl_value(key) < 1:
             raise RecipeError(f"{key}: must be >= 1, got {r.trl_value(key)}")
+    for key in ("sample_max_new_tokens", "nan_patience"):
+        if getattr(r.run, key) < 0:
+            raise RecipeError(f"{key}: must be >= 0, got {getattr(r.run, key)}")
     for key in ("num_machines", "gpus_per_node", "cpu_threads"):
         if getattr(L, key) < 1:
             raise RecipeError(f"launch.{key}: must be >= 1, got {getattr(L, key)}")
@@ -468,6 +487,10 @@ FSDP_KEYS = ("fsdp_version", "fsdp_sharding_strategy", "fsdp_state_dict_type", "
 
 def _validate_launch(r: Recipe) -> None:
     L, ex, m = r.launch, r.explicit, r.model
+    if L.backend != "none":  # the launch section renders the accelerate config; transformers' own switches would fight it
+        for key in ("fsdp", "fsdp_config", "deepspeed"):
+            if r.trl.get(key):
+                raise RecipeError(f"{key}: set with launch.backend {L.backend}, whose accelerate config decides the distribution; use the launch: keys (e.g. gradient_checkpointing: true instead of fsdp_config.activation_checkpointing) and remove {key}")
     # these two land in #SBATCH directive lines, which no shell quoting protects: only plain values pass
     if L.slurm_partition is not None and not re.fullmatch(r"[A-Za-z0-9_.,-]+", L.slurm_partition):
         raise RecipeError(f"launch.slurm_partition: {L.slurm_partition!r} is not a partition name (letters, digits, _ . , -)")
@@ -515,9 +538,9 @@ def help_text() -> str:
     groups: dict[str, list[Option]] = {}
     for o in all_options().values():
         groups.setdefault(o.owner, []).append(o)
-    titles = {"model": "Model, LoRA, quantization", "data": "Data", "launch": "Launch (launch: section)",
+    titles = {"model": "Model, LoRA, quantization", "data": "Data", "run": "Run", "launch": "Launch (launch: section)",
               "trl": "TRL SFTConfig / transformers TrainingArguments (as TRL defines them)"}
-    for owner in ("model", "data", "launch", "trl"):
+    for owner in ("model", "data", "run", "launch", "trl"):
         lines.append(f"{titles[owner]}:")
         for o in groups.get(owner, []):
             lines.append(f"  --{o.name}  {o.describe()}")
@@ -531,12 +554,12 @@ def options_markdown() -> str:
     out = ["# Recipe options", "",
            "Generated from `sftrecipes/schema.py` and TRL's `SFTConfig` by `make docs`; do not edit by hand.",
            "Every key is a YAML key and a `--flag`; launch keys live under `launch:` (flag `--launch.KEY`).", ""]
-    titles = {"model": "Model, LoRA, quantization", "data": "Data", "launch": "Launch (`launch:` section)",
+    titles = {"model": "Model, LoRA, quantization", "data": "Data", "run": "Run", "launch": "Launch (`launch:` section)",
               "trl": "TRL `SFTConfig` / transformers `TrainingArguments` (defaults as TRL sets them)"}
     groups: dict[str, list[Option]] = {}
     for o in all_options().values():
         groups.setdefault(o.owner, []).append(o)
-    for owner in ("model", "data", "launch", "trl"):
+    for owner in ("model", "data", "run", "launch", "trl"):
         out += [f"## {titles[owner]}", "", "| key | type | default | help |", "|---|---|---|---|"]
         for o in groups[owner]:
             choices = f" One of: {', '.join(f'`{c}`' for c in o.choices)}." if o.choices else ""

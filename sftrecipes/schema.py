@@ -114,10 +114,21 @@ class DataOptions:
         "Append the EOS token to each sample (the separator between packed samples), unless the sample already "
         "ends with it.",
     )
+
+
+@dataclass
+class RunOptions:
+    """How the run behaves around training (train.py)."""
+
     sample_max_new_tokens: int = opt(
         32,
         "After training, greedily generate this many tokens in reply to the first prompt of the eval split (else the "
         "train split) and log it with the run summary; every rank takes part (ZeRO-3/FSDP need that). 0 turns it off.",
+    )
+    nan_patience: int = opt(
+        0,
+        "Stop when the logged loss or gradient norm has been NaN/inf this many times in a row beyond the first (0: at "
+        "the first). The final model is then not saved; the last good checkpoint stays, and the run exits 1 naming it.",
     )
 
 
@@ -167,7 +178,7 @@ class LaunchOptions:
     slurm_time: str = opt("24:00:00", "Multi-node: SLURM time limit.")
 
 
-SECTIONS: dict[str, type] = {"model": ModelOptions, "data": DataOptions}
+SECTIONS: dict[str, type] = {"model": ModelOptions, "data": DataOptions, "run": RunOptions}
 NESTED: dict[str, type] = {"launch": LaunchOptions}
 
 # Keys renamed upstream or spelled differently by the PEFT guide / older TRL. They are accepted and mapped;

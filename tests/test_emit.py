@@ -119,10 +119,11 @@ def test_recipe_strings_are_passed_literally(tmp_path, value):
         got = subprocess.run(["bash", "-c", assign + '\nprintf "%s" "$OUTPUT_DIR"'], cwd=tmp_path, capture_output=True, text=True)
         assert got.stdout == f"outputs/{value}"
         # extra words given to the launcher reach its argv unchanged
-        res = subprocess.run(["scripts/run_llama2-70b-lora.sh", "--dry-run", "--run_name", value], cwd=ROOT,
+        words = [f"--run_name={value}"] if value.startswith("--") else ["--run_name", value]  # a flag-like value needs =
+        res = subprocess.run(["scripts/run_llama2-70b-lora.sh", "--dry-run", *words], cwd=ROOT,
                              capture_output=True, text=True, timeout=60)
         assert res.returncode == 0, res.stderr
-        assert shlex.split(res.stdout)[-2:] == ["--run_name", value]
+        assert shlex.split(res.stdout)[-len(words):] == words
         assert not (ROOT / "PWNED").exists() and not (tmp_path / "PWNED").exists()
     finally:
         for f in rdir.iterdir():

@@ -363,6 +363,19 @@ def obs_precision(tiny_model, tmp_path):
     assert models.load_dtype(recipe(*base)) == torch.float32 and backends.training_args(recipe(*base), "cpu").bf16
 
 
+def obs_nan_patience(tiny_model, tmp_path):
+    from transformers import TrainerControl, TrainerState
+
+    from sftrecipes import checkpoints
+
+    guard = checkpoints.nonfinite_guard(recipe("--nan_patience", 2).run.nan_patience)
+    control, state = TrainerControl(), TrainerState()
+    for i in range(3):
+        assert not control.should_training_stop
+        guard.on_log(None, state, control, logs={"loss": 1.0, "grad_norm": float("nan")})
+    assert control.should_training_stop and "nan_patience 2" in guard.stopped
+
+
 OBSERVERS = {name[4:].replace("launch_", "launch."): fn for name, fn in globals().items() if name.startswith("obs_")}
 OBSERVERS["model_name_or_path"] = OBSERVERS.pop("model_name")
 OBSERVERS["tokenizer_name_or_path"] = OBSERVERS.pop("tokenizer_name")

@@ -66,20 +66,20 @@ def test_base_inheritance_deep_merge_and_cli_wins(tmp_path):
         lora_r: 8
         lora_alpha: 16
         learning_rate: 1.0e-4
-        fsdp_config: {min_num_params: 10, xla: false}
+        lr_scheduler_kwargs: {min_lr: 10, warmup: false}
         launch: {backend: ddp, num_machines: 2, gpus_per_node: 8}
         """, name="a/parent.yaml")
     child = write(tmp_path, "b/child.yaml", """\
         base: ../a/parent.yaml
         lora_r: 16
-        fsdp_config: {xla: true}
+        lr_scheduler_kwargs: {warmup: true}
         launch: {gpus_per_node: 4}
         """)
     r = load_recipe([str(child), "--lora_alpha", "32", "--launch.num_machines", "1"])
     assert r.model.lora_r == 16  # child wins over base
     assert r.model.lora_alpha == 32  # CLI wins over both
     assert r.trl["learning_rate"] == 1e-4  # inherited
-    assert r.trl["fsdp_config"] == {"min_num_params": 10, "xla": True}  # dict options merge key by key
+    assert r.trl["lr_scheduler_kwargs"] == {"min_lr": 10, "warmup": True}  # dict options merge key by key
     assert (r.launch.num_machines, r.launch.gpus_per_node) == (1, 4)  # sections merge deeply
     assert r.sources == [str(parent), str(child)]
 

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 import train
+from conftest import run_cli
 from sftrecipes.recipe import load_recipe
 from test_recipe import GUIDE_ZERO3
 
@@ -161,3 +162,105 @@ def test_8bit_lora_on_cpu(tiny_model, tmp_path):
                                               "--output_dir", str(tmp_path), "--max_steps", "4", "--logging_steps", "1"]))
     assert len([m for m in trainer.model.modules() if isinstance(m, bnb.nn.Linear8bitLt)]) == 14
     assert summary["last_loss"] < summary["first_loss"]
+
+
+def test_checkpoints_are_marked_complete_and_torn_ones_never_load(tiny_model, tmp_path):
+    from sftrecipes import checkpoints as ck
+    from sftrecipes.recipe import RecipeError
+
+    train.run(load_recipe(["recipes/tiny/lora.yaml", "--output_dir", str(tmp_path), "--max_steps", "6", "--save_strategy",
+                           "steps", "--save_steps", "2", "--save_total_limit", "2", "--sample_max_new_tokens", "0"]))
+    kept = [p.name for _, p in ck.checkpoints(tmp_path)]
+    assert kept == ["checkpoint-4", "checkpoint-6"]  # retention after marking
+    assert all(ck.is_complete(tmp_path / k) for k in kept)
+    marker = json.loads((tmp_path / "checkpoint-6" / ck.MARKER).read_text())
+    assert "adapter_model.safetensors" in marker["files"] and "trainer_state.json" in marker["files"]
+    # a truncated shard: detected, skipped by auto, refused when named
+    shard = tmp_path / "checkpoint-6" / "adapter_model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:100])
+    assert "adapter_model.safetensors has 100 bytes" in ck.torn(tmp_path / "checkpoint-6")
+    assert ck.latest_checkpoint(tmp_path) == tmp_path / "checkpoint-4"
+    with pytest.raises(RecipeError, match="not a complete checkpoint"):
+        ck.resolve_resume(str(tmp_path / "checkpoint-6"), str(tmp_path))
+    # a deleted file
+    (tmp_path / "checkpoint-4" / "optimizer.pt").unlink()
+    assert ck.torn(tmp_path / "checkpoint-4") == "optimizer.pt is missing"
+    assert ck.latest_checkpoint(tmp_path) is None
+    # retention never removes the newest complete checkpoint, even when newer torn ones exist
+    for step in (8, 10):
+        d = tmp_path / f"checkpoint-{step}"
+        d.mkdir()
+        (d / "trainer_state.json").write_text("{}")
+    ck.write_marker(tmp_path / "checkpoint-8")
+    assert ck.rotate(tmp_path, 1) == []  # checkpoint-8 is the only complete one; 10 is torn: both stay
+    assert (tmp_path / "checkpoint-8").is_dir() and (tmp_path / "checkpoint-10").is_dir()
+
+
+@pytest.mark.parametrize("patience", [0, 1])
+def test_nonfinite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tiny_model, tmp_path, monkeypatch, patience):
+    import trl
+
+    from sftrecipes.checkpoints import TrainingStopped
+
+    compute = trl.SFTTrainer.compute_loss
+    calls = {"n": 0}
+
+    def poisoned(self, *a, **kw):  # the loss turns NaN from the 5th micro-step on
+        calls["n"] += 1
+        out = compute(self, *a, **kw)
+        if calls["n"] < 5:
+            return out
+        return (out[0] * float("nan"), *out[1:]) if isinstance(out, tuple) else out * float("nan")
+
+    monkeypatch.setattr(trl.SFTTrainer, "compute_loss", poisoned)
+    argv = ["recipes/tiny/lora.yaml", "--output_dir", str(tmp_path), "--max_steps", "10", "--logging_steps", "1",
+            "--save_strategy", "steps", "--save_steps", "2", "--sample_max_new_tokens", "0", "--nan_patience", str(patience)]
+    with pytest.raises(TrainingStopped) as e:
+        train.run(load_recipe(argv))
+    msg = str(e.value)
+    # transformers hides NaN losses from the log (logging_nan_inf_filter); the gradient norm gives it away
+    assert f"grad_norm is nan at step {5 + patience}" in msg and "checkpoint-4" in msg and "\n" not in msg, msg
+    assert not (tmp_path / "adapter_model.safetensors").exists()  # no final save of a poisoned model
+    # step 6 would have saved, but its log was already NaN (with patience 1 the run went on to step 6)
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+
+
+def test_hub_token_never_written_and_offline_push_keeps_local_result(tiny_model, tmp_path):
+    """push_to_hub with the hub unreachable (HF_HUB_OFFLINE=1 here): the run trains and saves locally and says
+    what to run later; the token appears in no output: not stdout/stderr, not any file written (training_args.bin
+    pickles the arguments)."""
+    secret = "hf_NOTREALtokenForTests0123456789"
+    out = tmp_path / "run"
+    res = run_cli(["train.py", "recipes/tiny/lora.yaml", "--output_dir", str(out), "--max_steps", "2", "--save_strategy",
+                   "steps", "--save_steps", "2", "--push_to_hub", "--hub_token", secret, "--hub_private_repo", "True",
+                   "--report_to", "tensorboard", "--sample_max_new_tokens", "0"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert secret not in res.stdout + res.stderr
+    written = [p for p in out.rglob("*") if p.is_file()]
+    assert any(p.name == "training_args.bin" for p in written) and any("events.out.tfevents" in p.name for p in written)
+    for p in written:
+        assert secret.encode() not in p.read_bytes(), p
+    summary = json.loads((out / "run_summary.json").read_text())
+    assert summary["push_later"] == f"hf upload run {out} --private"
+    assert "push later with: hf upload run" in res.stderr
+    assert (out / "adapter_model.safetensors").is_file()
+
+
+def test_trust_remote_code_is_off_unless_set_and_said(tiny_model, tmp_path, caplog, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    seen = []
+    load = AutoModelForCausalLM.from_pretrained.__func__
+
+    def spy(cls, *a, **kw):
+        seen.append(kw.get("trust_remote_code"))
+        return load(cls, *a, **kw)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(spy))
+    common = ["recipes/tiny/lora.yaml", "--max_steps", "1", "--sample_max_new_tokens", "0"]
+    with caplog.at_level("WARNING", logger="sftrecipes"):
+        train.run(load_recipe(common + ["--output_dir", str(tmp_path / "off")]))
+        assert seen == [False] and not any("trust_remote_code" in r.message for r in caplog.records)
+        train.run(load_recipe(common + ["--output_dir", str(tmp_path / "on"), "--trust_remote_code", "True"]))
+    assert seen == [False, True]
+    assert any("trust_remote_code: on" in r.message for r in caplog.records)

@@ -1,0 +1,339 @@
+"""Exports from every backend's checkpoints, for real: each twin runs 3 steps on 2 processes and saves checkpoint-3;
+its conversion must load with plain transformers/peft and hold exactly the trained fp32 values (checked against the
+upstream converters: DeepSpeed's zero_to_fp32, torch's dcp_to_torch_save, peft's merge), or be within the dtype's
+tolerance for 16-bit. Bad inputs (torn, missing, wrong base, unknown) are one-line errors that leave nothing behind."""
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT
+from test_twins import launch
+
+from sftrecipes import export as ex
+from sftrecipes.recipe import RecipeError
+
+STEPS = ["--max_steps", "3", "--save_strategy", "steps", "--save_steps", "3", "--sample_max_new_tokens", "0"]
+IDS = torch.tensor([[1, 20, 30, 40, 50, 60, 70, 80]])
+
+
+def accelerate_launch(recipe: str, out, script: str, extra=(), accelerate_config=None, port=29761):
+    """Launch `script` on 2 processes as the twin launchers do (accelerate config + the recipe's env)."""
+    import yaml
+
+    from sftrecipes.backends import accelerate_config as acc_cfg, launcher_env
+    from sftrecipes.recipe import load_recipe
+
+    args = [recipe, "--output_dir", str(out), *extra]
+    r = load_recipe(args)
+    if accelerate_config is None:
+        accelerate_config = out.parent / (out.name + "-accelerate.yaml")
+        accelerate_config.write_text(yaml.safe_dump(acc_cfg(r)))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accelerate_config), "--num_machines", "1",
+           "--num_processes", "2", "--machine_rank", "0", "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), script, *args]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, **launcher_env(r)})
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model, tmp_path_factory):
+    """name -> output_dir of a 3-step run, launched on first use and shared by the module's tests."""
+    root = tmp_path_factory.mktemp("runs")
+    done = {}
+
+    def get(name):
+        if name in done:
+            return done[name]
+        out = root / name
+        if name == "zero2-full":  # the shipped ZeRO-1/2 twins are LoRA: a full fine-tune on ZeRO-2 from the offload recipe
+            recipe = root / "zero2-full.yaml"
+            recipe.write_text(f"base: [{ROOT}/recipes/tiny/offload.yaml]\nlaunch:\n  zero_stage: 2\n  zero3_init: false\n"
+                              "  offload_optimizer: false\n  offload_params: false\n")
+            accelerate_launch(str(recipe), out, "train.py", STEPS)
+        elif name == "zero3-driver":  # ZeRO-3 LoRA twin ending with merge_in_run
+            accelerate_launch("recipes/tiny/zero3.yaml", out, "tests/zero3_merge_driver.py", STEPS,
+                              accelerate_config=ROOT / "configs/tiny-zero3.yaml")
+        elif name == "qlora":
+            import train
+            from sftrecipes.recipe import load_recipe
+
+            train.run(load_recipe(["recipes/tiny/qlora.yaml", "--output_dir", str(out), "--max_steps", "5", "--sample_max_new_tokens", "0"]))
+        else:
+            launch(name, out, STEPS, env={"MAIN_PROCESS_PORT": "29771"})
+        done[name] = out
+        return out
+
+    return get
+
+
+def tiny_logits(model):
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=IDS).logits
+
+
+def assert_manifest(folder):
+    lines = (folder / ex.MANIFEST).read_text().splitlines()
+    listed = {line.split("  ", 1)[1]: line.split("  ", 1)[0] for line in lines}
+    assert set(listed) == {p.name for p in folder.iterdir()} - {ex.MANIFEST}
+    for name, digest in listed.items():
+        assert hashlib.sha256((folder / name).read_bytes()).hexdigest() == digest, name
+
+
+def assert_equal_tensors(ours: dict, ref: dict):
+    assert set(ours) == set(ref), set(ours) ^ set(ref)
+    for k in ours:
+        assert ours[k].dtype == ref[k].dtype == torch.float32 and torch.equal(ours[k], ref[k]), k
+
+
+# -------------------------------------------------------------------------------------------- full-model checkpoints
+
+@pytest.mark.parametrize("name", ["zero2-full", "offload", "fsdp1", "fsdp"])
+def test_full_checkpoint_exports_exactly(runs, tmp_path, name, capsys):
+    """ZeRO-2 and ZeRO-3 (offload) full fine-tunes: the fp32 master weights, equal to zero_to_fp32's; FSDP1/FSDP2
+    sharded checkpoints: equal to torch's DCP converter. verify=True compares logits and prints the difference."""
+    from transformers import AutoModelForCausalLM
+
+    ckpt = runs(name) / "checkpoint-3"
+    out = ex.export(ckpt, tmp_path / "out", verify=True)
+    assert "verify: max abs logits difference 0 " in capsys.readouterr().out
+    ours = load_file(out / "model.safetensors")
+    if name.startswith("fsdp"):
+        ref = ex.upstream_state_dict("dcp", ckpt / "pytorch_model_fsdp_0")
+    else:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        ref = get_fp32_state_dict_from_zero_checkpoint(str(ckpt))  # 'latest' names the tag
+    assert len(ours) == 21
+    assert_equal_tensors(ours, {k: v.contiguous() for k, v in ref.items()})
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+    assert_manifest(out)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.dtype == torch.float32 and torch.isfinite(tiny_logits(model)).all()
+
+
+def test_zero_export_in_bf16_within_tolerance(runs, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    ckpt = runs("zero2-full") / "checkpoint-3"
+    fp32 = AutoModelForCausalLM.from_pretrained(ex.export(ckpt, tmp_path / "f32"))
+    out = ex.export(ckpt, tmp_path / "b16", dtype="bfloat16", verify=True)
+    assert {t.dtype for t in load_file(out / "model.safetensors").values()} == {torch.bfloat16}
+    b16 = AutoModelForCausalLM.from_pretrained(out)
+    assert b16.dtype == torch.bfloat16
+    ref = tiny_logits(fp32)
+    diff = (tiny_logits(b16.float()) - ref).abs().max().item()
+    assert 0 < diff <= ex.LOGIT_TOL[torch.bfloat16] * ref.abs().max().item()
+
+
+def test_export_writes_shards_and_index(runs, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    ckpt = runs("offload") / "checkpoint-3"
+    out = ex.export(ckpt, tmp_path / "sharded", max_shard_bytes=100_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(files) > 3 and sorted(set(index["weight_map"].values())) == files
+    a = AutoModelForCausalLM.from_pretrained(out)
+    b = AutoModelForCausalLM.from_pretrained(ex.export(ckpt, tmp_path / "one"))
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert_manifest(out)
+
+
+# ------------------------------------------------------------------------------------------------ LoRA checkpoints
+
+@pytest.mark.parametrize("name, kind", [("zero1", "zero"), ("qlora-fsdp", "dcp")])
+def test_lora_checkpoint_exports_an_adapter(runs, tmp_path, name, kind, capsys):
+    """A LoRA checkpoint holds only adapter tensors: it becomes an adapter folder PeftModel loads, equal to the
+    upstream-read fp32 values (ZeRO: fp32 masters; FSDP QLoRA: the bf16 adapter as saved)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ckpt = runs(name) / "checkpoint-3"
+    out = ex.export(ckpt, tmp_path / "adapter", verify=True)
+    assert "verify: max abs logits difference 0 " in capsys.readouterr().out
+    ours = load_file(out / "adapter_model.safetensors")
+    folder = ckpt / "pytorch_model_fsdp_0" if kind == "dcp" else ckpt / "global_step3"
+    ref = {ex._peft_name(k): v for k, v in ex.upstream_state_dict(kind, folder).items()}
+    assert len(ours) == 28 and set(ours) == set(ref)
+    assert all(torch.equal(ours[k], ref[k]) for k in ours)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(".assets/tiny-llama"), out)
+    loaded = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    assert len(loaded) == 28 and all(torch.equal(p.detach(), ours[ex._peft_name(n)].to(p.dtype)) for n, p in loaded.items())
+    assert_manifest(out)
+    merged = ex.export(out, tmp_path / "merged")  # the adapter folder exports again: merged into its base
+    assert AutoModelForCausalLM.from_pretrained(merged).config.vocab_size == 512
+
+
+def test_zero3_lora_merge_in_run_and_checkpoint(runs, tmp_path):
+    """ZeRO-3 LoRA: merge_in_run (all ranks gather, rank 0 writes) equals the offline streaming merge of the same
+    adapter into the same (bf16, as ZeRO-3 holds it) base; the checkpoint exports as an exact fp32 adapter."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    run = runs("zero3-driver")
+    in_run = run / "merged-in-run"
+    assert not list(run.glob("merged-in-run.tmp-*"))
+    assert_manifest(in_run)
+    base16 = ex.rewrite_model(ROOT / ".assets/tiny-llama", tmp_path / "base16", {}, "bfloat16", ROOT / ".assets/tiny-llama")
+    offline = ex.merge_lora(run, tmp_path / "offline", base=str(base16), dtype="float32")
+    a, b = load_file(in_run / "model.safetensors"), load_file(offline / "model.safetensors")
+    assert set(a) == set(b) and len(a) == 21
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-6, msg=k)
+    assert torch.isfinite(tiny_logits(AutoModelForCausalLM.from_pretrained(in_run))).all()
+    adapter = load_file(ex.export(run / "checkpoint-3", tmp_path / "adapter") / "adapter_model.safetensors")
+    ref = get_fp32_state_dict_from_zero_checkpoint(str(run / "checkpoint-3"))
+    assert_equal_tensors(adapter, {ex._peft_name(k): v for k, v in ref.items()})
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_qlora_adapter_merges_into_16bit_base(runs, tmp_path, dtype, capsys):
+    """The QLoRA adapter (trained against 4-bit nf4 weights) merged into the unquantized base, output dtype chosen:
+    equal to peft's merge_and_unload on the non-quantized base (fp32: 1e-6; bf16: the export's rounding)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    run = runs("qlora")
+    out = ex.export(run, tmp_path / "merged", dtype=dtype, verify=True)
+    assert "verify: max abs logits difference" in capsys.readouterr().out
+    ours = AutoModelForCausalLM.from_pretrained(out)
+    assert ours.dtype == ex.TORCH_DTYPES[dtype]
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(".assets/tiny-llama"), run).merge_and_unload()
+    sd = peft.state_dict()
+    for n, t in ours.state_dict().items():
+        want = sd[n].to(t.dtype)
+        if dtype == "float32":
+            torch.testing.assert_close(t, want, atol=1e-6, rtol=1e-6, msg=n)
+        else:  # one bf16 rounding of the same fp32 value: at most one ulp apart (merge order differs from peft's)
+            torch.testing.assert_close(t.float(), want.float(), atol=0, rtol=2**-7, msg=n)
+
+
+def test_ddp_final_adapter_merges_with_verify(runs, tmp_path, capsys):
+    out = ex.export(runs("ddp"), tmp_path / "merged", verify=True)
+    assert "verify: max abs logits difference" in capsys.readouterr().out
+    assert len(load_file(out / "model.safetensors")) == 21
+
+
+# -------------------------------------------------------------------------------------------------- bad inputs
+
+def test_unknown_folder_and_unfinished_run_are_named(tmp_path):
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "notes.txt").write_text("x")
+    with pytest.raises(RecipeError, match=r"is none of: .*found notes.txt") as e:
+        ex.export(tmp_path / "junk", tmp_path / "out")
+    assert "\n" not in str(e.value)
+    (tmp_path / "run" / "checkpoint-6").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoint-12").mkdir()
+    with pytest.raises(RecipeError, match=r"no final save .*checkpoint-6, checkpoint-12; export one of them"):
+        ex.export(tmp_path / "run", tmp_path / "out")
+    assert not list(tmp_path.glob("out*"))
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_torn_zero_checkpoint_is_refused(runs, tmp_path, damage):
+    ckpt = _copy(runs("zero1") / "checkpoint-3", tmp_path / "ck")
+    rank1 = ckpt / "global_step3" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    if damage == "truncate":
+        os.truncate(rank1, rank1.stat().st_size // 2)
+        match = "truncated or corrupt"
+    else:
+        rank1.unlink()
+        match = "1 \\*_optim_states.pt files but was saved by 2 ranks"
+    with pytest.raises(RecipeError, match=match) as e:
+        ex.export(ckpt, tmp_path / "out")
+    assert "\n" not in str(e.value) and not list(tmp_path.glob("out*"))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_torn_fsdp_checkpoint_is_refused(runs, tmp_path, damage):
+    ckpt = _copy(runs("fsdp1") / "checkpoint-3", tmp_path / "ck")
+    shutil.copy(runs("fsdp1") / "config.json", tmp_path)  # the checkpoint's config sits in its parent
+    shard = ckpt / "pytorch_model_fsdp_0" / "__1_0.distcp"
+    if damage == "truncate":
+        os.truncate(shard, shard.stat().st_size - 100)
+    else:
+        shard.unlink()
+    with pytest.raises(RecipeError, match="__1_0.distcp.*" + ("truncated" if damage == "truncate" else "missing")) as e:
+        ex.export(ckpt, tmp_path / "out")
+    assert "\n" not in str(e.value) and not list(tmp_path.glob("out*"))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_torn_safetensors_shard_is_refused(runs, tmp_path, damage):
+    src = ex.export(runs("offload") / "checkpoint-3", tmp_path / "sharded", max_shard_bytes=100_000)
+    shard = sorted(src.glob("model-*.safetensors"))[1]
+    if damage == "truncate":
+        os.truncate(shard, shard.stat().st_size - 8)
+    else:
+        shard.unlink()
+    with pytest.raises(RecipeError, match=shard.name + ".*" + ("truncated" if damage == "truncate" else "missing")) as e:
+        ex.export(src, tmp_path / "out")
+    assert "\n" not in str(e.value) and not list(tmp_path.glob("out*"))
+
+
+def test_adapter_on_the_wrong_base_is_refused(runs, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    wrong = tmp_path / "wrong-base"
+    LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=512)).save_pretrained(wrong)
+    for src in (runs("ddp"), runs("zero1") / "checkpoint-3"):  # merge of a final adapter; adapter export of a checkpoint
+        with pytest.raises(RecipeError, match=r"does not fit the base weight .*wrong base model") as e:
+            ex.export(src, tmp_path / "out", base=str(wrong))
+        assert "\n" not in str(e.value) and not list(tmp_path.glob("out*"))
+
+
+def test_crash_mid_write_leaves_nothing_that_looks_finished(runs, tmp_path, monkeypatch):
+    calls = []
+
+    def failing_write(self, name, tensor):
+        calls.append(name)
+        if len(calls) == 5:
+            raise OSError(28, "No space left on device")
+        self._emit(memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()))
+        self._next += 1
+
+    monkeypatch.setattr(ex.SafetensorsStreamWriter, "write", failing_write)
+    with pytest.raises(OSError, match="No space left"):
+        ex.export(runs("offload") / "checkpoint-3", tmp_path / "out")
+    assert len(calls) == 5 and list(tmp_path.iterdir()) == []
+
+
+def test_verify_fails_when_one_tensor_differs(runs, tmp_path, capsys):
+    """verify can fail: the source with a single weight zeroed is caught even at the (loosest) bf16 tolerance."""
+    from transformers import AutoModelForCausalLM
+
+    out = ex.export(runs("offload") / "checkpoint-3", tmp_path / "out")
+
+    def source_with_a_wrong_tensor():
+        model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+        torch.nn.init.zeros_(model.model.layers[1].mlp.down_proj.weight)
+        return model
+
+    assert ex.verify_logits(out, lambda: AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32), torch.bfloat16) == 0
+    with pytest.raises(RecipeError, match="verify failed: logits differ"):
+        ex.verify_logits(out, source_with_a_wrong_tensor, torch.bfloat16)
+
+
+def test_check_model_folder_catches_a_missing_tensor(runs, tmp_path):
+    from safetensors.torch import save_file
+
+    out = ex.export(runs("offload") / "checkpoint-3", tmp_path / "out")
+    sd = load_file(out / "model.safetensors")
+    sd.pop("model.layers.1.mlp.down_proj.weight")
+    save_file(sd, out / "model.safetensors")
+    with pytest.raises(RecipeError, match=r"1 missing \(e.g. \['model.layers.1.mlp.down_proj.weight'\]\)"):
+        ex.check_model_folder(out)
