@@ -532,19 +532,23 @@ def _validate_launch(r: Recipe) -> None:
         raise RecipeError(f"use_8bit_quantization: 8-bit weights cannot be sharded by {L.backend}; use 4-bit QLoRA with bnb_4bit_quant_storage_dtype: bfloat16")
 
 
-def help_text() -> str:
-    lines = ["usage: python train.py RECIPE.yaml [--key value ...]", "",
-             "Every key below is a YAML key and a --flag. Launch keys go under `launch:` (flag --launch.KEY).", ""]
+GROUP_TITLES = {"model": "Model, LoRA, quantization", "data": "Data", "run": "Run", "launch": "Launch (`launch:` section)",
+                "trl": "TRL `SFTConfig` / transformers `TrainingArguments` (defaults as TRL sets them)"}
+
+
+def grouped_options() -> list[tuple[str, list[Option]]]:
+    """(title, options) per owner, in the order --help and docs/options.md show them."""
     groups: dict[str, list[Option]] = {}
     for o in all_options().values():
         groups.setdefault(o.owner, []).append(o)
-    titles = {"model": "Model, LoRA, quantization", "data": "Data", "run": "Run", "launch": "Launch (launch: section)",
-              "trl": "TRL SFTConfig / transformers TrainingArguments (as TRL defines them)"}
-    for owner in ("model", "data", "run", "launch", "trl"):
-        lines.append(f"{titles[owner]}:")
-        for o in groups.get(owner, []):
-            lines.append(f"  --{o.name}  {o.describe()}")
-        lines.append("")
+    return [(GROUP_TITLES[owner], groups.get(owner, [])) for owner in GROUP_TITLES]
+
+
+def help_text() -> str:
+    lines = ["usage: python train.py RECIPE.yaml [--key value ...]", "",
+             "Every key below is a YAML key and a --flag. Launch keys go under `launch:` (flag --launch.KEY).", ""]
+    for title, options in grouped_options():
+        lines += [f"{title.replace('`', '')}:"] + [f"  --{o.name}  {o.describe()}" for o in options] + [""]
     lines.append("Aliases: " + ", ".join(f"{a} -> {c}" for a, c in ALIASES.items()))
     return "\n".join(lines)
 
@@ -554,14 +558,9 @@ def options_markdown() -> str:
     out = ["# Recipe options", "",
            "Generated from `sftrecipes/schema.py` and TRL's `SFTConfig` by `make docs`; do not edit by hand.",
            "Every key is a YAML key and a `--flag`; launch keys live under `launch:` (flag `--launch.KEY`).", ""]
-    titles = {"model": "Model, LoRA, quantization", "data": "Data", "run": "Run", "launch": "Launch (`launch:` section)",
-              "trl": "TRL `SFTConfig` / transformers `TrainingArguments` (defaults as TRL sets them)"}
-    groups: dict[str, list[Option]] = {}
-    for o in all_options().values():
-        groups.setdefault(o.owner, []).append(o)
-    for owner in ("model", "data", "run", "launch", "trl"):
-        out += [f"## {titles[owner]}", "", "| key | type | default | help |", "|---|---|---|---|"]
-        for o in groups[owner]:
+    for title, options in grouped_options():
+        out += [f"## {title}", "", "| key | type | default | help |", "|---|---|---|---|"]
+        for o in options:
             choices = f" One of: {', '.join(f'`{c}`' for c in o.choices)}." if o.choices else ""
             help_ = (o.help + choices).replace("|", "\\|")
             out.append(f"| `{o.name}` | {o.kind} | `{o.default!r}` | {help_} |")

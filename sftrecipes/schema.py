@@ -48,7 +48,8 @@ class ModelOptions:
     dtype: str = opt(
         "auto",
         "dtype the weights are loaded in. 'auto': the 4-bit quant-storage dtype when that is a float type, "
-        "bf16/fp16 for LoRA when the matching mixed precision is on, otherwise float32 (trainable weights stay fp32).",
+        "bf16/fp16 for LoRA/QLoRA or precision memory_constrained when the matching mixed precision is on, otherwise "
+        "float32 (full fine-tuning keeps its trainable weights fp32).",
         choices=("auto",) + DTYPES,
         aliases=("torch_dtype",),
     )
