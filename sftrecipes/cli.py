@@ -84,14 +84,13 @@ def _env(ns) -> int:
 
 def _preflight(ns) -> int:
     from .backends import preflight
+    from .launch import RECIPES, check_config_matches
     from .recipe import load_recipe
-
-    from .launch import check_config_matches
 
     args = [a for a in ns.args if a != "--force"]
     recipe = load_recipe(args)
     if args and args[0].endswith(".yaml"):
-        if Path(args[0]).resolve().is_relative_to(Path("recipes").resolve()):
+        if Path(args[0]).resolve().is_relative_to(RECIPES.resolve()):
             check_config_matches(args[0], recipe)  # launched from an emitted script: its config must match
         elif recipe.launch.backend != "none":
             raise RecipeError(f"launch: '{args[0]}' has no emitted launcher or config (it is not under recipes/); copy it under recipes/ and run make emit")
