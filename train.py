@@ -123,6 +123,13 @@ def run(recipe):
             log.info("sample: %r -> %r", prompt[-1]["content"] if isinstance(prompt, list) else prompt, reply)
         log.info("done: %d steps in %.1fs, loss %s -> %s, %d tensors saved to %s", summary["steps"], seconds,
                  summary["first_loss"], summary["last_loss"], n_tensors, args.output_dir)
+    # leave the process group cleanly: ranks that exit with it alive can abort in teardown ("terminate called
+    # without an active exception", seen on a QLoRA+FSDP twin), failing a run that had finished
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        trainer.accelerator.wait_for_everyone()
+        dist.destroy_process_group()
     return trainer, summary
 
 
