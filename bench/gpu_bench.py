@@ -1,0 +1,115 @@
+"""GPU benchmark: LoRA SFT of a random-init Llama-shaped model through train.py's own code path.
+
+    scripts/gpu_bench.sh                         # ~8B (Llama-3-8B shapes), bf16, packing, seq 2048, on one GPU
+    python bench/gpu_bench.py --size tiny --device cpu --steps 2     # the same path on the tiny model (a test)
+
+For gradient checkpointing on and off it prints tokens/s/device (real tokens), MFU (device peak by GPU name), peak
+accelerator memory, and the memory planner's prediction beside the measured peak; results go to
+outputs/gpu_bench/results.json. Weights are random and built on the device (nothing read from disk or the hub);
+the tokenizer is the tiny local one (token ids < 512, which does not change the cost per token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SHAPES = {
+    # Llama-3-8B's decoder with a 32k vocabulary (~7.5B parameters)
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=32000, max_position_embeddings=8192),
+    "tiny": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024),
+}
+
+
+def write_inputs(folder: Path, size: str, samples: int, words: int) -> tuple[Path, Path]:
+    """A config-only model folder (the planner reads it) and a synthetic text dataset of long samples."""
+    from transformers import LlamaConfig
+
+    model_dir = folder / f"config-{size}"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    LlamaConfig(**SHAPES[size], tie_word_embeddings=False).save_pretrained(model_dir)
+    vocab = [w for w in json.loads((ROOT / ".assets/tiny-llama/tokenizer.json").read_text())["model"]["vocab"] if w.isalpha()]
+    rng = random.Random(0)
+    data = folder / "text.jsonl"
+    with open(data, "w") as f:
+        for _ in range(samples):
+            f.write(json.dumps({"text": " ".join(rng.choice(vocab) for _ in range(rng.randint(words // 2, words)))}) + "\n")
+    return model_dir, data
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", choices=list(SHAPES), default="8b")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--out", default=str(ROOT / "outputs/gpu_bench"))
+    a = p.parse_args(argv)
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import train
+    from sftrecipes import model as models, plan, tiny
+    from sftrecipes.recipe import load_recipe
+
+    tiny.ensure_tiny_model()
+    out = Path(a.out)
+    model_dir, data = write_inputs(out, a.size, samples=a.steps * a.batch * 6, words=a.seq // 3)
+
+    def random_model(recipe, tokenizer, target):  # train.py's loader, minus reading weights
+        with torch.device(a.device):
+            m = LlamaForCausalLM(LlamaConfig.from_pretrained(model_dir)).to(models.load_dtype(recipe))
+        m.config.use_cache = False
+        return m
+
+    models.load_model = random_model
+    rows = []
+    for ckpt in (True, False):
+        argv = ["recipes/tiny/lora.yaml", "--model_name_or_path", str(model_dir), "--tokenizer_name_or_path",
+                ".assets/tiny-llama", "--dataset_name", str(data), "--splits", "train", "--chat_template_format", "none",
+                "--dataset_text_field", "text", "--max_length", str(a.seq), "--packing", "true", "--bf16", "true",
+                "--per_device_train_batch_size", str(a.batch), "--max_steps", str(a.steps), "--logging_steps", "1",
+                "--gradient_checkpointing", str(ckpt), "--use_flash_attn", "true", "--sample_max_new_tokens", "0",
+                "--launch.hardware", "gpu" if a.device == "cuda" else "cpu", "--output_dir", str(out / f"ckpt-{ckpt}")]
+        if a.device == "cuda":
+            argv += ["--launch.gpu_memory_gb", str(round(torch.cuda.get_device_properties(0).total_memory / 1e9, 1))]
+            torch.cuda.reset_peak_memory_stats()
+        recipe = load_recipe(argv)
+        start = time.time()
+        _, summary = train.run(recipe)
+        t = summary["throughput"]
+        predicted = plan.plan_recipe(recipe, _alternatives=False)
+        measured = t["ranks"][0].get("accelerator_peak_gb")
+        rows.append({"gradient_checkpointing": ckpt, "tokens_per_s_per_device": round(t["tokens_per_s_per_device"], 1),
+                     "mfu": t["mfu"], "peak_tflops": t["peak_tflops"], "measured_peak_gb": measured,
+                     "planned_tensor_peak_gb": round(predicted.tensor_peak_gb, 2), "planned_total_gb": round(predicted.gpu_total_gb, 2),
+                     "attention": models.attn_implementation(recipe, "gpu" if a.device == "cuda" else "cpu"),
+                     "seconds": round(time.time() - start, 1)})
+    versions = {m: __import__(m).__version__ for m in ("torch", "transformers", "trl", "peft", "accelerate")}
+    device = torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"
+    result = {"date": time.strftime("%Y-%m-%d"), "device": device, "size": a.size, "seq": a.seq, "batch": a.batch,
+              "steps": a.steps, "versions": versions, "rows": rows}
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    print(f"\n{device}, {a.size}, seq {a.seq} x batch {a.batch}, {a.steps} steps, {versions}")
+    print(f"{'grad ckpt':>9} {'attention':>17} {'tok/s/dev':>10} {'MFU':>6} {'peak GB':>8} {'planned GB':>10}")
+    for r in rows:
+        mfu = "-" if r["mfu"] is None else f"{r['mfu']:.2f}"
+        peak = "-" if r["measured_peak_gb"] is None else f"{r['measured_peak_gb']:.1f}"
+        print(f"{str(r['gradient_checkpointing']):>9} {r['attention']:>17} {r['tokens_per_s_per_device']:>10.0f} {mfu:>6} {peak:>8} "
+              f"{r['planned_total_gb']:>10.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
