@@ -123,14 +123,18 @@ def run(recipe):
             log.info("sample: %r -> %r", prompt[-1]["content"] if isinstance(prompt, list) else prompt, reply)
         log.info("done: %d steps in %.1fs, loss %s -> %s, %d tensors saved to %s", summary["steps"], seconds,
                  summary["first_loss"], summary["last_loss"], n_tensors, args.output_dir)
-    # leave the process group cleanly: ranks that exit with it alive can abort in teardown ("terminate called
-    # without an active exception", seen on a QLoRA+FSDP twin), failing a run that had finished
+    return trainer, summary
+
+
+def leave_process_group() -> None:
+    """Ranks that exit with the process group alive can abort in teardown ("terminate called without an active
+    exception", seen on a QLoRA+FSDP twin), failing a run that had finished. Called by main(), not run(): callers of
+    run() may still need the group (an in-run merge under ZeRO-3)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
-        trainer.accelerator.wait_for_everyone()
+        dist.barrier()
         dist.destroy_process_group()
-    return trainer, summary
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     try:
         run(load_recipe(argv))
+        leave_process_group()
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
