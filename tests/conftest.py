@@ -38,11 +38,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def accelerate_run(argv: list[str], out: Path, timeout: int = 600) -> dict:
-    """Run train.py under accelerate with the config `emit` would render for this recipe + flags (the launch keys
-    of the flags included), the way scripts/run_*.sh does. For tests that vary launch keys across runs."""
-    import json
-    import os
+def accelerate_command(argv: list[str], out: Path) -> tuple[list[str], dict]:
+    """The command and environment scripts/run_*.sh would use, with an accelerate config rendered by `emit`'s code
+    for this recipe + flags (launch keys of the flags included); plain train.py for a single-process recipe."""
+    import sys
 
     import yaml
 
@@ -50,13 +49,23 @@ def accelerate_run(argv: list[str], out: Path, timeout: int = 600) -> dict:
     from sftrecipes.recipe import load_recipe
 
     recipe = load_recipe(argv)
-    cfg = out.parent / f"{out.name}.accelerate.yaml"
+    if recipe.launch.backend == "none":
+        return [sys.executable, "train.py", *argv, "--output_dir", str(out)], {}
     out.parent.mkdir(parents=True, exist_ok=True)
+    cfg = out.parent / f"{out.name}.accelerate.yaml"
     cfg.write_text(yaml.safe_dump(accelerate_config(recipe)))
     world = recipe.launch.num_machines * recipe.launch.gpus_per_node
-    cmd = ["-m", "accelerate.commands.launch", "--config_file", str(cfg), "--num_machines", "1", "--num_processes",
-           str(world), "--machine_rank", "0", "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port()),
-           "train.py", *argv, "--output_dir", str(out)]
-    res = run_cli(cmd, timeout=timeout, env=launcher_env(recipe))
+    return ([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg), "--num_machines", "1",
+             "--num_processes", str(world), "--machine_rank", "0", "--main_process_ip", "127.0.0.1",
+             "--main_process_port", str(free_port()), "train.py", *argv, "--output_dir", str(out)], launcher_env(recipe))
+
+
+def accelerate_run(argv: list[str], out: Path, timeout: int = 600) -> dict:
+    """Run a recipe + flags the way its launcher would (accelerate_command) and return its run summary. For tests
+    that vary launch keys across runs."""
+    import json
+
+    cmd, env = accelerate_command(argv, out)
+    res = run_cli(cmd[1:], timeout=timeout, env=env)
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     return json.loads((out / "run_summary.json").read_text())

@@ -3,16 +3,14 @@ the plot and the per-rank table, single process and 2-process DDP on CPU."""
 
 import json
 import os
-import socket
 import struct
 import subprocess
-import sys
 
 import pytest
 import torch
 
 import train
-from conftest import ROOT
+from conftest import ROOT, free_port
 from sftrecipes import metrics
 from sftrecipes.plan import Shape, lora_params
 from sftrecipes.recipe import load_recipe
@@ -185,12 +183,6 @@ def test_packed_run_mfu_and_tensorboard_beside_trainer(tiny_model, tmp_path, mon
 
 
 # ----------------------------------------------------------------------------------------------- two processes
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_ddp_two_ranks_gathered_to_rank0(tiny_model, tmp_path):

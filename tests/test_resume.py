@@ -10,15 +10,13 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 
-from conftest import ROOT, free_port
+from conftest import ROOT, accelerate_command
 
 CASES = {
     "single": ["recipes/tiny/lora.yaml", "--lora_dropout", "0.1"],
@@ -30,23 +28,8 @@ COMMON = ["--max_steps", "12", "--save_strategy", "steps", "--save_steps", "2", 
           "--lr_scheduler_type", "linear", "--learning_rate", "5e-3", "--bf16", "false", "--sample_max_new_tokens", "0"]
 
 
-def command(argv: list[str], out, port: int) -> tuple[list[str], dict]:
-    """The launch the emitted script would do, with a config rendered for these flags (bf16 off)."""
-    from sftrecipes.backends import accelerate_config, launcher_env
-    from sftrecipes.recipe import load_recipe
-
-    recipe = load_recipe(argv)
-    if recipe.launch.backend == "none":
-        return [sys.executable, "train.py", *argv, "--output_dir", str(out)], {}
-    cfg = out.parent / f"{out.name}.yaml"
-    cfg.write_text(yaml.safe_dump(accelerate_config(recipe)))
-    return ([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg), "--num_machines", "1",
-             "--num_processes", "2", "--machine_rank", "0", "--main_process_ip", "127.0.0.1", "--main_process_port",
-             str(port), "train.py", *argv, "--output_dir", str(out)], launcher_env(recipe))
-
-
 def run(argv, out, kill_after_checkpoint: int | None = None, delay: float = 0.0) -> str:
-    cmd, env = command(argv, out, free_port())
+    cmd, env = accelerate_command(argv, out)
     out.parent.mkdir(parents=True, exist_ok=True)
     log = open(out.parent / f"{out.name}.log", "a")
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
