@@ -1,9 +1,9 @@
-"""GPU benchmark: LoRA SFT of a random-init Llama-shaped model through train.py's own code path.
+"""GPU benchmark: SFT of random-init Llama-shaped models through train.py's own code path.
 
-    scripts/gpu_bench.sh                         # ~8B (Llama-3-8B shapes), bf16, packing, seq 2048, on one GPU
-    python bench/gpu_bench.py --size tiny --device cpu --steps 2     # the same path on the tiny model (a test)
+    scripts/gpu_bench.sh              # LoRA ~8B (Llama-3-8B shapes) + full ~1B, bf16, packing, seq 2048, one GPU
+    python bench/gpu_bench.py --size tiny --full-size tiny --device cpu --steps 2     # the same path, tiny, on CPU
 
-For gradient checkpointing on and off it prints tokens/s/device (real tokens), MFU (device peak by GPU name), peak
+Runs: LoRA with gradient checkpointing on and off, and a full fine-tune (checkpointing on). For each it prints tokens/s/device (real tokens), MFU (device peak by GPU name), peak
 accelerator memory, and the memory planner's prediction beside the measured peak; results go to
 outputs/gpu_bench/results.json. Weights are random and built on the device (nothing read from disk or the hub);
 the tokenizer is the tiny local one (token ids < 512, which does not change the cost per token).
@@ -24,6 +24,9 @@ sys.path.insert(0, str(ROOT))
 SHAPES = {
     # Llama-3-8B's decoder with a 32k vocabulary (~7.5B parameters)
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=32000, max_position_embeddings=8192),
+    # Llama-3.2-1B's decoder with a 32k vocabulary (~1.1B parameters): the full fine-tune row
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=32000, max_position_embeddings=8192),
     "tiny": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024),
@@ -46,9 +49,28 @@ def write_inputs(folder: Path, size: str, samples: int, words: int) -> tuple[Pat
     return model_dir, data
 
 
+def matmul_ceiling_tflops() -> float:
+    """bf16 8192^3 matrix products on random data: the rate this device actually reaches (mean of 10 after 3)."""
+    import torch
+
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for _ in range(10):
+        a @ b
+    t1.record()
+    torch.cuda.synchronize()
+    return round(10 * 2 * 8192**3 / (t0.elapsed_time(t1) / 1e3) / 1e12, 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size", choices=list(SHAPES), default="8b")
+    p.add_argument("--size", choices=list(SHAPES), default="8b", help="model of the LoRA rows")
+    p.add_argument("--full-size", choices=[*SHAPES, "none"], default="1b",
+                   help="model of the full fine-tune row (gradient checkpointing on); none: no such row")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--batch", type=int, default=4)
@@ -65,49 +87,56 @@ def main(argv: list[str] | None = None) -> int:
 
     tiny.ensure_tiny_model()
     out = Path(a.out)
-    model_dir, data = write_inputs(out, a.size, samples=a.steps * a.batch * 6, words=a.seq // 3)
-
-    def random_model(recipe, tokenizer, target):  # train.py's loader, minus reading weights
-        with torch.device(a.device):
-            m = LlamaForCausalLM(LlamaConfig.from_pretrained(model_dir)).to(models.load_dtype(recipe))
-        m.config.use_cache = False
-        return m
-
-    models.load_model = random_model
+    runs = [("lora", a.size, True), ("lora", a.size, False)] + ([("full", a.full_size, True)] if a.full_size != "none" else [])
+    ceiling = matmul_ceiling_tflops() if a.device == "cuda" else None
     rows = []
-    for ckpt in (True, False):
-        argv = ["recipes/tiny/lora.yaml", "--model_name_or_path", str(model_dir), "--tokenizer_name_or_path",
+    for kind, size, ckpt in runs:
+        model_dir, data = write_inputs(out, size, samples=a.steps * a.batch * 6, words=a.seq // 3)
+
+        def random_model(recipe, tokenizer, target, model_dir=model_dir):  # train.py's loader, minus reading weights
+            with torch.device(a.device):
+                m = LlamaForCausalLM(LlamaConfig.from_pretrained(model_dir)).to(models.load_dtype(recipe))
+            m.config.use_cache = False
+            return m
+
+        models.load_model = random_model
+        argv = [f"recipes/tiny/{kind}.yaml", "--model_name_or_path", str(model_dir), "--tokenizer_name_or_path",
                 ".assets/tiny-llama", "--dataset_name", str(data), "--splits", "train", "--chat_template_format", "none",
                 "--dataset_text_field", "text", "--max_length", str(a.seq), "--packing", "true", "--bf16", "true",
                 "--per_device_train_batch_size", str(a.batch), "--max_steps", str(a.steps), "--logging_steps", "1",
                 "--gradient_checkpointing", str(ckpt), "--use_flash_attn", "true", "--sample_max_new_tokens", "0",
-                "--launch.hardware", "gpu" if a.device == "cuda" else "cpu", "--output_dir", str(out / f"ckpt-{ckpt}")]
+                "--learning_rate", "1e-5", "--save_strategy", "no",
+                "--launch.hardware", "gpu" if a.device == "cuda" else "cpu", "--output_dir", str(out / f"{kind}-{size}-{ckpt}")]
         if a.device == "cuda":
             argv += ["--launch.gpu_memory_gb", str(round(torch.cuda.get_device_properties(0).total_memory / 1e9, 1))]
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         recipe = load_recipe(argv)
         start = time.time()
-        _, summary = train.run(recipe)
+        trainer, summary = train.run(recipe)
         t = summary["throughput"]
+        del trainer
         predicted = plan.plan_recipe(recipe, _alternatives=False)
         measured = t["ranks"][0].get("accelerator_peak_gb")
-        rows.append({"gradient_checkpointing": ckpt, "tokens_per_s_per_device": round(t["tokens_per_s_per_device"], 1),
+        rows.append({"run": kind, "size": size, "gradient_checkpointing": ckpt,
+                     "tokens_per_s_per_device": round(t["tokens_per_s_per_device"], 1),
                      "mfu": t["mfu"], "peak_tflops": t["peak_tflops"], "measured_peak_gb": measured,
                      "planned_tensor_peak_gb": round(predicted.tensor_peak_gb, 2), "planned_total_gb": round(predicted.gpu_total_gb, 2),
                      "attention": models.attn_implementation(recipe, "gpu" if a.device == "cuda" else "cpu"),
                      "seconds": round(time.time() - start, 1)})
-    versions = {m: __import__(m).__version__ for m in ("torch", "transformers", "trl", "peft", "accelerate")}
+        print(json.dumps(rows[-1]), flush=True)
+    versions = {m: __import__(m).__version__ for m in ("torch", "transformers", "trl", "peft", "accelerate", "datasets")}
     device = torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"
-    result = {"date": time.strftime("%Y-%m-%d"), "device": device, "size": a.size, "seq": a.seq, "batch": a.batch,
-              "steps": a.steps, "versions": versions, "rows": rows}
+    result = {"date": time.strftime("%Y-%m-%d"), "device": device, "matmul_bf16_tflops": ceiling, "seq": a.seq,
+              "batch": a.batch, "steps": a.steps, "versions": versions, "rows": rows}
     (out / "results.json").write_text(json.dumps(result, indent=1))
-    print(f"\n{device}, {a.size}, seq {a.seq} x batch {a.batch}, {a.steps} steps, {versions}")
-    print(f"{'grad ckpt':>9} {'attention':>17} {'tok/s/dev':>10} {'MFU':>6} {'peak GB':>8} {'planned GB':>10}")
+    print(f"\n{device} (bf16 8192^3 matmul: {ceiling} TFLOP/s), seq {a.seq} x batch {a.batch}, {a.steps} steps, {versions}")
+    print(f"{'run':>10} {'grad ckpt':>9} {'attention':>17} {'tok/s/dev':>10} {'MFU':>6} {'peak GB':>8} {'planned GB':>10}")
     for r in rows:
-        mfu = "-" if r["mfu"] is None else f"{r['mfu']:.2f}"
+        mfu = "-" if r["mfu"] is None else f"{r['mfu']:.3f}"
         peak = "-" if r["measured_peak_gb"] is None else f"{r['measured_peak_gb']:.1f}"
-        print(f"{str(r['gradient_checkpointing']):>9} {r['attention']:>17} {r['tokens_per_s_per_device']:>10.0f} {mfu:>6} {peak:>8} "
-              f"{r['planned_total_gb']:>10.1f}")
+        print(f"{r['run'] + ' ' + r['size']:>10} {str(r['gradient_checkpointing']):>9} {r['attention']:>17} "
+              f"{r['tokens_per_s_per_device']:>10.0f} {mfu:>6} {peak:>8} {r['planned_total_gb']:>10.1f}")
     return 0
 
 

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# GPU benchmark (one GPU, about 8 minutes on an H200): LoRA SFT of a random-init ~8B Llama in bf16 with packing,
-# sdpa or flash-attn when installed, gradient checkpointing on and off; prints tokens/s/device, MFU, peak memory
-# and the planner's prediction (bench/gpu_bench.py; results in outputs/gpu_bench/results.json).
-#   scripts/gpu_bench.sh [--steps 12] [--batch 4] [--seq 2048]
-# Written by hand (not emitted). For a GPU image that has torch, transformers, peft and accelerate but not trl:
-# put the missing wheels in .whl/ (pip download --no-deps trl==1.16.0 pyyaml psutil tensorboard matplotlib ...)
-# and they are installed into /tmp/site for this run only.
+# GPU benchmark (one GPU, under 2 minutes on an H200): LoRA SFT of a random-init ~8B Llama in bf16 with packing,
+# sdpa or flash-attn when installed, gradient checkpointing on and off, and a full fine-tune of a ~1B one; prints
+# tokens/s/device, MFU, peak memory and the planner's prediction (bench/gpu_bench.py; outputs/gpu_bench/results.json).
+#   scripts/gpu_bench.sh [--steps 12] [--batch 4] [--seq 2048] [--full-size none]
+# Written by hand (not emitted). For a GPU image without trl: put
+# the wheels in .whl/ (pip download --no-deps --python-version 3.12 ... trl==1.16.0 datasets==5.2.0 peft==0.21.2
+# transformers==5.24.0 dill multiprocess regex) and they are installed into /tmp/site for this run only; the run
+# of 2026-11-29 (docs/benchmarks.md, "GPU") was made so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}"

@@ -264,3 +264,22 @@ def test_trust_remote_code_is_off_unless_set_and_said(tiny_model, tmp_path, capl
         train.run(load_recipe(common + ["--output_dir", str(tmp_path / "on"), "--trust_remote_code", "True"]))
     assert seen == [False, True]
     assert any("trust_remote_code: on" in r.message for r in caplog.records)
+
+
+def test_packing_under_the_sdpa_fallback_on_a_gpu_is_warned(caplog):
+    """Measured on an H200 (docs/benchmarks.md, GPU): packed rows under sdpa attend through a dense mask, 2-3x slower
+    per token; a GPU recipe that asks for flash-attn but falls back is told so, a CPU one is not."""
+    import importlib.util
+    from unittest import mock
+
+    from sftrecipes import model as models
+
+    def warned(*flags, hardware="gpu"):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="sftrecipes"), mock.patch.object(importlib.util, "find_spec", return_value=None):
+            assert models.attn_implementation(load_recipe(["recipes/tiny/lora.yaml", "--use_flash_attn", "true", *flags]), hardware) == "sdpa"
+        return any("dense block-diagonal mask" in r.message for r in caplog.records)
+
+    assert warned("--packing", "true")
+    assert not warned("--packing", "false")
+    assert not warned("--packing", "true", hardware="cpu")
