@@ -57,7 +57,7 @@ sft-ddp: $(STAMP)           ## Llama-2-7B LoRA, DDP, 8 GPUs
 bench: $(STAMP)             ## training throughput: train.py vs a bare TRL script on the tiny model (~5 min); writes docs/benchmarks.md
 	$(BIN)/python bench/bench_train.py $(ARGS)
 
-bench-export: $(STAMP)      ## export memory/time: streaming merge/export vs peft and torch DCP (~6 min); writes docs/benchmarks.md
+bench-export: $(STAMP)      ## export memory/time: streaming merge/export vs peft and torch DCP (~12 min); writes docs/benchmarks.md
 	$(BIN)/python bench/bench_export.py
 
 docs: $(STAMP)              ## regenerate docs/options.md from the schema

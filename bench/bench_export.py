@@ -10,7 +10,7 @@ same weights (keys under 'model.'). The same is built with twice the layers. The
   (a1) ours: sftrecipes.export.merge_lora (streaming merge, bf16 out)    (b) peft merge_and_unload() + save_pretrained()
   (a2) ours: sftrecipes.export.export of the DCP checkpoint -> safetensors  (c) torch's dcp_to_torch_save
 Each runs as `python bench/bench_export.py --task ...`, which reports its own peak RSS (/proc VmHWM) and task
-time; the wall time is measured around the process (imports included). `baseline` is a process importing the same
+time; the wall time is measured around the process (imports included); --repeat 3 runs of each, interleaved. `baseline` is a process importing the same
 libraries and doing nothing: the fixed cost in every row. Results go to docs/benchmarks.md between the export-bench
 markers (the rest of the file is kept).
 """
@@ -23,6 +23,7 @@ import json
 import platform
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -35,20 +36,26 @@ START, END = "<!-- export-bench:start -->", "<!-- export-bench:end -->"
 NOTES = """
 Findings:
 
-- Memory follows the largest tensor, not the model: the streaming merge peaks at the baseline (0.41 GB of
-  interpreter, torch, transformers, peft) + ~0.18-0.23 GB (the 131 MB embedding / lm_head, plus the adapter, held
-  whole in fp32: 45 MB at 18 layers, 90 MB at 36 — the whole of its +7.7% at twice the model). peft's merge and torch's
-  DCP converter hold the whole model (1.14-1.27×) and grow with it.
-- The DCP export is at 0.32× on the 2.1 GB model (0.17× on the 4 GB one, +0.1% growth): torch's DCP reader, used
-  per key, reads a stored item into a bytes buffer, deserializes it and copies it into the target, so the largest
-  tensor is briefly there 2-3 times. Meeting 0.3× at this size would mean reading DCP items without
-  `torch.distributed.checkpoint.load` (their offset/length are in `.metadata`); not done.
-- Two fixes were needed to get here (docs/exports.md, "Memory"): safetensors are read with `readinto`, not mmap
-  (touched pages of a mapped file stay in RSS), and glibc's mmap threshold is fixed at 4 MB (after the first large
-  free glibc serves 4-32 MB tensors from a heap that keeps its peak: 1.9× the largest tensor above baseline before,
-  1.05× after, measured on a 4-layer model).
+- Memory follows the largest tensor, not the model. The DCP export peaks at the baseline (interpreter, torch,
+  transformers, peft) plus one copy of the largest tensor (the 131 MB embedding / lm_head): each chunk's bytes are
+  read straight into its slice of the output tensor (sftrecipes/dcpio.py). The streaming merge adds the merged
+  weight's fp32 copy and the adapter, held whole in fp32 (45 MB at 18 layers, 90 MB at 36: the whole of its growth at
+  twice the model). peft's merge and torch's DCP converter hold the whole model (1.14-1.28×) and grow with it.
+- Through `torch.distributed.checkpoint.load`, one key at a time, the DCP export peaked at 0.32× on the 2.1 GB model
+  (0.68 GB): torch's reader reads a stored item into a bytes buffer, deserializes it into a new tensor and copies that
+  into the target — the largest tensor 2-3 times. Hence the direct reader.
+- The SHA256SUMS manifest is hashed on a second thread while the same bytes are written (hashlib and file writes
+  release the GIL): the DCP export of the 2.1 GB model went from 8.0 s to 4.8-5.7 s in-process.
+- This DCP checkpoint keeps each tensor in one chunk; a real FSDP checkpoint splits each tensor by rank along dim 0,
+  and the reader fills one slice per chunk (tests/test_export.py checks that the twins' two-rank checkpoints are
+  read that way, never through torch.load, and equal torch's converter).
+- Two fixes were needed before (docs/exports.md, "Memory"): safetensors are read with `readinto`, not mmap (touched
+  pages of a mapped file stay in RSS), and glibc's mmap threshold is fixed at 4 MB (after the first large free glibc
+  serves 4-32 MB tensors from a heap that keeps its peak: 1.9× the largest tensor above baseline before, 1.05× after,
+  measured on a 4-layer model).
 - The ZeRO path (mmap'd rank files, pages released per tensor with madvise) is not in this benchmark.
 """
+TASKS = ("baseline", "a1-merge", "b-peft", "a2-dcp", "c-torch-dcp")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -195,6 +202,7 @@ def main() -> int:
     p.add_argument("--task", nargs=3, metavar=("NAME", "FOLDER", "OUT"), help=argparse.SUPPRESS)
     p.add_argument("--layers", type=int, default=18)
     p.add_argument("--workdir", default="/tmp/sftrecipes-bench-export")
+    p.add_argument("--repeat", type=int, default=3, help="fresh processes per task and size (interleaved); median times, highest peak")
     p.add_argument("--no-docs", action="store_true", help="print only; leave docs/benchmarks.md alone")
     a = p.parse_args()
     if a.task:
@@ -209,10 +217,15 @@ def main() -> int:
         t = time.perf_counter()
         sizes[layers] = build(folder, layers)
         print(f"built {layers} layers, {sizes[layers] / 1e9:.2f} GB, in {time.perf_counter() - t:.0f}s", flush=True)
-        for name in ("baseline", "a1-merge", "b-peft", "a2-dcp", "c-torch-dcp"):
-            r = {**run_task(name, folder, work), "layers": layers, "model_bytes": sizes[layers]}
-            rows.append(r)
-            print(f"  {name:12s} peak RSS {r['peak_rss'] / 1e9:6.2f} GB = {r['peak_rss'] / sizes[layers]:.2f}x model, task {r['task_s']:6.1f}s, wall {r['wall_s']:6.1f}s", flush=True)
+        done: dict[str, list[dict]] = {name: [] for name in TASKS}
+        for _ in range(a.repeat):  # interleaved, so that a slow minute of the machine hits every task alike
+            for name in TASKS:
+                r = run_task(name, folder, work)
+                done[name].append(r)
+                print(f"  {name:12s} peak RSS {r['peak_rss'] / 1e9:6.2f} GB = {r['peak_rss'] / sizes[layers]:.2f}x model, task {r['task_s']:6.1f}s, wall {r['wall_s']:6.1f}s", flush=True)
+        for name, runs in done.items():
+            rows.append({"task": name, "layers": layers, "model_bytes": sizes[layers], "peak_rss": max(r["peak_rss"] for r in runs),
+                         "task_s": statistics.median(r["task_s"] for r in runs), "wall_s": statistics.median(r["wall_s"] for r in runs)})
         shutil.rmtree(folder)
     shutil.rmtree(work, ignore_errors=True)
     table = render(rows, sizes, a, time.time() - began)
@@ -234,7 +247,7 @@ def render(rows: list[dict], sizes: dict, a, seconds: float) -> str:
     by = {(r["task"], r["layers"]): r for r in rows}
     label = {"baseline": "baseline (imports only)", "a1-merge": "(a) ours: streaming LoRA merge", "b-peft": "(b) peft merge_and_unload + save_pretrained",
              "a2-dcp": "(a) ours: export DCP -> safetensors", "c-torch-dcp": "(c) torch dcp_to_torch_save"}
-    cmd = "python bench/bench_export.py" + ("" if a.layers == 18 else f" --layers {a.layers}")
+    cmd = "python bench/bench_export.py" + ("" if a.layers == 18 else f" --layers {a.layers}") + ("" if a.repeat == 3 else f" --repeat {a.repeat}")
     lines = [
         "## Export", "",
         f"`{cmd}` (`make bench-export`), {datetime.date.today().isoformat()}, {seconds / 60:.1f} min in all. Python {platform.python_version()}, "
@@ -242,7 +255,7 @@ def render(rows: list[dict], sizes: dict, a, seconds: float) -> str:
         f"{__import__('os').cpu_count()} cores.", "",
         f"Random-init bf16 Llama (hidden 2048, intermediate 5632, vocab 32000), {small} layers = {sizes[small] / 1e9:.2f} GB and {big} layers = "
         f"{sizes[big] / 1e9:.2f} GB, in ~500 MB safetensors shards; LoRA r=16 on all linear layers; the DCP checkpoint holds the same "
-        "weights. Each row is one fresh process: peak RSS is its VmHWM (the high-water mark of its resident memory, as ru_maxrss but not inherited across fork+exec), task time excludes imports, wall time includes them.", "",
+        f"weights. Each task ran {a.repeat} times per size, each time in a fresh process, the tasks interleaved: peak RSS is the highest VmHWM (the high-water mark of a process's resident memory, as ru_maxrss but not inherited across fork+exec), times are medians; task time excludes imports, wall time includes them.", "",
         f"| task | peak RSS {small}L (GB) | × model | peak RSS {big}L (GB) | × model | {big}L / {small}L peak | task s {small}L | task s {big}L | wall s {small}L | wall s {big}L |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]

@@ -27,10 +27,12 @@ import re
 import shutil
 import struct
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
 
+from .dcpio import DCPSource
 from .recipe import RecipeError
 
 log = logging.getLogger("sftrecipes")
@@ -71,8 +73,18 @@ class SafetensorsStreamWriter:
         self._next = 0
 
     def _emit(self, data) -> None:
-        self.sha256.update(data)
-        self._f.write(data)
+        if len(data) < 4 * 1024**2:
+            self.sha256.update(data)
+            self._f.write(data)
+            return
+        # hashlib and file writes both release the GIL on large buffers: hash on a second thread while writing the
+        # same bytes (no copy), so the manifest costs no wall time on a machine with two cores
+        hasher = threading.Thread(target=self.sha256.update, args=(data,), name="sha256")
+        hasher.start()
+        try:
+            self._f.write(data)
+        finally:
+            hasher.join()
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         want_name, dtype, shape = self._order[self._next]
@@ -171,50 +183,6 @@ class _SafetensorsSource:
 
     def get(self, name: str) -> torch.Tensor:
         return self.reader.get(self.index[name], name)
-
-
-class _DCPSource:
-    """Tensors of a torch distributed checkpoint (FSDP1/FSDP2 SHARDED_STATE_DICT), read one at a time without a
-    process group: memory holds one tensor, whichever ranks' files its pieces are in. accelerate nests the model's
-    tensors under `prefix` ('model.')."""
-
-    def __init__(self, folder: Path, prefix: str = "model."):
-        from torch.distributed.checkpoint import FileSystemReader  # noqa: PLC0415
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa: PLC0415
-
-        if not (folder / ".metadata").is_file():
-            raise RecipeError(f"export: '{folder}' has no .metadata; the sharded checkpoint is incomplete")
-        self.folder, self.prefix = folder, prefix
-        meta = FileSystemReader(str(folder)).read_metadata()
-        self.tensors = {k: v for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
-        # every file the metadata points to must be there, whole: checked now, before anything is written
-        ends: dict[str, int] = {}
-        for info in meta.storage_data.values():
-            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
-        for rel, end in sorted(ends.items()):
-            f = folder / rel
-            if not f.is_file():
-                raise RecipeError(f"export: shard '{rel}' of '{folder}' is missing (the metadata lists it); copy every rank's file")
-            if f.stat().st_size < end:
-                raise RecipeError(f"export: shard '{rel}' of '{folder}' is truncated ({f.stat().st_size} bytes, needs {end}); re-copy it")
-
-    def names(self) -> list[str]:
-        return [k.removeprefix(self.prefix) for k in self.tensors]
-
-    def meta(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
-        v = self.tensors[self.prefix + name]
-        return v.properties.dtype, tuple(v.size)
-
-    def get(self, name: str) -> torch.Tensor:
-        import torch.distributed.checkpoint as dcp  # noqa: PLC0415
-
-        dtype, shape = self.meta(name)
-        out = {self.prefix + name: torch.empty(shape, dtype=dtype)}
-        try:
-            dcp.load(out, storage_reader=dcp.FileSystemReader(str(self.folder)), no_dist=True)
-        except Exception as e:  # noqa: BLE001 - a torn or missing shard surfaces here
-            raise RecipeError(f"export: cannot read '{name}' from '{self.folder}' ({type(e).__name__}: {str(e).splitlines()[0][:120]}); a shard is missing or truncated") from None
-        return out[self.prefix + name]
 
 
 _LIBC = ctypes.CDLL(None, use_errno=True) if os.name == "posix" else None
@@ -744,7 +712,7 @@ def export(src: str | Path, dest: str | Path, dtype: str | None = None, base: st
         return _export_sharded(_ZeroSource(tag), tag.parent, dest, dtype, base, verify, "zero", tag, max_shard_bytes)
     if (src / "pytorch_model_fsdp_0").is_dir():
         folder = src / "pytorch_model_fsdp_0"
-        return _export_sharded(_DCPSource(folder), src, dest, dtype, base, verify, "dcp", folder, max_shard_bytes)
+        return _export_sharded(DCPSource(folder), src, dest, dtype, base, verify, "dcp", folder, max_shard_bytes)
     if (src / "adapter_config.json").is_file():
         return merge_lora(src, dest, base=base, dtype=dtype, max_shard_bytes=max_shard_bytes, verify=verify)
     if (src / "config.json").is_file() and ((src / "model.safetensors").is_file() or (src / "model.safetensors.index.json").is_file()):
