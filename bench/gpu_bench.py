@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -75,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--full-rows", action="store_true",
+                   help="samples longer than --seq, so every row is full (seq x batch real tokens per step): the load "
+                        "the memory planner plans for, to compare its figure with the measured peak")
+    p.add_argument("--extra", default="", help="more recipe flags for every run, e.g. '--pad_to_multiple_of 256'")
     p.add_argument("--out", default=str(ROOT / "outputs/gpu_bench"))
     a = p.parse_args(argv)
 
@@ -91,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     ceiling = matmul_ceiling_tflops() if a.device == "cuda" else None
     rows = []
     for kind, size, ckpt in runs:
-        model_dir, data = write_inputs(out, size, samples=a.steps * a.batch * 6, words=a.seq // 3)
+        model_dir, data = write_inputs(out, size, samples=a.steps * a.batch * (2 if a.full_rows else 6),
+                                       words=2 * a.seq + 8 if a.full_rows else a.seq // 3)
 
         def random_model(recipe, tokenizer, target, model_dir=model_dir):  # train.py's loader, minus reading weights
             with torch.device(a.device):
@@ -106,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                 "--per_device_train_batch_size", str(a.batch), "--max_steps", str(a.steps), "--logging_steps", "1",
                 "--gradient_checkpointing", str(ckpt), "--use_flash_attn", "true", "--sample_max_new_tokens", "0",
                 "--learning_rate", "1e-5", "--save_strategy", "no",
-                "--launch.hardware", "gpu" if a.device == "cuda" else "cpu", "--output_dir", str(out / f"{kind}-{size}-{ckpt}")]
+                "--launch.hardware", "gpu" if a.device == "cuda" else "cpu", "--output_dir", str(out / f"{kind}-{size}-{ckpt}"), *shlex.split(a.extra)]
         if a.device == "cuda":
             argv += ["--launch.gpu_memory_gb", str(round(torch.cuda.get_device_properties(0).total_memory / 1e9, 1))]
             torch.cuda.empty_cache()
@@ -118,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         del trainer
         predicted = plan.plan_recipe(recipe, _alternatives=False)
         measured = t["ranks"][0].get("accelerator_peak_gb")
+        r0 = t["ranks"][0]
         rows.append({"run": kind, "size": size, "gradient_checkpointing": ckpt,
+                     "real_tokens_per_step": round(r0["real_tokens"] / max(r0["steps"], 1), 1),
                      "tokens_per_s_per_device": round(t["tokens_per_s_per_device"], 1),
                      "mfu": t["mfu"], "peak_tflops": t["peak_tflops"], "measured_peak_gb": measured,
                      "planned_tensor_peak_gb": round(predicted.tensor_peak_gb, 2), "planned_total_gb": round(predicted.gpu_total_gb, 2),
@@ -127,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rows[-1]), flush=True)
     versions = {m: __import__(m).__version__ for m in ("torch", "transformers", "trl", "peft", "accelerate", "datasets")}
     device = torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"
-    result = {"date": time.strftime("%Y-%m-%d"), "device": device, "matmul_bf16_tflops": ceiling, "seq": a.seq,
+    result = {"date": time.strftime("%Y-%m-%d"), "device": device, "matmul_bf16_tflops": ceiling, "seq": a.seq, "full_rows": a.full_rows, "extra": a.extra,
               "batch": a.batch, "steps": a.steps, "versions": versions, "rows": rows}
     (out / "results.json").write_text(json.dumps(result, indent=1))
     print(f"\n{device} (bf16 8192^3 matmul: {ceiling} TFLOP/s), seq {a.seq} x batch {a.batch}, {a.steps} steps, {versions}")

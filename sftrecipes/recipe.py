@@ -250,6 +250,8 @@ def coerce(opt: Option, value: Any, src: str) -> Any:
             )
         if kind == "int|str" and isinstance(value, int):
             return value
+        if kind == "int|str" and isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            return int(value)  # a number given on the command line (pad_to_multiple_of 64), not the word 'auto'
         if isinstance(value, (dict, list)):
             raise bad("a string")
         value = str(value)

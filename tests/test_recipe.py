@@ -236,3 +236,9 @@ def test_twins_extend_their_shipped_recipe():
         assert t.launch.hardware == "cpu" and t.launch.gpus_per_node == 2 and t.model.model_name_or_path == ".assets/tiny-llama"
         assert t.launch.backend == s.launch.backend
         assert (t.model.use_peft_lora, t.model.use_4bit_quantization) == (s.model.use_peft_lora, s.model.use_4bit_quantization)
+
+
+def test_a_number_or_a_word_option_takes_numbers_from_the_command_line():
+    """pad_to_multiple_of is int|str in TRL ('auto' or a number): '64' on the command line is the number 64."""
+    assert load_recipe(["recipes/tiny/lora.yaml", "--pad_to_multiple_of", "64"]).trl["pad_to_multiple_of"] == 64
+    assert load_recipe(["recipes/tiny/lora.yaml", "--pad_to_multiple_of", "auto"]).trl["pad_to_multiple_of"] == "auto"
