@@ -40,6 +40,8 @@ def apply_process_env(recipe: Recipe, target: str) -> None:
 
     if recipe.launch.backend == "fsdp":
         compat.fix_peft_prefixes_under_wrappers()
+    if recipe.model.use_peft_lora:
+        compat.trainable_token_heads_for_trl()
     if target != "cpu":
         return
     for k, v in cpu_env(recipe).items():
@@ -49,6 +51,8 @@ def apply_process_env(recipe: Recipe, target: str) -> None:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     if recipe.launch.backend == "fsdp":
         compat.enable_fsdp_on_cpu()
+    if recipe.launch.backend == "deepspeed" and recipe.launch.zero_stage == 3 and recipe.model.use_peft_lora:
+        compat.trainable_tokens_init_under_zero3_on_cpu()
 
 
 def check_world_size(recipe: Recipe) -> int:
@@ -97,6 +101,12 @@ def training_kwargs(recipe: Recipe, target: str) -> dict:
         kw["activation_checkpointing_kwargs"] = ckpt_kwargs
     if recipe.model.precision == "memory_constrained":  # train in the load dtype itself: no autocast, no fp32 copy
         kw["bf16"] = kw["fp16"] = False
+    from .model import SDPA_PACKED_PAD, packed_under_sdpa_on_gpu  # noqa: PLC0415
+
+    if "pad_to_multiple_of" not in recipe.trl and packed_under_sdpa_on_gpu(recipe, target):
+        kw["pad_to_multiple_of"] = SDPA_PACKED_PAD
+        log.info("pad_to_multiple_of: %d (packing under sdpa on a GPU: a bounded set of batch shapes lets cuDNN reuse its "
+                 "attention graphs; set pad_to_multiple_of to override)", SDPA_PACKED_PAD)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1 and kw.pop("ddp_backend", None):
         log.info("ddp_backend: unused in a single process (no process group); ignoring it for this run")

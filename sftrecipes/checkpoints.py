@@ -193,6 +193,8 @@ def save_final(trainer, recipe) -> int:
         if plugin is not None:
             plugin.set_state_dict_type("FULL_STATE_DICT")
         trainer.save_model(str(out))
+        acc.wait_for_everyone()
+        add_resized_embeddings_under_zero3(trainer, out, expected)
     acc.wait_for_everyone()
     if not trainer.is_world_process_zero():
         return 0
@@ -205,6 +207,33 @@ def save_final(trainer, recipe) -> int:
             raise RuntimeError(f"save check: sharded save in {out} lacks {len(missing)} tensors (e.g. {missing[:3]}), {len(empty)} empty")
         return len(saved)
     return check_saved(out, expected)
+
+
+def add_resized_embeddings_under_zero3(trainer, out: Path, expected: set[str]) -> None:
+    """A LoRA run that added tokens trains their rows (peft trainable tokens) and peft saves the resized embedding
+    and LM head beside the adapter, so the adapter loads into a base of the new size. Under ZeRO-3 those frozen,
+    partitioned weights are absent from the consolidated state dict the Trainer hands peft, and the adapter comes out
+    without them. Every rank gathers them here (a collective); rank 0 adds any the file lacks."""
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+    params = dict(unwrapped.named_parameters())
+    names = sorted(n for n in expected if n.endswith(".token_adapter.base_layer.weight") and hasattr(params.get(n), "ds_id"))
+    if not names:
+        return
+    import deepspeed  # noqa: PLC0415
+    from safetensors.torch import load_file, save_file  # noqa: PLC0415
+
+    with deepspeed.zero.GatheredParameters([params[n] for n in names], modifier_rank=None):
+        gathered = {n: params[n].detach().cpu().clone() for n in names} if trainer.is_world_process_zero() else {}
+    path = out / "adapter_model.safetensors"
+    if not gathered or not path.is_file():
+        return
+    tensors = load_file(path)
+    added = {n: t for n, t in gathered.items() if n not in tensors}
+    if added:
+        tmp = path.with_name(path.name + ".tmp")
+        save_file({**tensors, **added}, tmp, metadata={"format": "pt"})
+        tmp.replace(path)
+        log.info("save: added the resized %s to %s (ZeRO-3 left them out)", ", ".join(sorted(added)), path)
 
 
 class TrainingStopped(RuntimeError):

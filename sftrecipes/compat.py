@@ -67,3 +67,92 @@ def fix_peft_prefixes_under_wrappers() -> None:
 
     prefixes._sftrecipes_prefixes = True
     tu._get_tuner_state_dict_key_prefixes = prefixes
+
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415
+
+    return isinstance(t, DTensor)
+
+
+def _merged_full(wrapper):
+    """The wrapped head's weight with the trained token rows in place, as a plain tensor: FSDP2 leaves the head's
+    parameters sharded (DTensors) outside its own forward, and peft's merge would mix them with plain index tensors.
+    full_tensor() gathers and is differentiable (its backward reduce-scatters into the shards)."""
+    import torch  # noqa: PLC0415
+
+    layer = wrapper.token_adapter
+    w = layer.base_layer.weight
+    w = w.full_tensor() if _is_dtensor(w) else w
+    for name in layer.active_adapters:
+        rows = layer.trainable_tokens_delta[name]
+        rows = rows.full_tensor() if _is_dtensor(rows) else rows
+        w = w.index_copy(0, torch.tensor(layer.token_indices[name], device=w.device), rows.to(w))
+    return w
+
+
+def trainable_token_heads_for_trl() -> None:
+    """TRL 1.16's fused LM head (trl.trainer.utils.add_fused_lm_head, always on in SFTTrainer) reads
+    `lm_head.weight` and `lm_head.bias` instead of calling the head. When new tokens make peft wrap the head in a
+    TrainableTokensWrapper (model.lora_config: trainable_token_indices), `.weight` is the merged weight (base rows +
+    the trained delta rows, differentiable) but `.bias` does not exist: every step fails with AttributeError. Give the
+    wrapper the bias of the module it wraps; under ZeRO-3 merge the weight gathered, under FSDP2 from full tensors."""
+    from peft.utils.other import TrainableTokensWrapper  # noqa: PLC0415
+
+    if getattr(TrainableTokensWrapper, "_sftrecipes_bias", False):
+        return
+    has, get = TrainableTokensWrapper._hasattr_wrapped, TrainableTokensWrapper._getattr_wrapped
+
+    def hasattr_wrapped(self, name, modules):
+        return name == "bias" or has(self, name, modules)
+
+    def getattr_wrapped(self, name, modules):
+        if name == "bias":
+            return getattr(self.original_module, "bias", None)
+        base = getattr(self.original_module, "weight", None)
+        if name == "weight" and _is_dtensor(base):
+            return _merged_full(self)
+        if name != "weight" or not hasattr(base, "ds_id"):
+            return get(self, name, modules)
+        # ZeRO-3: the base weight is partitioned unless a hook gathered it. Merge it gathered (index_copy makes a new
+        # full tensor, valid after the partition is given back), and mark the result available, as TRL's gather
+        # helper (maybe_gather_lm_head_ctx) asks every head weight for its ZeRO status.
+        import deepspeed  # noqa: PLC0415
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus  # noqa: PLC0415
+
+        layer = self.token_adapter  # its delta rows are partitioned too unless small enough to persist
+        params = [base, *(layer.trainable_tokens_delta[a] for a in layer.active_adapters)]
+        absent = [p for p in params if hasattr(p, "ds_id") and p.ds_status != ZeroParamStatus.AVAILABLE]
+        with deepspeed.zero.GatheredParameters(absent, modifier_rank=None, enabled=bool(absent)):
+            merged = get(self, name, modules)
+        merged.ds_status = ZeroParamStatus.AVAILABLE
+        return merged
+
+    TrainableTokensWrapper._hasattr_wrapped, TrainableTokensWrapper._getattr_wrapped = hasattr_wrapped, getattr_wrapped
+    TrainableTokensWrapper._sftrecipes_bias = True
+
+
+def trainable_tokens_init_under_zero3_on_cpu() -> None:
+    """peft 0.21 initialises the new token rows of a ZeRO-3 partitioned embedding in
+    TrainableTokensLayer._collect_token_weights: rank 0 gathers the weight and copies the rows, the others receive them
+    by broadcast into a buffer it always builds on CUDA. On the cpu target that fails ("Torch not compiled with CUDA");
+    build the buffer on the weight's own device instead (same gather, same broadcast)."""
+    from peft.tuners.trainable_tokens.layer import TrainableTokensLayer  # noqa: PLC0415
+
+    if getattr(TrainableTokensLayer, "_sftrecipes_cpu_collect", False):
+        return
+    import deepspeed  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+
+    def collect(self, weight, rows, embed_dim):
+        with deepspeed.zero.GatheredParameters([weight], modifier_rank=None):
+            if dist.get_rank() == 0:
+                values = weight[rows].clone()
+            else:
+                values = torch.empty((len(rows), embed_dim), dtype=weight.dtype, device=weight.device)
+        dist.broadcast(values, src=0)
+        return values
+
+    TrainableTokensLayer._collect_token_weights = collect
+    TrainableTokensLayer._sftrecipes_cpu_collect = True

@@ -629,7 +629,7 @@ def verify_logits(folder: Path, reference, dtype: torch.dtype, base: Path | None
     else:
         from peft import PeftModel  # noqa: PLC0415
 
-        ours = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), folder)
+        ours = PeftModel.from_pretrained(_base_for_adapter(base, folder), folder)
     ids = _probe_ids(folder if (folder / "tokenizer_config.json").is_file() else (base or folder), ours.config.vocab_size)
     got = _logits(ours, ids)
     del ours
@@ -642,12 +642,27 @@ def verify_logits(folder: Path, reference, dtype: torch.dtype, base: Path | None
     return diff
 
 
+def _base_for_adapter(base_dir: Path, adapter: Path):
+    """The base model in fp32, its embeddings resized as the run resized them when it added tokens: to the size of
+    the resized embedding saved beside the adapter, or else past the highest trainable-token row."""
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    rows = {shape[0] for name, (_, shape) in folder_tensors(adapter).items()
+            if re.search(r"embed_tokens\.(token_adapter\.base_layer\.)?weight$", name)}
+    indices = json.loads((adapter / "adapter_config.json").read_text()).get("trainable_token_indices") or {}
+    for idx in indices.values() if isinstance(indices, dict) else [indices]:
+        rows.add(max(idx) + 1)
+    if rows and max(rows) > model.get_input_embeddings().weight.shape[0]:
+        model.resize_token_embeddings(max(rows))
+    return model
+
+
 def _peft_reference(base_dir: Path, adapter: Path):
     """The source of a merge: the base in fp32 with the adapter applied unmerged, by peft."""
     from peft import PeftModel  # noqa: PLC0415
-    from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
-    return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32), adapter)
+    return PeftModel.from_pretrained(_base_for_adapter(base_dir, adapter), adapter)
 
 
 def upstream_state_dict(kind: str, folder: Path) -> dict[str, torch.Tensor]:
@@ -683,11 +698,11 @@ def _state_dict_reference(config_dir: Path, kind: str, folder: Path):
 def _adapter_reference(base_dir: Path, adapter_cfg_dir: Path, kind: str, folder: Path):
     """The source of an adapter export: peft's model for the adapter's config, holding the upstream-read tensors."""
     from peft import LoraConfig, get_peft_model  # noqa: PLC0415
-    from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32), LoraConfig.from_pretrained(adapter_cfg_dir))
+    model = get_peft_model(_base_for_adapter(base_dir, adapter_cfg_dir), LoraConfig.from_pretrained(adapter_cfg_dir))
     sd = {k.removeprefix("model.") if k.startswith("model.base_model.") else k: v.float() for k, v in upstream_state_dict(kind, folder).items()}
     sd = {k if ".default." in k or "lora_" not in k else re.sub(r"(\.lora_[AB])\.", r"\1.default.", k): v for k, v in sd.items()}
+    sd = {k + ".default" if k.endswith(".trainable_tokens_delta") else k: v for k, v in sd.items()}  # FSDP drops the adapter name
     missing, unexpected = model.load_state_dict(sd, strict=False)
     lora_missing = [k for k in missing if "lora_" in k]
     if lora_missing or unexpected:

@@ -43,17 +43,36 @@ def load_dtype(recipe: Recipe) -> torch.dtype:
     return torch.float32
 
 
-def attn_implementation(recipe: Recipe, hardware: str) -> str:
-    if not recipe.model.use_flash_attn:
-        return "sdpa"
+# Packed rows under sdpa on a GPU: transformers builds a dense block-diagonal mask and torch's sdpa picks cuDNN
+# attention, which compiles a graph per new sequence length; padding-free packing changes the length every step.
+# Padding the flattened batch to a multiple of this bounds the number of shapes (docs/benchmarks.md, GPU: +44%
+# tokens/s on a 1B full fine-tune on an H200, at most 255 padded tokens per step).
+SDPA_PACKED_PAD = 256
+
+
+def _flash_missing(recipe: Recipe, hardware: str) -> list[str]:
     missing = []
     if importlib.util.find_spec("flash_attn") is None:
         missing.append("the flash-attn package (pip install -r requirements-gpu.txt)")
     if hardware != "gpu":
         missing.append("a GPU")
+    return missing
+
+
+def packed_under_sdpa_on_gpu(recipe: Recipe, hardware: str) -> bool:
+    """True when a GPU run packs samples (padding-free) and attends with sdpa (flash-attn not asked for or missing)."""
+    packed = recipe.trl_value("packing") or recipe.trl_value("padding_free")
+    flash = recipe.model.use_flash_attn and not _flash_missing(recipe, hardware)
+    return hardware == "gpu" and bool(packed) and not flash
+
+
+def attn_implementation(recipe: Recipe, hardware: str) -> str:
+    if not recipe.model.use_flash_attn:
+        return "sdpa"
+    missing = _flash_missing(recipe, hardware)
     if missing:
         log.warning("use_flash_attn: falling back to sdpa: needs %s", " and ".join(missing))
-        if hardware == "gpu" and recipe.trl_value("packing"):
+        if packed_under_sdpa_on_gpu(recipe, hardware):
             log.warning("use_flash_attn: packing under sdpa attends through a dense block-diagonal mask; measured "
                         "2-3x slower per token than a plain causal step on an H200 (docs/benchmarks.md, GPU)")
         return "sdpa"
@@ -155,8 +174,12 @@ def load_model(recipe: Recipe, tokenizer, hardware: str):
     if rank is not None:
         _broadcast_buffers(model, rank)
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
-        # exact size: every new row is then one of the added tokens, trained and saved (see lora_config)
-        model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+        # exact size: every new row is then one of the added tokens, trained and saved (see lora_config). The new rows
+        # are drawn from the model's init under the recipe's seed, so every rank draws the same rows (sharded
+        # backends keep each rank's own draw for its shard) and a run starts alike at any world size.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(recipe.trl_value("seed") or 0))
+            model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     model.config.pad_token_id = tokenizer.pad_token_id
     if tokenizer.eos_token_id is not None:
         gen = model.generation_config

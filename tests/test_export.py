@@ -65,6 +65,8 @@ def runs(tiny_model, tmp_path_factory):
             from sftrecipes.recipe import load_recipe
 
             train.run(load_recipe(["recipes/tiny/qlora.yaml", "--output_dir", str(out), "--max_steps", "5", "--sample_max_new_tokens", "0"]))
+        elif name.endswith("+tokens"):  # the zephyr template adds 3 tokens the tiny tokenizer lacks (as ChatML does to Llama-2)
+            launch(name.removesuffix("+tokens"), out, STEPS + ["--chat_template_format", "zephyr"], env={"MAIN_PROCESS_PORT": "29773"})
         else:
             launch(name, out, STEPS, env={"MAIN_PROCESS_PORT": "29771"})
         done[name] = out
@@ -191,6 +193,33 @@ def test_lora_checkpoint_exports_an_adapter(runs, tmp_path, name, kind, capsys):
     assert_manifest(out)
     merged = ex.export(out, tmp_path / "merged")  # the adapter folder exports again: merged into its base
     assert AutoModelForCausalLM.from_pretrained(merged).config.vocab_size == 512
+
+
+@pytest.mark.parametrize("name", ["lora+tokens", "zero3+tokens", "qlora-fsdp+tokens"])
+def test_added_tokens_train_save_and_export(runs, tmp_path, name, capsys):
+    """A template whose tokens the tokenizer lacks (the shipped recipes: ChatML on Llama-2) resizes the embeddings
+    and trains the new rows through peft's trainable tokens, also in the LM head, which TRL's fused head reads as a
+    weight (compat.trainable_token_heads_for_trl). The final adapter holds the resized embeddings (under ZeRO-3 they
+    are gathered in: checkpoints.add_resized_embeddings_under_zero3), every new row moved from its init, and both the
+    final save and the checkpoint export and merge into a base of the new size, verified against the source."""
+    from transformers import AutoModelForCausalLM
+
+    run = runs(name)
+    saved = load_file(run / "adapter_model.safetensors")
+    for module in ("model.embed_tokens", "lm_head"):
+        base = saved[f"base_model.model.{module}.token_adapter.base_layer.weight"].float()
+        rows = saved[f"base_model.model.{module}.token_adapter.trainable_tokens_delta"].float()
+        assert base.shape == (515, 64) and rows.shape == (3, 64)
+        moved = (rows - base[512:]).abs().amax(dim=1)  # lr 1e-2, Adam, 3 steps: each row moves, by at most ~0.03
+        assert ((moved > 1e-3) & (moved < 0.05)).all(), (module, moved)
+    merged = ex.export(run, tmp_path / "merged", verify=True)
+    assert "verify: max abs logits difference" in capsys.readouterr().out
+    assert AutoModelForCausalLM.from_pretrained(merged).config.vocab_size == 515
+    out = ex.export(run / "checkpoint-3", tmp_path / "ckpt", verify=True)  # sharded: an adapter; plain: merged
+    assert "verify: max abs logits difference" in capsys.readouterr().out
+    if (out / "adapter_config.json").is_file():
+        out = ex.export(out, tmp_path / "ckpt-merged")
+    assert AutoModelForCausalLM.from_pretrained(out).config.vocab_size == 515
 
 
 def test_zero3_lora_merge_in_run_and_checkpoint(runs, tmp_path):

@@ -283,3 +283,24 @@ def test_packing_under_the_sdpa_fallback_on_a_gpu_is_warned(caplog):
     assert warned("--packing", "true")
     assert not warned("--packing", "false")
     assert not warned("--packing", "true", hardware="cpu")
+
+
+def test_packing_under_sdpa_on_a_gpu_pads_to_a_bounded_set_of_shapes():
+    """Measured on an H200: padding the flattened packed batch to a multiple of 256 let cuDNN reuse its attention
+    graphs (+44% tokens/s, 1B). Only on a GPU, only with sdpa and packing, never over the recipe's own value."""
+    import importlib.util
+    from unittest import mock
+
+    from sftrecipes import backends
+    from sftrecipes.model import SDPA_PACKED_PAD
+
+    def pad(*flags, target="gpu", flash=False):
+        with mock.patch.object(importlib.util, "find_spec", return_value=object() if flash else None):
+            return backends.training_kwargs(load_recipe(["recipes/tiny/lora.yaml", *flags]), target).get("pad_to_multiple_of")
+
+    assert pad("--packing", "true") == SDPA_PACKED_PAD == 256
+    assert pad("--packing", "true", "--use_flash_attn", "true") == 256  # asked for, but flash-attn is missing
+    assert pad("--packing", "true", "--use_flash_attn", "true", flash=True) is None  # varlen kernels: no mask
+    assert pad("--packing", "false") is None
+    assert pad("--packing", "true", target="cpu") is None
+    assert pad("--packing", "true", "--pad_to_multiple_of", "64") == 64
