@@ -79,12 +79,22 @@ class SafetensorsStreamWriter:
             return
         # hashlib and file writes both release the GIL on large buffers: hash on a second thread while writing the
         # same bytes (no copy), so the manifest costs no wall time on a machine with two cores
-        hasher = threading.Thread(target=self.sha256.update, args=(data,), name="sha256")
+        failed: list[BaseException] = []
+
+        def update():
+            try:
+                self.sha256.update(data)
+            except BaseException as e:  # noqa: BLE001 - re-raised below, in the writing thread
+                failed.append(e)
+
+        hasher = threading.Thread(target=update, name="sha256")
         hasher.start()
         try:
             self._f.write(data)
         finally:
             hasher.join()
+        if failed:
+            raise failed[0]
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         want_name, dtype, shape = self._order[self._next]

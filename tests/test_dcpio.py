@@ -1,6 +1,6 @@
 """sftrecipes.dcpio reads DCP chunks straight into the output tensor (no torch.load), falls back to torch.load for
 layouts it does not know, and turns damaged or incomplete checkpoints into one-line errors. The FSDP1/FSDP2 twins'
-real multi-rank checkpoints are read the same way in test_export.py."""
+real multi-rank checkpoints are read the same way in test_export.py. Last, the export writer's threaded hashing."""
 
 import pickle
 from unittest import mock
@@ -77,3 +77,22 @@ def test_chunks_that_do_not_cover_a_tensor_are_refused(ckpt):
     with pytest.raises(RecipeError, match="chunks of 'model.w'.*cover 0 of its 24 elements") as e:
         dcpio.DCPSource(ckpt)
     assert "\n" not in str(e.value)
+
+
+def test_large_tensors_are_hashed_while_written(tmp_path):
+    """The stream writer hashes buffers of 4 MB and more on a second thread while writing them: the manifest's
+    digest must still be the file's."""
+    import hashlib
+
+    from safetensors.torch import load_file
+
+    from sftrecipes.export import SafetensorsStreamWriter
+
+    big, small = torch.randn(1024, 1536), torch.arange(10)  # 6 MB: the threaded path; 80 B: the plain one
+    w = SafetensorsStreamWriter(tmp_path / "m.safetensors", [("big", big.dtype, tuple(big.shape)), ("small", small.dtype, (10,))])
+    w.write("big", big)
+    w.write("small", small)
+    w.close()
+    assert w.sha256.hexdigest() == hashlib.sha256((tmp_path / "m.safetensors").read_bytes()).hexdigest()
+    got = load_file(tmp_path / "m.safetensors")
+    assert torch.equal(got["big"], big) and torch.equal(got["small"], small)
