@@ -104,12 +104,15 @@ def _plain_layout(zf: zipfile.ZipFile) -> tuple[str, torch.dtype, int, tuple, tu
     return f"{root}data/{storage[2]}", STORAGE_DTYPES[storage[1]], int(offset), tuple(size), tuple(stride)
 
 
-def _contiguous_stride(size: tuple) -> tuple:
-    stride, acc = [], 1
-    for s in reversed(size):
-        stride.append(acc)
-        acc *= s
-    return tuple(reversed(stride))
+def _row_major(size: tuple, stride: tuple) -> bool:
+    """True when a tensor of this size and stride lies in memory in row-major order (dims of size 1 may have any
+    stride, as torch allows)."""
+    acc = 1
+    for n, st in zip(reversed(size), reversed(stride)):
+        if n != 1 and st != acc:
+            return False
+        acc *= n
+    return len(size) == len(stride)
 
 
 def _readinto(f, start: int, dest: torch.Tensor, what: str) -> None:
@@ -186,7 +189,7 @@ class DCPSource:
                 record, dtype, offset, size, stride = _plain_layout(zf)
                 zi = zf.getinfo(record)
                 if (dtype != dest.dtype or size != tuple(dest.shape) or zi.compress_type != zipfile.ZIP_STORED
-                        or (dest.numel() > 1 and stride != _contiguous_stride(size))
+                        or not _row_major(size, stride)
                         or zi.file_size < (offset + dest.numel()) * dest.element_size()):
                     raise _NotPlain("layout")
                 f.seek(info.offset + zi.header_offset)
