@@ -50,6 +50,24 @@ def write_inputs(folder: Path, size: str, samples: int, words: int) -> tuple[Pat
     return model_dir, data
 
 
+def random_loader(model_dir: Path, device: str):
+    """A stand-in for sftrecipes.model.load_model that builds the config's model with random weights on `device`
+    (nothing read from disk), in the recipe's load dtype."""
+
+    def load(recipe, tokenizer, target):
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from sftrecipes import model as models
+
+        with torch.device(device):
+            m = LlamaForCausalLM(LlamaConfig.from_pretrained(model_dir)).to(models.load_dtype(recipe))
+        m.config.use_cache = False
+        return m
+
+    return load
+
+
 def matmul_ceiling_tflops() -> float:
     """bf16 8192^3 matrix products on random data: the rate this device actually reaches (mean of 10 after 3)."""
     import torch
@@ -84,7 +102,6 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
 
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     import train
     from sftrecipes import model as models, plan, tiny
@@ -99,13 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir, data = write_inputs(out, size, samples=a.steps * a.batch * (2 if a.full_rows else 6),
                                        words=2 * a.seq + 8 if a.full_rows else a.seq // 3)
 
-        def random_model(recipe, tokenizer, target, model_dir=model_dir):  # train.py's loader, minus reading weights
-            with torch.device(a.device):
-                m = LlamaForCausalLM(LlamaConfig.from_pretrained(model_dir)).to(models.load_dtype(recipe))
-            m.config.use_cache = False
-            return m
-
-        models.load_model = random_model
+        models.load_model = random_loader(model_dir, a.device)
         argv = [f"recipes/tiny/{kind}.yaml", "--model_name_or_path", str(model_dir), "--tokenizer_name_or_path",
                 ".assets/tiny-llama", "--dataset_name", str(data), "--splits", "train", "--chat_template_format", "none",
                 "--dataset_text_field", "text", "--max_length", str(a.seq), "--packing", "true", "--bf16", "true",

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
     from torch.profiler import ProfilerActivity, profile
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback
+    from transformers import Trainer, TrainerCallback
 
     import gpu_bench
     import train
@@ -86,13 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         result["runs"]["bare-packed"] = {"step_ms": bare_step_ms(model_dir, 5904, 4, a.steps)}
     print(json.dumps(result), flush=True)
 
-    def random_model(recipe, tokenizer, target):
-        with torch.device("cuda"):
-            m = LlamaForCausalLM(LlamaConfig.from_pretrained(model_dir)).to(models.load_dtype(recipe))
-        m.config.use_cache = False
-        return m
-
-    models.load_model = random_model
+    models.load_model = gpu_bench.random_loader(model_dir, "cuda")
 
     class Profiled(TrainerCallback):
         def __init__(self, name):

@@ -115,14 +115,16 @@ def _row_major(size: tuple, stride: tuple) -> bool:
     return len(size) == len(stride)
 
 
-def _readinto(f, start: int, dest: torch.Tensor, what: str) -> None:
+def read_exactly(f, start: int, dest: torch.Tensor, short: str) -> None:
+    """Fill the contiguous tensor `dest` with the bytes of the unbuffered file `f` from `start`; a file that ends
+    first is a one-line error saying `short` (what ended where)."""
     buf = memoryview(dest.reshape(-1).view(torch.uint8).numpy())
     f.seek(start)
     got = 0
     while got < len(buf):  # readinto may return short reads on large buffers
         n = f.readinto(buf[got:])
         if not n:
-            raise RecipeError(f"export: {what} ends early; the file is truncated — re-copy it")
+            raise RecipeError(f"export: {short}; the file is truncated — re-copy it")
         got += n
 
 
@@ -199,10 +201,10 @@ class DCPSource:
                 name_len, extra_len = struct.unpack("<HH", local[26:30])
                 start = info.offset + zi.header_offset + 30 + name_len + extra_len + offset * dest.element_size()
                 if dest.is_contiguous():
-                    _readinto(f, start, dest, what)
+                    read_exactly(f, start, dest, f"{what} ends early")
                 else:  # a chunk split along a later dimension: its rows are strided in the output
                     tmp = torch.empty(dest.shape, dtype=dest.dtype)
-                    _readinto(f, start, tmp, what)
+                    read_exactly(f, start, tmp, f"{what} ends early")
                     dest.copy_(tmp)
             except _NotPlain:
                 window.seek(0)

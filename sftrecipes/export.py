@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from .dcpio import DCPSource
+from .dcpio import DCPSource, read_exactly
 from .recipe import RecipeError
 
 log = logging.getLogger("sftrecipes")
@@ -147,17 +147,10 @@ class _Reader:
 
     def get(self, path: Path, name: str) -> torch.Tensor:
         dtype, shape = self.meta(path, name)
-        start, end = self._headers[path][0][name]["data_offsets"]
+        start = self._headers[path][0][name]["data_offsets"][0]
         out = torch.empty(shape, dtype=dtype)
-        buf = memoryview(out.reshape(-1).view(torch.uint8).numpy())
         with open(path, "rb", buffering=0) as f:
-            f.seek(self._headers[path][1] + start)
-            got = 0
-            while got < end - start:  # readinto may return short reads on large buffers
-                n = f.readinto(buf[got:])
-                if not n:
-                    raise RecipeError(f"export: '{path}' ended inside tensor '{name}'; the file is truncated — re-copy it")
-                got += n
+            read_exactly(f, self._headers[path][1] + start, out, f"'{path}' ended inside tensor '{name}'")
         return out
 
 
@@ -466,6 +459,20 @@ def _shards(layout: list, max_shard_bytes: int) -> list[list]:
     return shards
 
 
+def _shard_files(shards: list[list]) -> list[str]:
+    """The file names save_pretrained gives these output shards."""
+    n = len(shards)
+    return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)] if n > 1 else ["model.safetensors"]
+
+
+def _write_index(folder: Path, shards: list[list], fnames: list[str]) -> None:
+    """model.safetensors.index.json for a sharded output (nothing for a single file)."""
+    if len(shards) > 1:
+        total = sum(_nbytes(d, s) for shard in shards for _, d, s in shard)
+        weight_map = {name: f for f, shard in zip(fnames, shards) for name, _, _ in shard}
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+
+
 class _Staging:
     """A temporary folder beside `out`, renamed to `out` by publish(); removed if anything fails before that."""
 
@@ -527,14 +534,10 @@ def rewrite_model(base_dir: Path, out_dir: str | Path, plan: dict[str, dict], dt
         return _apply(w, plan[name], name) if name in plan else w
 
     with _Staging(Path(out_dir)) as st:
-        weight_map = {}
-        fnames = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))] if len(shards) > 1 else ["model.safetensors"]
+        fnames = _shard_files(shards)
         for fname, shard in zip(fnames, shards):
             st.write_safetensors(fname, shard, get)
-            weight_map.update({name: fname for name, _, _ in shard})
-        if len(shards) > 1:
-            total = sum(_nbytes(d, s) for _, d, s in layout)
-            (st.tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+        _write_index(st.tmp, shards, fnames)
         for f in TOKENIZER_FILES:
             if (tok_src / f).is_file():
                 shutil.copy2(tok_src / f, st.tmp / f)
@@ -829,7 +832,7 @@ def merge_in_run(trainer, out_dir: str | Path, dtype: str | None = None, max_sha
 
     layout = [(out_name(n), out_dtype if p.is_floating_point() else p.dtype, tuple(getattr(p, "ds_shape", p.shape))) for n, p in base_params]
     shards = _shards(layout, max_shard_bytes)
-    fnames = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))] if len(shards) > 1 else ["model.safetensors"]
+    fnames = _shard_files(shards)
     params = dict(base_params)
     by_out = {out_name(n): n for n in params}
 
@@ -863,10 +866,7 @@ def merge_in_run(trainer, out_dir: str | Path, dtype: str | None = None, max_sha
                 st.hashes[fname] = writer.sha256.hexdigest()
         out = None
         if st:
-            if len(shards) > 1:
-                total = sum(_nbytes(d, s) for _, d, s in layout)
-                weight_map = {name: f for f, shard in zip(fnames, shards) for name, _, _ in shard}
-                (st.tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+            _write_index(st.tmp, shards, fnames)
             base_model = model.get_base_model()
             base_model.config.save_pretrained(st.tmp)
             if base_model.generation_config is not None:
