@@ -1,6 +1,6 @@
 """One entry point for everything but training (train.py):
 
-    python -m sftrecipes tiny [--data] [--size tiny|medium] [--out DIR]   build the offline tiny model / dataset
+    python -m sftrecipes tiny [--data] [--size tiny|medium] [--family F] [--out DIR]   offline tiny model / dataset
     python -m sftrecipes merge ADAPTER OUT [--base DIR] [--dtype D]        streaming LoRA merge
     python -m sftrecipes emit [RECIPE ...] [--check]                       configs/ and scripts/ from recipes
     python -m sftrecipes plan RECIPE [--key value ...]                     memory plan: breakdown, verdict, what would fit
@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from .recipe import RecipeError
+from .tiny import FAMILIES
 
 
 def _tiny(ns) -> int:
@@ -29,6 +30,12 @@ def _tiny(ns) -> int:
     if ns.data:
         tiny.write_dataset()
         print(f"wrote {tiny.DATA_DIR}")
+        return 0
+    if ns.family:
+        if ns.out:
+            print(tiny.build_family(ns.family, Path(ns.out)))
+        else:
+            print(tiny.ensure_family(ns.family))
         return 0
     out = Path(ns.out) if ns.out else (tiny.TINY_MODEL if ns.size == "tiny" else tiny.ASSETS / f"{ns.size}-llama")
     print(tiny.ensure_tiny_model(out, ns.size))
@@ -123,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     t = sub.add_parser("tiny", help="build offline tiny assets")
     t.add_argument("--data", action="store_true", help="rewrite data/tiny_chat instead of building the model")
     t.add_argument("--size", default="tiny", choices=["tiny", "medium"])
+    t.add_argument("--family", default=None, choices=sorted(FAMILIES),
+                   help="a tiny model of another architecture (.assets/tiny-FAMILY): its config class, tokenizer habits, template")
     t.add_argument("--out", default=None)
     t.set_defaults(fn=_tiny)
     m = sub.add_parser("merge", help="merge a LoRA adapter into its base, streaming")

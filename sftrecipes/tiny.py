@@ -1,15 +1,22 @@
-"""Offline stand-ins for the hub: a small chat dataset (shipped in data/) and a tiny Llama with a locally
-trained tokenizer (built into .assets/, ignored by git). Both are deterministic, so tests can compare exact
+"""Offline stand-ins for the hub: a small chat dataset (shipped in data/) and tiny random-init models with locally
+trained tokenizers (built into .assets/, ignored by git). Both are deterministic, so tests can compare exact
 numbers. They are loaded by exactly the code that loads meta-llama/Llama-2-70b-hf: only the recipe differs.
 
-    python -m sftrecipes tiny            # build .assets/tiny-llama if missing
-    python -m sftrecipes tiny --data     # rewrite data/tiny_chat/*.jsonl (checked in; a test compares)
+    python -m sftrecipes tiny                     # build .assets/tiny-llama if missing
+    python -m sftrecipes tiny --family qwen3      # .assets/tiny-qwen3: that family's architecture, tokenizer, template
+    python -m sftrecipes tiny --data              # rewrite data/tiny_chat/*.jsonl (checked in; a test compares)
+
+The families (FAMILIES) are built from transformers' config classes with the traits that break recipes written
+for Llama-2: tied embeddings, head_dim != hidden/heads, q/k norms, qkv biases, soft-capping, sliding windows, fused
+projections, mixtures of experts; and each tokenizer carries its family's special tokens, BOS habit and chat
+template, so end-of-turn detection and double-BOS handling meet the real cases.
 """
 
 from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -133,4 +140,166 @@ def ensure_tiny_model(out: Path = TINY_MODEL, size: str = "tiny") -> Path:
     if not (out / "config.json").is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         build_model(out, size)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ model families
+
+
+@dataclass(frozen=True)
+class Family:
+    """A tiny model of one architecture with its tokenizer's habits.
+
+    config: (transformers config class name, its kwargs besides vocab and special token ids).
+    bos/eos/pad: the tokenizer's special tokens (None: it has none); add_bos: the tokenizer puts BOS in front when
+    asked to add special tokens (Llama, Gemma, Mistral do; Qwen does not).
+    listed: extra special tokens declared in additional_special_tokens; unlisted: special added tokens that are NOT
+    declared there (as Llama-3's <|eot_id|>: tokenizer.all_special_tokens does not show them).
+    template: the family's chat template (the shape of the real one: its end-of-turn token, its BOS habit, its roles).
+    """
+
+    config: tuple[str, dict]
+    bos: str | None
+    eos: str
+    pad: str | None
+    add_bos: bool
+    listed: tuple[str, ...]
+    unlisted: tuple[str, ...]
+    template: str
+    end_of_turn: str  # what the template closes an assistant turn with (the tests' expectation)
+
+
+_DENSE = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+_SYSTEM_INTO_FIRST_USER = (
+    "{%- if messages[0]['role'] == 'system' %}{%- set first = messages[0]['content'] + '\\n\\n' %}"
+    "{%- set messages = messages[1:] %}{%- else %}{%- set first = '' %}{%- endif %}"
+)
+LLAMA3_TEMPLATE = (
+    "{{- bos_token }}{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+QWEN_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+GEMMA_TEMPLATE = (
+    "{{- bos_token }}" + _SYSTEM_INTO_FIRST_USER + "{%- for message in messages %}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{- '<start_of_turn>' + role + '\\n' + (first if loop.first else '') + message['content'] | trim + '<end_of_turn>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}"
+)
+MISTRAL_TEMPLATE = (
+    "{{- bos_token }}" + _SYSTEM_INTO_FIRST_USER + "{%- for message in messages %}"
+    "{%- if message['role'] == 'user' %}{{- '[INST] ' + (first if loop.first else '') + message['content'] + ' [/INST]' }}"
+    "{%- else %}{{- ' ' + message['content'] + eos_token }}{%- endif %}{%- endfor %}"
+)
+PHI3_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- else %}{{- eos_token }}{%- endif %}"
+)
+_QWEN_TOKENS = dict(bos=None, eos="<|im_end|>", pad="<|endoftext|>", add_bos=False, listed=("<|im_start|>", "<|im_end|>"),
+                    unlisted=(), template=QWEN_TEMPLATE, end_of_turn="<|im_end|>")
+_GEMMA_TOKENS = dict(bos="<bos>", eos="<eos>", pad="<pad>", add_bos=True, listed=("<start_of_turn>", "<end_of_turn>"),
+                     unlisted=(), template=GEMMA_TEMPLATE, end_of_turn="<end_of_turn>")
+_MISTRAL_TOKENS = dict(bos="<s>", eos="</s>", pad=None, add_bos=True, listed=("[INST]", "[/INST]"), unlisted=(),
+                       template=MISTRAL_TEMPLATE, end_of_turn="</s>")
+
+FAMILIES: dict[str, Family] = {
+    # Llama-3.x: its own BOS/EOS, end of turn <|eot_id|> as an added special token the tokenizer does not list,
+    # a template that writes BOS itself (double BOS with add_special_tokens), untied head, llama3 RoPE scaling
+    "llama3": Family(("LlamaConfig", dict(_DENSE, tie_word_embeddings=False, rope_theta=500000.0, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256})), bos="<|begin_of_text|>", eos="<|end_of_text|>", pad=None,
+        add_bos=True, listed=(), unlisted=("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+        template=LLAMA3_TEMPLATE, end_of_turn="<|eot_id|>"),
+    # Qwen2/2.5 small models: tied embeddings, q/k/v biases, ChatML, no BOS
+    "qwen2": Family(("Qwen2Config", dict(_DENSE, tie_word_embeddings=True)), **_QWEN_TOKENS),
+    # Qwen3: tied (small sizes), head_dim 32 != 64/4, q/k RMSNorm
+    "qwen3": Family(("Qwen3Config", dict(_DENSE, head_dim=32, tie_word_embeddings=True)), **_QWEN_TOKENS),
+    "mistral": Family(("MistralConfig", dict(_DENSE, tie_word_embeddings=False, sliding_window=None)), **_MISTRAL_TOKENS),
+    # Gemma-2: tied, attention and final-logit soft-capping, alternating sliding-window layers, no sdpa
+    "gemma2": Family(("Gemma2Config", dict(_DENSE, intermediate_size=128, head_dim=16, query_pre_attn_scalar=16,
+                                          sliding_window=32, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                                          tie_word_embeddings=True)), **_GEMMA_TOKENS),
+    # Gemma-3 (text): tied, head_dim 32, q/k norms, sliding-window and full layers
+    "gemma3": Family(("Gemma3TextConfig", dict(_DENSE, intermediate_size=128, head_dim=32, query_pre_attn_scalar=32,
+                                              sliding_window=32, layer_types=["sliding_attention", "full_attention"],
+                                              tie_word_embeddings=True)), **_GEMMA_TOKENS),
+    # Phi-3: fused qkv_proj and gate_up_proj; end of turn <|end|>, and the template appends eos after the last turn
+    "phi3": Family(("Phi3Config", dict(_DENSE, tie_word_embeddings=False)), bos="<s>", eos="<|endoftext|>",
+                   pad="<|endoftext|>", add_bos=False, listed=("<|user|>", "<|assistant|>", "<|system|>", "<|end|>"),
+                   unlisted=(), template=PHI3_TEMPLATE, end_of_turn="<|end|>"),
+    # MoE: fused expert tensors (3-D gate_up_proj/down_proj) behind a top-k router
+    "qwen3_moe": Family(("Qwen3MoeConfig", dict(_DENSE, head_dim=32, moe_intermediate_size=32, num_experts=4,
+                                               num_experts_per_tok=2, decoder_sparse_step=1, tie_word_embeddings=False)),
+                        **_QWEN_TOKENS),
+    "mixtral": Family(("MixtralConfig", dict(_DENSE, intermediate_size=96, num_local_experts=4, num_experts_per_tok=2,
+                                            sliding_window=None, tie_word_embeddings=False)), **_MISTRAL_TOKENS),
+}
+
+
+def family_dir(name: str) -> Path:
+    return ASSETS / f"tiny-{name}"
+
+
+def build_family_tokenizer(name: str, vocab_size: int = 512):
+    """A BPE tokenizer trained on the shipped chat data, with the family's special tokens and template."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: PLC0415
+    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
+
+    fam = FAMILIES[name]
+    named = [t for t in ("<unk>", fam.bos, fam.eos, fam.pad) if t]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(dict.fromkeys(named + list(fam.listed))),
+                                  show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    if fam.unlisted:  # special added tokens, as in Llama-3's tokenizer.json, but not in additional_special_tokens
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in fam.unlisted])
+    if fam.add_bos:
+        tok.post_processor = processors.TemplateProcessing(single=f"{fam.bos} $A", pair=f"{fam.bos} $A {fam.bos} $B",
+                                                           special_tokens=[(fam.bos, tok.token_to_id(fam.bos))])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=fam.bos, eos_token=fam.eos, unk_token="<unk>",
+                                   pad_token=fam.pad, additional_special_tokens=list(fam.listed))
+    fast.chat_template = fam.template
+    return fast
+
+
+def build_family(name: str, out: Path | None = None, seed: int = 0) -> Path:
+    """Random-init tiny model of a family + its tokenizer, saved as a hub-style folder. Deterministic."""
+    import torch  # noqa: PLC0415
+    import transformers  # noqa: PLC0415
+
+    fam = FAMILIES[name]
+    out = out or family_dir(name)
+    tok = build_family_tokenizer(name)
+    cls_name, kwargs = fam.config
+    ids = {f"{k}_token_id": tok.convert_tokens_to_ids(v) for k, v in (("bos", fam.bos), ("eos", fam.eos), ("pad", fam.pad)) if v}
+    cfg = getattr(transformers, cls_name)(vocab_size=len(tok), max_position_embeddings=1024, initializer_range=0.1,
+                                          **ids, **kwargs)
+    torch.manual_seed(seed)
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    model = AutoModelForCausalLM.from_config(cfg)
+    model.generation_config.eos_token_id = cfg.eos_token_id
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        import shutil  # noqa: PLC0415
+
+        shutil.rmtree(tmp)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(out)
+    return out
+
+
+def ensure_family(name: str) -> Path:
+    if name not in FAMILIES:
+        raise KeyError(f"unknown family {name!r}; one of {', '.join(FAMILIES)}")
+    out = family_dir(name)
+    if not (out / "config.json").is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        build_family(name, out)
     return out

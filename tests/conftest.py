@@ -69,3 +69,15 @@ def accelerate_run(argv: list[str], out: Path, timeout: int = 600) -> dict:
     res = run_cli(cmd[1:], timeout=timeout, env=env)
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     return json.loads((out / "run_summary.json").read_text())
+
+
+FAMILIES = ["llama3", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "qwen3_moe", "mixtral"]
+
+
+@pytest.fixture(scope="session")
+def family_models() -> dict[str, Path]:
+    """Every tiny family model in .assets/tiny-<family> (built once): name -> folder."""
+    from sftrecipes.tiny import FAMILIES as BUILT, ensure_family
+
+    assert sorted(BUILT) == sorted(FAMILIES)
+    return {name: ensure_family(name) for name in FAMILIES}
