@@ -60,8 +60,17 @@ class ModelOptions:
         "already text in dataset_text_field.",
         choices=("chatml", "zephyr", "tokenizer", "none"),
     )
+    attn_implementation: str = opt(
+        "auto",
+        "Attention kernel. 'auto' picks what the model, dtype and device support: flash_attention_2 when asked for "
+        "(use_flash_attn) and available, otherwise sdpa, or eager for models without sdpa support (Gemma-2's "
+        "soft-capping). An explicit choice is used as given (flash_attention_2 falls back to the auto choice, warned, "
+        "without the flash-attn package or a GPU). The run logs the attention that really ran.",
+        choices=("auto", "sdpa", "eager", "flash_attention_2", "flex_attention"),
+    )
     use_flash_attn: bool = opt(
-        False, "Use flash_attention_2 when the flash-attn package and a GPU are present; otherwise sdpa (warned)."
+        False, "The PEFT guide's switch: the same as attn_implementation: flash_attention_2 (a different explicit "
+        "attn_implementation is an error)."
     )
     use_peft_lora: bool = opt(False, "Train LoRA adapters instead of all weights.")
     lora_r: int = opt(64, "LoRA rank.")
@@ -70,6 +79,10 @@ class ModelOptions:
     lora_target_modules: str = opt(
         "q_proj,k_proj,v_proj,o_proj,down_proj,up_proj,gate_proj",
         "Comma-separated module names that get LoRA adapters, or 'all-linear'.",
+    )
+    lora_target_router: bool = opt(
+        False, "Mixture-of-experts models: also adapt the router (mlp.gate). Off by default: 'all-linear' then adapts "
+        "attention and the expert weights, not the routing; the run logs what it adapted either way."
     )
     use_4bit_quantization: bool = opt(False, "Load the base weights in 4 bits with bitsandbytes (QLoRA).")
     use_8bit_quantization: bool = opt(False, "Load the base weights in 8 bits with bitsandbytes.")
