@@ -42,7 +42,7 @@ def run(recipe):
         for line in plan.pitfalls(recipe):  # the global batch first, then any warning
             (log.warning if line.startswith("WARNING") else log.info)("%s", line)
     for alias, key in recipe.renamed.items():
-        log.info("recipe: '%s' is the old name of '%s'; using it as %s", alias, key, key)
+        log.info("recipe: '%s' is read as '%s'", alias, key)
     if args.trust_remote_code:
         log.warning("trust_remote_code: on — the model's own Python code from %s will run", recipe.model.model_name_or_path)
 
@@ -88,7 +88,7 @@ def run(recipe):
 
     # 6. a sample reply from the trained model (all ranks together: ZeRO-3/FSDP gather weights in each forward;
     #    after the save: bitsandbytes' CPU kernels repack 4-bit weights for inference)
-    reply = backends.sample_reply(trainer, tokenizer, prompt, recipe.run.sample_max_new_tokens) if recipe.run.sample_max_new_tokens else None
+    sample = backends.sample_reply(trainer, tokenizer, prompt, recipe.run.sample_max_new_tokens) if recipe.run.sample_max_new_tokens else {}
 
     if trainer.args.push_to_hub and trainer.is_world_process_zero():
         try:
@@ -115,13 +115,17 @@ def run(recipe):
             "load_memory": load_memory,
             "precision": precision.table,
             "throughput": throughput.summary,  # tokens/s/device, step time, MFU, memory per rank (also metrics.json/png)
-            "sample": {"prompt": prompt, "reply": reply},
+            "attention": model.config._attn_implementation,
+            "sample": {"prompt": prompt, "reply": sample.get("reply"), "stopped_on": sample.get("stopped_on"),
+                       "new_tokens": sample.get("new_tokens")},
             "push_later": push_later,
         }
         with open(f"{args.output_dir}/run_summary.json", "w") as f:
             json.dump(summary, f, indent=1)
-        if reply is not None:
-            log.info("sample: %r -> %r", prompt[-1]["content"] if isinstance(prompt, list) else prompt, reply)
+        if sample:
+            stop = (f"stopped on {sample['stopped_on']}" if sample["stopped_on"] else
+                    f"no end of turn within {sample['new_tokens']} tokens (sample_max_new_tokens)")
+            log.info("sample: %r -> %r (%s)", prompt[-1]["content"] if isinstance(prompt, list) else prompt, sample["reply"], stop)
         log.info("done: %d steps in %.1fs, loss %s -> %s, %d tensors saved to %s", summary["steps"], seconds,
                  summary["first_loss"], summary["last_loss"], n_tensors, args.output_dir)
     return trainer, summary

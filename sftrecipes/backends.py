@@ -289,9 +289,11 @@ def describe_backend(trainer) -> dict:
     return info
 
 
-def sample_reply(trainer, tokenizer, prompt, max_new_tokens: int) -> str:
-    """Greedy reply of the trained model to `prompt` (messages or text). Called on every rank: under ZeRO-3 and
-    FSDP each forward gathers parameters from all ranks, so all must generate together (synced_gpus)."""
+def sample_reply(trainer, tokenizer, prompt, max_new_tokens: int) -> dict:
+    """Greedy reply of the trained model to `prompt` (messages or text), stopping where the saved generation config
+    says (end of turn, eos). Returns {"reply": text without special tokens, "stopped_on": the stop token it ended with
+    or None when it ran to max_new_tokens, "new_tokens": n}. Called on every rank: under ZeRO-3 and FSDP each forward
+    gathers parameters from all ranks, so all must generate together (synced_gpus)."""
     import torch  # noqa: PLC0415
 
     acc = trainer.accelerator
@@ -303,6 +305,9 @@ def sample_reply(trainer, tokenizer, prompt, max_new_tokens: int) -> str:
     enc = {k: v.to(acc.device) for k, v in enc.items()}
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, use_cache=True, pad_token_id=tokenizer.pad_token_id,
                   synced_gpus=acc.num_processes > 1)
+    gen = getattr(model, "generation_config", None)
+    if gen is not None and getattr(gen, "stop_strings", None):
+        kwargs["tokenizer"] = tokenizer
     was_training = model.training
     model.eval()
     plugin = getattr(acc.state, "fsdp_plugin", None)
@@ -315,7 +320,12 @@ def sample_reply(trainer, tokenizer, prompt, max_new_tokens: int) -> str:
         else:
             out = model.generate(**enc, **kwargs)
     model.train(was_training)
-    return tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    new = out[0, enc["input_ids"].shape[1]:].tolist()
+    eos = gen.eos_token_id if gen is not None else tokenizer.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    stop = new[-1] if new and new[-1] in eos else None
+    return {"reply": tokenizer.decode(new, skip_special_tokens=True), "new_tokens": len(new),
+            "stopped_on": tokenizer.convert_ids_to_tokens(stop) if stop is not None else None}
 
 
 def rss_mb() -> tuple[float, float]:

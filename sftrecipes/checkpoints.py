@@ -148,15 +148,24 @@ def check_saved(folder: str | Path, expected: set[str]) -> int:
     return len(saved)
 
 
-def expected_saved_names(model) -> set[str]:
+def expected_saved_names(model, hub: bool = True) -> set[str]:
     """Tensor names `save_model` must write for this (unwrapped) model: the adapter's for a PEFT model, otherwise
-    every state-dict entry except the tied copies save_pretrained leaves out (e.g. lm_head tied to embed_tokens)."""
+    every state-dict entry except the tied copies save_pretrained leaves out (e.g. lm_head tied to embed_tokens) — in
+    the hub's layout save_pretrained converts to (hub=True: e.g. one tensor per MoE expert), or as held in memory
+    (hub=False: what a sharded DCP save holds)."""
     from peft import PeftModel, get_peft_model_state_dict  # noqa: PLC0415
+
+    from .export import hub_layout, tied_copies  # noqa: PLC0415
 
     if isinstance(model, PeftModel):
         return set(get_peft_model_state_dict(model).keys())
-    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
-    return {name for name in model.state_dict() if name not in tied}
+    tied = set(tied_copies(model))
+    kept = {name: t for name, t in model.state_dict().items() if name not in tied}
+    if not hub:
+        return set(kept)
+    params = dict(model.named_parameters(remove_duplicate=False))  # ZeRO-3 keeps the full shape on the parameter
+    shapes = {n: (t.dtype, tuple(getattr(params.get(n), "ds_shape", None) or t.shape)) for n, t in kept.items()}
+    return set(hub_layout(model, shapes))
 
 
 def dcp_tensor_names(folder: str | Path) -> dict[str, tuple[int, ...]]:
@@ -180,7 +189,7 @@ def save_final(trainer, recipe) -> int:
     plugin = getattr(acc.state, "fsdp_plugin", None)
     sharded = plugin is not None and "SHARDED" in str(plugin.state_dict_type) and not recipe.model.use_peft_lora
     unwrapped = acc.unwrap_model(trainer.model)
-    expected = expected_saved_names(unwrapped)
+    expected = expected_saved_names(unwrapped, hub=not sharded)
     if sharded:
         from accelerate.utils import save_fsdp_model  # noqa: PLC0415
 

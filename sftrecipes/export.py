@@ -551,9 +551,8 @@ def rewrite_model(base_dir: Path, out_dir: str | Path, plan: dict[str, dict], dt
 
 # ------------------------------------------------------------------------------------------------ checks and verify
 
-def expected_model_tensors(config_dir: Path) -> dict[str, tuple[int, ...]]:
-    """name -> shape of every tensor save_pretrained writes for this config: the model is built on the meta device
-    (no memory, no data), tied copies (lm_head tied to the embeddings) left out as save_pretrained does."""
+def _meta_model(config_dir: Path):
+    """The model of a config.json, built on the meta device (no memory, no data)."""
     from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415
     from transformers.integrations import deepspeed as hf_ds  # noqa: PLC0415
 
@@ -563,11 +562,67 @@ def expected_model_tensors(config_dir: Path) -> dict[str, tuple[int, ...]]:
     saved, hf_ds._hf_deepspeed_config_weak_ref = hf_ds._hf_deepspeed_config_weak_ref, None
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir))
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir))
     finally:
         hf_ds._hf_deepspeed_config_weak_ref = saved
-    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
-    return {n: tuple(t.shape) for n, t in model.state_dict().items() if n not in tied}
+
+
+def tied_copies(model) -> dict[str, str]:
+    """tied copy -> the tensor it shares (e.g. lm_head.weight -> model.embed_tokens.weight); save_pretrained writes
+    only the second."""
+    return dict(getattr(model, "all_tied_weights_keys", None) or {})
+
+
+def hub_layout(model, tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """The names, dtypes and shapes save_pretrained writes for tensors of these in-memory names: transformers 5 holds
+    some layouts converted (MoE experts fused into one 3-D tensor per layer) and writes them back in the hub's layout
+    (one tensor per expert, Mixtral's block_sparse_moe.experts.N.w1 ...); a folder in the in-memory names does NOT load
+    back (its tensors are left randomly initialised). Computed on the meta device: no data."""
+    from transformers.core_model_loading import revert_weight_conversion  # noqa: PLC0415
+
+    meta = {n: torch.empty(s, dtype=d, device="meta") for n, (d, s) in tensors.items()}
+    return {n: (t.dtype, tuple(t.shape)) for n, t in revert_weight_conversion(model, meta).items()}
+
+
+class HubFormat:
+    """A tensor source in in-memory names (DCP, ZeRO partitions) presented in save_pretrained's names (hub_layout),
+    converted one source tensor at a time: a fused expert tensor is split when its first piece is asked for, and its
+    pieces are handed out in order (the writer's layout keeps them consecutive). Memory: one source tensor and its
+    pieces."""
+
+    def __init__(self, source, model):
+        from transformers.core_model_loading import revert_weight_conversion  # noqa: PLC0415
+
+        self.source, self.model, self._revert = source, model, revert_weight_conversion
+        self.map: dict[str, tuple[str, torch.dtype, tuple[int, ...]]] = {}  # hub name -> (source name, dtype, shape)
+        for name in source.names():
+            for out, (dtype, shape) in hub_layout(model, {name: source.meta(name)}).items():
+                if out in self.map:
+                    raise RecipeError(f"export: '{out}' is written from both {self.map[out][0]} and {name}; this model's "
+                                      "layout conversion needs several tensors at once, which the streaming export does not do")
+                self.map[out] = (name, dtype, shape)
+        self._cache: tuple[str, dict] = ("", {})
+
+    def names(self) -> list[str]:
+        return list(self.map)
+
+    def meta(self, name: str):
+        return self.map[name][1:]
+
+    def get(self, name: str) -> torch.Tensor:
+        src = self.map[name][0]
+        if self._cache[0] != src:
+            self._cache = (src, self._revert(self.model, {src: self.source.get(src)}))
+        return self._cache[1].pop(name)
+
+
+def expected_model_tensors(config_dir: Path) -> dict[str, tuple[int, ...]]:
+    """name -> shape of every tensor save_pretrained writes for this config: in the hub's layout (hub_layout), tied
+    copies left out as save_pretrained does."""
+    model = _meta_model(config_dir)
+    tied = tied_copies(model)
+    kept = {n: (t.dtype, tuple(t.shape)) for n, t in model.state_dict().items() if n not in tied}
+    return {n: s for n, (_, s) in hub_layout(model, kept).items()}
 
 
 def folder_tensors(folder: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
@@ -702,7 +757,7 @@ def _state_dict_reference(config_dir: Path, kind: str, folder: Path):
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir), dtype=torch.float32)
     sd = upstream_state_dict(kind, folder)
     missing, unexpected = model.load_state_dict({k: v.float() for k, v in sd.items()}, strict=False)
-    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+    tied = set(tied_copies(model))
     if set(missing) - tied or unexpected:
         raise RecipeError(f"export: verify: the source does not fit its config ({len(missing)} missing, {len(unexpected)} unexpected tensors)")
     return model
@@ -771,9 +826,31 @@ def _export_sharded(source, ckpt: Path, dest, dtype, base, verify: bool, kind: s
     if not (meta_dir / "config.json").is_file():
         raise RecipeError(f"export: '{ckpt}' is a sharded checkpoint but no config.json is beside it or in its parent; copy the model's config.json there")
     reference = (lambda: _state_dict_reference(meta_dir, kind, folder)) if verify else None
-    out = rewrite_model(meta_dir, dest, {}, dtype, meta_dir, max_shard_bytes, source=source, reference=reference)
+    # a sharded checkpoint holds both names of a tied weight (FSDP's state dict has lm_head.weight beside
+    # model.embed_tokens.weight); the model folder holds the shared one only, as save_pretrained writes it
+    have = source.names()
+    model = _meta_model(meta_dir)
+    tied = {copy for copy, shared in tied_copies(model).items() if shared in have}
+    hub = HubFormat(_Only(source, [n for n in have if n not in tied]), model)  # the layout save_pretrained writes
+    out = rewrite_model(meta_dir, dest, {}, dtype, meta_dir, max_shard_bytes, source=hub, reference=reference)
     log.info("export: %s checkpoint %s -> %s", kind, folder, out)
     return out
+
+
+class _Only:
+    """A source restricted to some of its names."""
+
+    def __init__(self, source, names: list[str]):
+        self.source, self._names = source, names
+
+    def names(self) -> list[str]:
+        return self._names
+
+    def meta(self, name: str):
+        return self.source.meta(name)
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.source.get(name)
 
 
 def _export_adapter(source, names: list[str], ckpt: Path, dest, dtype, base, verify: bool, kind: str, folder: Path) -> Path:

@@ -4,7 +4,9 @@ decides. The same functions load the tiny test model and meta-llama/Llama-2-70b-
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
+import os
 
 import torch
 
@@ -59,74 +61,181 @@ def _flash_missing(recipe: Recipe, hardware: str) -> list[str]:
     return missing
 
 
+def requested_attention(recipe: Recipe) -> str:
+    """The recipe's attention request: attn_implementation, with the PEFT guide's use_flash_attn as an alias of
+    flash_attention_2 (recipe validation refuses the two disagreeing)."""
+    m = recipe.model
+    return "flash_attention_2" if m.use_flash_attn and m.attn_implementation == "auto" else m.attn_implementation
+
+
+def attention_support(recipe: Recipe) -> tuple[str, dict[str, bool]] | None:
+    """(model class name, {kernel: supported}) from the model's config class, without loading weights; None when the
+    class is unknown here (remote code, or no config reachable): transformers then decides at load time."""
+    try:
+        from transformers import AutoConfig  # noqa: PLC0415
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING  # noqa: PLC0415
+
+        name = recipe.model.model_name_or_path
+        try:
+            cfg = AutoConfig.from_pretrained(name, trust_remote_code=bool(recipe.trl_value("trust_remote_code")))
+        except (OSError, ValueError):  # a hub id offline: the planner's shipped config of it
+            from .plan import _config_file  # noqa: PLC0415
+
+            data = json.loads(_config_file(name).read_text())
+            cfg = AutoConfig.for_model(**data)
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]
+    except Exception:  # noqa: BLE001 - any failure here only means "unknown": loading will say what is wrong
+        return None
+    return cls.__name__, {"eager": True, "sdpa": bool(cls._supports_sdpa), "flash_attention_2": bool(cls._supports_flash_attn),
+                          "flex_attention": bool(cls._supports_flex_attn)}
+
+
+def _sixteen_bit(recipe: Recipe) -> bool:
+    return load_dtype(recipe) != torch.float32 or bool(recipe.trl_value("bf16") or recipe.trl_value("fp16"))
+
+
+def choose_attention(recipe: Recipe, hardware: str, support=None) -> tuple[str, str]:
+    """(attention kernel, why) for this recipe on this hardware; RecipeError for a choice the model or device cannot run.
+
+    auto: flash_attention_2 where the flash-attn package, a GPU, 16-bit compute and the model allow it; else sdpa
+    where the model supports it; else eager (Gemma-2: its soft-capping has no sdpa path). An explicit
+    flash_attention_2 (or use_flash_attn) without the package or a GPU falls back to the auto choice (the caller warns)."""
+    want = requested_attention(recipe)
+    cls, sup = support or attention_support(recipe) or ("the model", None)
+
+    def ok(impl: str) -> bool:
+        return sup is None or sup.get(impl, False)
+
+    def auto() -> tuple[str, str]:
+        if ok("flash_attention_2") and sup is not None and not _flash_missing(recipe, hardware) and _sixteen_bit(recipe):
+            return "flash_attention_2", "auto: flash-attn, a GPU and 16-bit compute are present"
+        if ok("sdpa"):
+            return "sdpa", "auto"
+        return "eager", f"auto: {cls} has no sdpa support"
+
+    alternatives = ", ".join(k for k in ("sdpa", "eager", "flash_attention_2", "flex_attention") if ok(k) and k != want)
+    if want != "auto" and not ok(want):
+        key = "use_flash_attn" if recipe.model.use_flash_attn and recipe.model.attn_implementation == "auto" else "attn_implementation"
+        raise RecipeError(f"{key}: {cls} does not support {want}; use attn_implementation: auto (or one of {alternatives})")
+    if want == "auto":
+        return auto()
+    if want == "flash_attention_2":
+        missing = _flash_missing(recipe, hardware)
+        if missing:
+            impl, _ = auto()
+            return impl, "fallback: flash_attention_2 needs " + " and ".join(missing)
+        if not _sixteen_bit(recipe):
+            raise RecipeError("attn_implementation: flash_attention_2 computes in bf16/fp16 only; set bf16: true (or use sdpa)")
+    if want == "flex_attention" and hardware == "cpu":
+        raise RecipeError(f"attn_implementation: flex_attention has no backward pass on CPU (torch {torch.__version__}); use auto or one of {alternatives}")
+    return want, "recipe"
+
+
 def packed_under_sdpa_on_gpu(recipe: Recipe, hardware: str) -> bool:
     """True when a GPU run packs samples (padding-free) and attends with sdpa (flash-attn not asked for or missing)."""
     packed = recipe.trl_value("packing") or recipe.trl_value("padding_free")
-    flash = recipe.model.use_flash_attn and not _flash_missing(recipe, hardware)
-    return hardware == "gpu" and bool(packed) and not flash
+    return hardware == "gpu" and bool(packed) and choose_attention(recipe, hardware)[0] == "sdpa"
 
 
 def attn_implementation(recipe: Recipe, hardware: str) -> str:
-    if not recipe.model.use_flash_attn:
-        return "sdpa"
-    missing = _flash_missing(recipe, hardware)
-    if missing:
-        log.warning("use_flash_attn: falling back to sdpa: needs %s", " and ".join(missing))
+    """choose_attention, with the warnings a fallback deserves."""
+    impl, why = choose_attention(recipe, hardware)
+    if why.startswith("fallback"):
+        key = "use_flash_attn" if recipe.model.use_flash_attn else "attn_implementation"
+        log.warning("%s: falling back to %s: %s", key, impl, why.removeprefix("fallback: flash_attention_2 "))
         if packed_under_sdpa_on_gpu(recipe, hardware):
-            log.warning("use_flash_attn: packing under sdpa attends through a dense block-diagonal mask; measured "
-                        "2-3x slower per token than a plain causal step on an H200 (docs/benchmarks.md, GPU)")
-        return "sdpa"
-    return "flash_attention_2"
+            log.warning("%s: packing under sdpa attends through a dense block-diagonal mask; measured 2-3x slower per token "
+                        "than a plain causal step on an H200 (docs/benchmarks.md, GPU)", key)
+    return impl
+
+
+PAD_CANDIDATES = ("<pad>", "<|finetune_right_pad_id|>", "<|pad|>")  # existing pad-like tokens (Llama-3.1 ships the 2nd)
 
 
 def load_tokenizer(recipe: Recipe):
-    """Tokenizer with the recipe's chat template. Returns (tokenizer, end_of_turn_token, added_token_ids)."""
+    """Tokenizer with the recipe's chat template. Returns (tokenizer, end_of_turn, added_token_ids): end_of_turn is the
+    token (or, rarely, the text) that closes an assistant turn; when it is a token, it becomes the eos token so
+    training data and generation agree, and load_model puts it (with the original eos) into the generation config."""
     from transformers import AutoTokenizer  # noqa: PLC0415
 
     m = recipe.model
     name = m.tokenizer_name_or_path or m.model_name_or_path
     tok = AutoTokenizer.from_pretrained(name, trust_remote_code=bool(recipe.trl_value("trust_remote_code")))
+    original_eos = tok.eos_token
     added: list[int] = []
     fmt = m.chat_template_format
     if fmt in TEMPLATES:
-        template, specials, eot = TEMPLATES[fmt]
+        template, specials, _ = TEMPLATES[fmt]
         missing = [t for t in specials if t not in tok.get_vocab()]
         if missing:
             tok.add_special_tokens({"additional_special_tokens": missing}, replace_extra_special_tokens=False)
             added = tok.convert_tokens_to_ids(missing)
         tok.chat_template = template
-        if eot is not None:
-            tok.eos_token = eot
-    elif fmt == "tokenizer":
-        if not tok.chat_template:
-            raise RecipeError(f"chat_template_format: 'tokenizer' but {name} has no chat template; use chatml or zephyr")
-        eot = end_of_turn(tok)
-        if eot != tok.eos_token:
-            log.info("chat template: end of turn is %s; using it as the eos token so generation stops there", eot)
-            tok.eos_token = eot
+    elif fmt == "tokenizer" and not tok.chat_template:
+        raise RecipeError(f"chat_template_format: 'tokenizer' but {name} has no chat template; use chatml or zephyr")
+    eot, kind = None, "none"
+    if fmt != "none":
+        eot, kind = end_of_turn(tok)
+        if kind == "none":
+            log.warning("chat template: assistant turns end with no token; generation stops only at eos (%s), which the "
+                        "formatted data does not contain: set append_concat_token: true or use a template that closes turns", tok.eos_token)
+        elif kind == "text":
+            log.warning("chat template: assistant turns end with the text %r, not one token; generation stops on it only through "
+                        "the saved generation config's stop_strings (passed to generate with the tokenizer)", eot)
+        else:
+            if eot != tok.eos_token:
+                tok.eos_token = eot
+            log.info("chat template: end of turn is %s (%s); eos token: %s%s", eot, kind, eot,
+                     f" (was {original_eos})" if original_eos not in (None, eot) else "")
     if recipe.trl.get("eos_token"):
         if recipe.trl["eos_token"] not in tok.get_vocab():
             raise RecipeError(f"eos_token: '{recipe.trl['eos_token']}' is not in the tokenizer's vocabulary; pick a token it has")
         tok.eos_token = recipe.trl["eos_token"]
     if tok.pad_token is None:
-        if "<pad>" not in tok.get_vocab():
+        vocab = tok.get_vocab()
+        have = next((t for t in PAD_CANDIDATES if t in vocab), None)
+        if have is None:
             tok.add_special_tokens({"pad_token": "<pad>"})
             added.append(tok.pad_token_id)
         else:
-            tok.pad_token = "<pad>"
-    return tok, tok.eos_token, added
+            tok.pad_token = have
+    # what generation must stop on (set_generation_stop): eos as now set, then the original eos; a textual end of turn
+    stop_ids = [i for i in (tok.eos_token_id, tok.convert_tokens_to_ids(original_eos) if original_eos else None) if i is not None]
+    tok._sftrecipes_stop = (list(dict.fromkeys(stop_ids)), [eot] if kind == "text" else [])
+    return tok, tok.eos_token if kind == "none" or recipe.trl.get("eos_token") else eot, added
 
 
-def end_of_turn(tok) -> str:
-    """The special token a chat template closes an assistant turn with (e.g. <|im_end|>, <|eot_id|>), else eos."""
-    sentinel = "SENTINEL-REPLY"
-    text = tok.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": sentinel}], tokenize=False)
-    tail = text[text.rindex(sentinel) + len(sentinel):]
-    specials = set(tok.all_special_tokens)
-    for t in tok.convert_ids_to_tokens(tok(tail, add_special_tokens=False)["input_ids"]):
-        if t in specials:
-            return t
-    return tok.eos_token
+SENTINELS = ("SENTINEL-ONE", "SENTINEL-TWO")
+
+
+def end_of_turn(tok) -> tuple[str | None, str]:
+    """What a chat template closes an assistant turn with, and what kind of thing it is: ('<|eot_id|>', 'added token')
+    for a special token the tokenizer does not list (Llama-3), 'special token' (<|im_end|>, <end_of_turn>, </s>),
+    'token' (one ordinary vocabulary entry), 'text' (several tokens), or (None, 'none').
+
+    The same assistant turn is rendered twice: last in the conversation, and followed by another user turn. What both
+    renderings put right after its content is the turn's closing text (Phi-3 appends eos after the last turn only; a
+    closing newline belongs to the turn); its first special token, else the text itself, is the end of turn."""
+    one, two = SENTINELS
+    turn = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": one}]
+    last = tok.apply_chat_template(turn, tokenize=False)
+    more = tok.apply_chat_template(turn + [{"role": "user", "content": "again"}, {"role": "assistant", "content": two}], tokenize=False)
+    after_last, after_more = (t[t.index(one) + len(one):] for t in (last, more))
+    closing = os.path.commonprefix([after_last, after_more])
+    ids = tok(closing, add_special_tokens=False)["input_ids"]
+    listed = set(tok.all_special_ids)
+    special_added = {i for i, t in tok.added_tokens_decoder.items() if t.special}
+    for i in ids:
+        if i in listed:
+            return tok.convert_ids_to_tokens(i), "special token"
+        if i in special_added:
+            return tok.convert_ids_to_tokens(i), "added token"
+    text = closing.strip()
+    if not text:
+        return None, "none"
+    if text in tok.get_vocab():
+        return text, "token"
+    return text, "text"
 
 
 def quantization_config(recipe: Recipe):
@@ -152,7 +261,7 @@ def load_model(recipe: Recipe, tokenizer, hardware: str):
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
     m = recipe.model
-    kwargs = dict(recipe.trl_value("model_init_kwargs") or {})
+    kwargs = dict(recipe.trl_value("model_init_kwargs") or {})  # recipe validation took out what the recipe owns
     kwargs.update(
         dtype=load_dtype(recipe),
         attn_implementation=attn_implementation(recipe, hardware),
@@ -165,10 +274,14 @@ def load_model(recipe: Recipe, tokenizer, hardware: str):
     if rank:  # not rank 0: build on the meta device, read nothing; FSDP receives rank 0's weights when it wraps
         kwargs["device_map"] = "meta"
     model = AutoModelForCausalLM.from_pretrained(m.model_name_or_path, **kwargs)
+    log.info("attention: %s (%s)", model.config._attn_implementation, choose_attention(recipe, hardware)[1])
     if rank:
         # Real but untouched storage: accelerate maps optimizer params to their shards by data_ptr, which is 0 for
         # every meta tensor. Large torch.empty blocks are lazily mapped pages, so this costs address space, not RAM.
         model.to_empty(device="cpu")
+        # to_empty gives each module a new Parameter, which unties tied weights (Qwen2.5 small, Gemma: lm_head shares
+        # embed_tokens); untied, accelerate's FSDP2 mapping misses lm_head.weight on this rank. Tie them again.
+        model.tie_weights()
         # a device map makes the Trainer treat the model as spread over devices (is_model_parallel), which it is not
         model.__dict__.pop("hf_device_map", None)
     if rank is not None:
@@ -181,15 +294,23 @@ def load_model(recipe: Recipe, tokenizer, hardware: str):
             torch.manual_seed(int(recipe.trl_value("seed") or 0))
             model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     model.config.pad_token_id = tokenizer.pad_token_id
-    if tokenizer.eos_token_id is not None:
-        gen = model.generation_config
-        eos = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id] if gen.eos_token_id is not None else []
-        if tokenizer.eos_token_id not in eos:
-            gen.eos_token_id = [tokenizer.eos_token_id, *eos]
+    set_generation_stop(model.generation_config, tokenizer)
     # No KV cache while training: with a cache, transformers skips its packed-sequence detection and packed samples
     # would attend to each other under sdpa/eager (tests/test_data.py shows it). Generation turns it back on.
     model.config.use_cache = False
     return model
+
+
+def set_generation_stop(gen, tokenizer) -> list[int]:
+    """Generation stops at the end of turn and at eos: the ids load_tokenizer recorded (end of turn, original eos)
+    before the model's own eos ids; a multi-token textual end of turn goes to stop_strings. Returns the eos ids."""
+    ids, texts = getattr(tokenizer, "_sftrecipes_stop", ([tokenizer.eos_token_id], []))
+    own = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id] if gen.eos_token_id is not None else []
+    ids = list(dict.fromkeys([i for i in ids if i is not None] + own))
+    gen.eos_token_id = ids if len(ids) > 1 else (ids[0] if ids else None)
+    if texts:
+        gen.stop_strings = texts
+    return ids
 
 
 def ram_efficient_rank(recipe: Recipe, quantized: bool) -> int | None:

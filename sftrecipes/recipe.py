@@ -339,7 +339,39 @@ def load_recipe(argv: list[str] | None = None, files: list[str] | None = None, o
         if alias == "warmup_ratio" and not 0.0 <= values[canonical] < 1.0:
             raise RecipeError(f"warmup_ratio: {values[canonical]} is not a ratio in [0, 1) ({src}); for a step count use warmup_steps")
 
+    _adopt_model_init_kwargs(values, renamed)
     return _build(values, sources, renamed)
+
+
+# model_init_kwargs keys the recipe owns under its own name (from_pretrained would otherwise get two values, and the
+# project's would silently win): taken over as the recipe key, or refused when the recipe key says otherwise
+MODEL_INIT_OWNED = {"attn_implementation": "attn_implementation", "dtype": "dtype", "torch_dtype": "dtype",
+                    "trust_remote_code": "trust_remote_code"}
+MODEL_INIT_REFUSED = {
+    "quantization_config": "the recipe builds it from use_4bit_quantization / use_8bit_quantization and the bnb_4bit_* keys; set those",
+    "device_map": "each rank holds the model on its own device and the launch section spreads the ranks; remove it",
+}
+
+
+def _adopt_model_init_kwargs(values: dict[str, Any], renamed: dict[str, str]) -> None:
+    """Nothing set in model_init_kwargs is overwritten without a word: keys the recipe owns become the recipe's key
+    (an explicit recipe key that disagrees is an error), keys the project builds itself are refused with the fix."""
+    mik = values.get("model_init_kwargs")
+    if not isinstance(mik, dict):
+        return
+    mik = dict(mik)
+    for k in list(mik):
+        if k in MODEL_INIT_REFUSED:
+            raise RecipeError(f"model_init_kwargs.{k}: not taken from model_init_kwargs: {MODEL_INIT_REFUSED[k]}")
+        key = MODEL_INIT_OWNED.get(k)
+        if key is None:
+            continue
+        value = coerce(all_options()[key], mik.pop(k), "model_init_kwargs")
+        if key in values and values[key] != value:
+            raise RecipeError(f"model_init_kwargs.{k} ({value}) and {key} ({values[key]}) disagree; keep one, as the recipe key {key}")
+        values[key] = value
+        renamed[f"model_init_kwargs.{k}"] = key
+    values["model_init_kwargs"] = mik
 
 
 def _build(values: dict[str, Any], sources: list[str], renamed: dict[str, str]) -> Recipe:
@@ -415,6 +447,9 @@ def validate(r: Recipe) -> None:
             raise RecipeError(f"lora_dropout: must be in [0, 1), got {m.lora_dropout}")
         if not m.lora_target_modules.strip(", "):
             raise RecipeError("lora_target_modules: empty; use 'all-linear' or a comma-separated list like q_proj,v_proj")
+
+    if m.use_flash_attn and m.attn_implementation not in ("auto", "flash_attention_2"):
+        raise RecipeError(f"use_flash_attn: true asks for flash_attention_2 but attn_implementation is {m.attn_implementation}; keep one of them")
 
     # precision
     bf16, fp16 = r.trl_value("bf16"), r.trl_value("fp16")

@@ -211,7 +211,7 @@ FAMILIES: dict[str, Family] = {
     "llama3": Family(("LlamaConfig", dict(_DENSE, tie_word_embeddings=False, rope_theta=500000.0, rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 256})), bos="<|begin_of_text|>", eos="<|end_of_text|>", pad=None,
-        add_bos=True, listed=(), unlisted=("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+        add_bos=True, listed=(), unlisted=("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|finetune_right_pad_id|>"),
         template=LLAMA3_TEMPLATE, end_of_turn="<|eot_id|>"),
     # Qwen2/2.5 small models: tied embeddings, q/k/v biases, ChatML, no BOS
     "qwen2": Family(("Qwen2Config", dict(_DENSE, tie_word_embeddings=True)), **_QWEN_TOKENS),
@@ -291,15 +291,30 @@ def build_family(name: str, out: Path | None = None, seed: int = 0) -> Path:
         shutil.rmtree(tmp)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
+    (tmp / SPEC_FILE).write_text(_spec(name))
+    if out.exists():  # an older build of a changed spec (ensure_family)
+        import shutil  # noqa: PLC0415
+
+        shutil.rmtree(out)
     tmp.rename(out)
     return out
 
 
+SPEC_FILE = "sftrecipes-family.txt"
+
+
+def _spec(name: str) -> str:
+    """What a family build is made from; a build whose recorded spec differs is rebuilt (ensure_family)."""
+    return f"{name} seed 0\n{FAMILIES[name]!r}\n"
+
+
 def ensure_family(name: str) -> Path:
+    """.assets/tiny-<name>, built when missing or built from an older spec."""
     if name not in FAMILIES:
         raise KeyError(f"unknown family {name!r}; one of {', '.join(FAMILIES)}")
     out = family_dir(name)
-    if not (out / "config.json").is_file():
+    spec = out / SPEC_FILE
+    if not spec.is_file() or spec.read_text() != _spec(name):
         out.parent.mkdir(parents=True, exist_ok=True)
         build_family(name, out)
     return out
