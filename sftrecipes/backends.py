@@ -62,7 +62,8 @@ def check_world_size(recipe: Recipe) -> int:
     if have != want:
         raise RecipeError(
             f"launch: the recipe describes {want} processes (num_machines {recipe.launch.num_machines} x gpus_per_node "
-            f"{recipe.launch.gpus_per_node}) but this run has {have}; start it with its launcher, or set --launch.gpus_per_node"
+            f"{recipe.launch.gpus_per_node}) but this run has {have}; start it with its launcher: python -m sftrecipes "
+            f"launch {recipe.sources[-1] if recipe.sources else 'RECIPE.yaml'} [--key value ...] (or set --launch.gpus_per_node)"
         )
     return have
 
@@ -85,7 +86,7 @@ def check_launcher_matches(recipe: Recipe) -> None:
     elif ran == "fsdp" and env.get("FSDP_VERSION", str(L.fsdp_version)) != str(L.fsdp_version):
         problems.append(f"fsdp_version {L.fsdp_version} but the launcher's config says {env['FSDP_VERSION']}")
     if problems:
-        raise RecipeError(f"launch: the recipe says {problems[0]}; start it with its own scripts/run_<recipe>.sh (after `make emit` if you edited the recipe)")
+        raise RecipeError(f"launch: the recipe says {problems[0]}; start it with python -m sftrecipes launch RECIPE, which renders the launcher's config from the recipe")
 
 
 def training_kwargs(recipe: Recipe, target: str) -> dict:

@@ -2,6 +2,8 @@
 
     python -m sftrecipes tiny [--data] [--size tiny|medium] [--family F] [--out DIR]   offline tiny model / dataset
     python -m sftrecipes merge ADAPTER OUT [--base DIR] [--dtype D]        streaming LoRA merge
+    python -m sftrecipes launch RECIPE [--key value ...] [--dry-run] [--force]   start any recipe on its processes
+    python -m sftrecipes cp RECIPE|NAME DEST [--force]                     copy a recipe (e.g. tiny/ddp) to edit and launch
     python -m sftrecipes emit [RECIPE ...] [--check]                       configs/ and scripts/ from recipes
     python -m sftrecipes plan RECIPE [--key value ...]                     memory plan: breakdown, verdict, what would fit
     python -m sftrecipes preflight RECIPE [--key value ...] [--force]      can it start here? (exit 2 if not)
@@ -10,6 +12,7 @@
     python -m sftrecipes demo                                              tiny LoRA run end to end on CPU
     python -m sftrecipes schema [--refresh | --docs]                       check/refresh the TRL option snapshot, docs
 
+Outside the repository root, call it as `python PATH/TO/sftrecipes VERB ...` (or with PYTHONPATH=PATH/TO).
 Errors a user can fix print one line and exit 2.
 """
 
@@ -91,18 +94,22 @@ def _env(ns) -> int:
 
 def _preflight(ns) -> int:
     from .backends import preflight
-    from .launch import RECIPES, check_config_matches
     from .recipe import load_recipe
 
-    args = [a for a in ns.args if a != "--force"]
-    recipe = load_recipe(args)
-    if args and args[0].endswith(".yaml"):
-        if Path(args[0]).resolve().is_relative_to(RECIPES.resolve()):
-            check_config_matches(args[0], recipe)  # launched from an emitted script: its config must match
-        elif recipe.launch.backend != "none":
-            raise RecipeError(f"launch: '{args[0]}' has no emitted launcher or config (it is not under recipes/); copy it under recipes/ and run make emit")
-    print(preflight(recipe, force="--force" in ns.args))
+    print(preflight(load_recipe([a for a in ns.args if a != "--force"]), force="--force" in ns.args))
     return 0
+
+
+def _launch(ns) -> int:
+    from .launch import launch_main
+
+    return launch_main(ns.args)
+
+
+def _cp(ns) -> int:
+    from .launch import cp_main
+
+    return cp_main(ns.src, ns.dest, force=ns.force)
 
 
 def _plan(ns) -> int:
@@ -144,7 +151,14 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("args", nargs="*", help="recipe files (default: every recipe under recipes/)")
     e.add_argument("--check", action="store_true", help="compare only; exit 1 naming stale files")
     e.set_defaults(fn=_emit)
-    for verb, fn, help_ in (("plan", _plan, "memory per GPU and per node for RECIPE: breakdown, verdict, strategies (exit 2: does not fit)"),
+    c = sub.add_parser("cp", help="copy a recipe (file, or name under recipes/ such as tiny/ddp) to edit and launch anywhere")
+    c.add_argument("src", help="recipe file, or a name under recipes/ (tiny/ddp)")
+    c.add_argument("dest", help="the copy (.yaml), or an existing folder")
+    c.add_argument("--force", action="store_true", help="overwrite DEST")
+    c.set_defaults(fn=_cp)
+    for verb, fn, help_ in (("launch", _launch, "start RECIPE on the processes its launch section names (--dry-run: print the command; "
+                                                "--force: past a memory plan that does not fit)"),
+                            ("plan", _plan, "memory per GPU and per node for RECIPE: breakdown, verdict, strategies (exit 2: does not fit)"),
                             ("env", _env, "print the environment a rank of RECIPE needs, as export lines"),
                             ("preflight", _preflight, "check RECIPE can start here (hardware, memory); exit 2 if not")):
         v = sub.add_parser(verb, help=help_, prefix_chars="\0")

@@ -168,7 +168,10 @@ class LaunchOptions:
         choices=("auto", "gpu", "cpu"),
     )
     cpu_threads: int = opt(1, "cpu target only: torch threads per process.")
-    main_process_port: int = opt(29500, "Rendezvous port of machine rank 0.")
+    main_process_port: int = opt(
+        29500, "Rendezvous port of machine rank 0. `launch` uses it when the recipe sets it and on multi-node runs; "
+        "a single-node run left at the default takes a free port (MAIN_PROCESS_PORT overrides both)."
+    )
     zero_stage: int = opt(3, "deepspeed only: ZeRO stage 0-3.", choices=(0, 1, 2, 3))
     offload_optimizer: bool = opt(False, "deepspeed only: keep optimizer states (and the step) on the CPU. Needs zero_stage 3.")
     offload_params: bool = opt(False, "deepspeed only: keep parameters on the CPU between uses. Needs zero_stage 3.")

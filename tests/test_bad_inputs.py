@@ -103,6 +103,11 @@ def _empty_dir(tmp: Path, tiny: Path) -> None:
     (tmp / "empty").mkdir()
 
 
+def _existing_recipe(tmp: Path, tiny: Path) -> None:
+    """A recipe of the user's own where `cp` is asked to write."""
+    (tmp / "mine.yaml").write_text("learning_rate: 1.0e-3\n")
+
+
 def _run_with_checkpoint_only(tmp: Path, tiny: Path) -> None:
     """A run folder with an intermediate checkpoint but no final save (the run did not finish)."""
     (tmp / "run" / "checkpoint-3").mkdir(parents=True)
@@ -116,6 +121,7 @@ SETUPS = {
     "adapter_and_4bit_base": _adapter_and_4bit_base,
     "empty_dir": _empty_dir,
     "run_with_checkpoint_only": _run_with_checkpoint_only,
+    "existing_recipe": _existing_recipe,
 }
 
 
@@ -136,7 +142,9 @@ def command(case: dict, tmp: Path, tiny: Path) -> list[str]:
         return [PY, "-m", "sftrecipes", entry, *recipe, *out, *args]
     if entry == "emit":
         return [PY, "-m", "sftrecipes", "emit", *recipe, *args]
-    if entry in ("merge", "export"):
+    if entry == "launch":
+        return [PY, "-m", "sftrecipes", "launch", *recipe, *args, *out]
+    if entry in ("merge", "export", "cp"):
         return [PY, "-m", "sftrecipes", entry, *args]
     if entry.startswith("script:"):
         return ["bash", f"scripts/{entry.split(':', 1)[1]}", *out, *args]
@@ -211,7 +219,7 @@ def test_corpus_is_consistent():
     used = set()
     for c in CASES:
         assert {"name", "entry", "key", "fix"} <= set(c), c
-        assert c["entry"] in ("train", "plan", "emit", "preflight", "env", "merge", "export") or (
+        assert c["entry"] in ("train", "plan", "emit", "preflight", "env", "merge", "export", "launch", "cp") or (
             c["entry"].startswith("script:") and (ROOT / "scripts" / c["entry"][7:]).is_file()), c
         assert not c.get("setup") or c["setup"] in SETUPS, c
         if "recipe" in c:

@@ -1,0 +1,228 @@
+"""`launch` and `cp`: any recipe, copied anywhere, started from any directory on the processes it names.
+
+The copy-edit-launch flow of the README ("Your own recipe") runs here for real on 2 CPU processes from a folder outside
+the repository, and an emitted launcher is shown to start the backend its command-line flags ask for. Bad inputs
+(missing recipe, unknown key, cp onto a file) are also in the bad-input corpus (tests/bad_inputs/cases.yaml).
+"""
+
+import json
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import ROOT, free_port
+from sftrecipes.recipe import load_recipe
+
+PKG = str(ROOT / "sftrecipes")  # `python PATH/TO/sftrecipes VERB`: the command line from any directory
+
+
+def sft(args, cwd, env=None, timeout=120, module=False):
+    """The command line as a user outside the repository calls it (the package folder, or -m with PYTHONPATH)."""
+    topology = ("MACHINE_RANK", "MAIN_PROCESS_IP", "MAIN_PROCESS_PORT")  # only what the test gives
+    env = {**{k: v for k, v in os.environ.items() if k not in topology and not k.startswith("SLURM_")}, **(env or {})}
+    head = [sys.executable, "-m", "sftrecipes"] if module else [sys.executable, PKG]
+    if module:
+        env["PYTHONPATH"] = str(ROOT)
+    return subprocess.run([*head, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def one_error_line(res) -> str:
+    lines = [l for l in res.stderr.splitlines() if l.strip()]
+    assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (res.returncode, res.stderr[-2000:])
+    assert "Traceback" not in res.stdout + res.stderr
+    return lines[0]
+
+
+def dry_run(res) -> tuple[dict, list[str]]:
+    """(exported environment, command) from --dry-run's stdout: export lines, then the command (shlex-quoted)."""
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = res.stdout.strip().splitlines()
+    env = dict(shlex.split(l)[1].split("=", 1) for l in lines[:-1])
+    assert all(l.startswith("export ") for l in lines[:-1]), res.stdout
+    return env, shlex.split(lines[-1])
+
+
+def opt(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+            return True
+        except OSError:
+            return False
+
+
+# ----------------------------------------------------------------------------------------------- cp
+
+
+def test_cp_by_name_keeps_the_recipe_and_rewrites_its_bases(tmp_path, monkeypatch):
+    """`cp tiny/ddp sub/my.yaml` from a folder outside the repository: comments kept, `base:` relative to the copy's
+    folder, and the copy loads (from its folder) to the same recipe as the original from the repository root —
+    except output_dir, which now means a folder under the launching directory."""
+    res = sft(["cp", "tiny/ddp", "sub/my.yaml"], cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    copy = tmp_path / "sub" / "my.yaml"
+    assert f"launch sub/my.yaml" in res.stdout.splitlines()[-1]  # the next command, runnable from here
+    source = (ROOT / "recipes/tiny/ddp.yaml").read_text()
+    text = copy.read_text()
+    assert text.splitlines()[:2] == source.splitlines()[:2]  # the header comments
+    bases = yaml.safe_load(text)["base"]
+    assert all(not os.path.isabs(b) for b in bases)
+    assert [os.path.normpath(copy.parent / b) for b in bases] == [str(ROOT / "recipes/llama2-7b/ddp.yaml"), str(ROOT / "recipes/tiny/_twin.yaml")]
+
+    original = load_recipe(["recipes/tiny/ddp.yaml"])  # from the repository root (the test's cwd)
+    monkeypatch.chdir(tmp_path)
+    mine = load_recipe(["sub/my.yaml"])
+    a, b = original.as_dict(), mine.as_dict()
+    for key in ("model_name_or_path", "dataset_name"):  # the repository's assets, whatever the cwd
+        assert os.path.abspath(b.pop(key)) == str(ROOT / a.pop(key))
+    assert b.pop("output_dir") == a.pop("output_dir") == "outputs/tiny-ddp"  # relative to where it is launched
+    assert a == b
+
+
+def test_cp_makes_a_shipped_recipes_local_paths_absolute(tmp_path, monkeypatch):
+    """A shipped recipe's own relative input paths are relative to the repository root; in the copy they become
+    absolute so that the copy reads the same model and data from any directory."""
+    res = sft(["cp", str(ROOT / "recipes/tiny/_base.yaml"), str(tmp_path)], cwd=tmp_path)  # a folder: keeps the name
+    assert res.returncode == 0, res.stderr
+    data = yaml.safe_load((tmp_path / "_base.yaml").read_text())
+    assert data["model_name_or_path"] == str(ROOT / ".assets/tiny-llama")
+    assert data["dataset_name"] == str(ROOT / "data/tiny_chat")
+    assert data["max_seq_len"] == 256 and data["eval_strategy"] == "no"  # the rest as written (alias, quoted "no")
+    monkeypatch.chdir(tmp_path.parent)
+    r = load_recipe([str(tmp_path / "_base.yaml"), "--output_dir", "o"])
+    assert Path(r.model.model_name_or_path).is_dir() and Path(r.data.dataset_name).is_dir()
+
+
+def test_cp_refuses_to_overwrite_without_force(tmp_path):
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("learning_rate: 1.0e-3\n")
+    line = one_error_line(sft(["cp", "tiny/fsdp", "mine.yaml"], cwd=tmp_path))
+    assert "--force" in line and mine.read_text() == "learning_rate: 1.0e-3\n"
+    res = sft(["cp", "tiny/fsdp", "mine.yaml", "--force"], cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert yaml.safe_load(mine.read_text())["output_dir"] == "outputs/tiny-fsdp"
+
+
+# ----------------------------------------------------------------------------------------------- launch --dry-run
+
+
+@pytest.mark.parametrize("module", [False, True], ids=["package-folder", "python-m"])
+def test_dry_run_of_an_outside_copy_from_its_folder(tmp_path, module):
+    """2 processes through accelerate, train.py of the repository, the recipe as the user named it, a free port
+    (several single-node runs may share a host), the cpu target's environment — and nothing written or started."""
+    assert sft(["cp", "tiny/ddp", "my-ddp.yaml"], cwd=tmp_path).returncode == 0
+    before = sorted(tmp_path.rglob("*"))
+    env, argv = dry_run(sft(["launch", "my-ddp.yaml", "--dry-run", "--learning_rate", "1e-3"], cwd=tmp_path, module=module))
+    assert argv[1:3] == ["-m", "accelerate.commands.launch"]
+    assert opt(argv, "--num_processes") == "2" and opt(argv, "--num_machines") == "1" and opt(argv, "--machine_rank") == "0"
+    port = int(opt(argv, "--main_process_port"))
+    assert port != 29500 and bindable(port)  # not the recipe's default: a port free on this host
+    assert argv[-4:] == [str(ROOT / "train.py"), "my-ddp.yaml", "--learning_rate", "1e-3"]
+    assert opt(argv, "--config_file") == "outputs/tiny-ddp/accelerate_config.yaml"  # the copy's output_dir, from here
+    assert env == {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_port_set_by_the_user_is_kept(tmp_path):
+    assert sft(["cp", "tiny/ddp", "my.yaml"], cwd=tmp_path).returncode == 0
+    _, argv = dry_run(sft(["launch", "my.yaml", "--dry-run", "--launch.main_process_port", "29555"], cwd=tmp_path))
+    assert opt(argv, "--main_process_port") == "29555"
+    port = free_port()
+    _, argv = dry_run(sft(["launch", "my.yaml", "--dry-run"], cwd=tmp_path, env={"MAIN_PROCESS_PORT": str(port)}))
+    assert opt(argv, "--main_process_port") == str(port)
+
+
+def test_single_process_recipe_runs_plain_train_py(tmp_path):
+    assert sft(["cp", "tiny/lora", "lora.yaml"], cwd=tmp_path).returncode == 0
+    env, argv = dry_run(sft(["launch", "lora.yaml", "--dry-run"], cwd=tmp_path))
+    assert argv == [sys.executable, str(ROOT / "train.py"), "lora.yaml"] and env == {}  # hardware auto: the rank decides
+
+
+def test_multinode_rank_and_address_from_slurm(tmp_path):
+    """Under SLURM without MACHINE_RANK/MAIN_PROCESS_IP: the rank is SLURM_NODEID, the address the allocation's first
+    host (scontrol, a stand-in here), the port the recipe's (all nodes must agree). A rank outside the recipe's
+    machines is refused, and so is a multi-node launch that knows no rank at all."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text("#!/bin/sh\n[ \"$1 $2 $3\" = 'show hostnames node-[4-5]' ] && printf 'node-4\\nnode-5\\n'\n")
+    scontrol.chmod(0o755)
+    slurm = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node-[4-5]", "SLURM_NODEID": "1"}
+    recipe = str(ROOT / "recipes/tiny/multinode.yaml")
+    _, argv = dry_run(sft(["launch", recipe, "--dry-run"], cwd=tmp_path, env=slurm))
+    assert (opt(argv, "--machine_rank"), opt(argv, "--main_process_ip"), opt(argv, "--main_process_port")) == ("1", "node-4", "29620")
+    assert opt(argv, "--num_machines") == "2" and opt(argv, "--num_processes") == "2"
+    _, argv = dry_run(sft(["launch", recipe, "--dry-run"], cwd=tmp_path, env={"MACHINE_RANK": "0", "MAIN_PROCESS_IP": "10.0.0.7"}))
+    assert (opt(argv, "--machine_rank"), opt(argv, "--main_process_ip")) == ("0", "10.0.0.7")
+    assert "MACHINE_RANK" in one_error_line(sft(["launch", recipe, "--dry-run"], cwd=tmp_path, env={**slurm, "SLURM_NODEID": "2"}))
+    assert "MACHINE_RANK" in one_error_line(sft(["launch", recipe, "--dry-run"], cwd=tmp_path))
+
+
+def test_every_verb_takes_an_outside_recipe(tmp_path):
+    """Each verb that reads a recipe, given one outside the repository: a result or one line, never a traceback.
+    emit cannot name files after it and says what to do instead."""
+    assert sft(["cp", "tiny/zero3", "z3.yaml"], cwd=tmp_path).returncode == 0
+    for verb in (["plan"], ["env"], ["preflight"], ["launch", "--dry-run"]):
+        res = sft([verb[0], "z3.yaml", *verb[1:]], cwd=tmp_path)
+        assert res.returncode == 0 and "Traceback" not in res.stderr, (verb, res.stderr[-2000:])
+    assert "VERDICT" in sft(["preflight", "z3.yaml"], cwd=tmp_path).stdout
+    for args in (["emit", "z3.yaml"], ["emit", "--check", str(tmp_path / "z3.yaml")]):
+        line = one_error_line(sft(args, cwd=tmp_path))
+        assert "not under recipes/" in line and "python -m sftrecipes launch" in line
+    assert sft(["cp", "z3.yaml", "again.yaml"], cwd=tmp_path).returncode == 0  # a copy of a copy
+    assert yaml.safe_load((tmp_path / "again.yaml").read_text())["base"] == yaml.safe_load((tmp_path / "z3.yaml").read_text())["base"]
+    assert "not found" in one_error_line(sft(["launch", "missing.yaml"], cwd=tmp_path))
+    assert "did you mean learning_rate" in one_error_line(sft(["launch", "z3.yaml", "--learning_rat", "1"], cwd=tmp_path))
+
+
+# ----------------------------------------------------------------------------------------------- real runs (2 ranks)
+
+
+def test_copy_edit_launch_from_its_own_folder(tiny_model, tmp_path):
+    """The README's "Your own recipe", as written there: copy the DDP twin, point it at data in the run's folder,
+    launch from that folder. Both ranks train on the user's data (a relative path from there) with the repository's
+    tiny model (a relative path in the shipped base), and the run writes under the run's folder."""
+    rows = (ROOT / "data/tiny_chat/train.jsonl").read_text().splitlines()[:64]
+    (tmp_path / "my_chat").mkdir()
+    (tmp_path / "my_chat/train.jsonl").write_text("\n".join(rows) + "\n")
+    shutil.copy(ROOT / "data/tiny_chat/test.jsonl", tmp_path / "my_chat/test.jsonl")
+
+    assert sft(["cp", "tiny/ddp", "my-ddp.yaml"], cwd=tmp_path).returncode == 0
+    with open(tmp_path / "my-ddp.yaml", "a") as f:
+        f.write("dataset_name: my_chat\n")
+    res = sft(["launch", "my-ddp.yaml", "--max_steps", "2", "--sample_max_new_tokens", "0"], cwd=tmp_path, timeout=600)
+    log = res.stdout + res.stderr
+    assert res.returncode == 0, log[-4000:]
+    out = tmp_path / "outputs/tiny-ddp"
+    summary = json.loads((out / "run_summary.json").read_text())
+    assert summary["backend"]["world_size"] == 2 and summary["backend"]["wrapper"] == "DistributedDataParallel"
+    assert summary["steps"] == 2 and len(summary["losses"]) == 2
+    assert "data: 64 train / 40 eval samples from my_chat" in log  # the user's 64 rows, not the repository's 320
+    assert yaml.safe_load((out / "accelerate_config.yaml").read_text())["num_processes"] == 2
+    assert (out / "adapter_model.safetensors").is_file()
+
+
+def test_launcher_flags_choose_the_backend_that_runs(tmp_path):
+    """scripts/run_tiny-ddp.sh with --launch.backend fsdp: the accelerate config is rendered from the recipe + flags,
+    so FSDP really runs (parameters sharded across the 2 ranks, read from the live model), not the DDP config emitted
+    for the recipe."""
+    out = tmp_path / "fsdp"
+    res = subprocess.run(["scripts/run_tiny-ddp.sh", "--launch.backend", "fsdp", "--output_dir", str(out), "--max_steps", "2",
+                          "--sample_max_new_tokens", "0"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    backend = json.loads((out / "run_summary.json").read_text())["backend"]
+    assert backend["distributed_type"] == "FSDP" and backend["world_size"] == 2
+    assert backend["param_elements_local"] * 2 == pytest.approx(backend["param_elements_full"], rel=0.02)
+    assert yaml.safe_load((out / "accelerate_config.yaml").read_text())["distributed_type"] == "FSDP"
+    assert yaml.safe_load((ROOT / "configs/tiny-ddp.yaml").read_text())["distributed_type"] == "MULTI_GPU"
