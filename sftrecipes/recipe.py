@@ -395,7 +395,7 @@ def validate(r: Recipe) -> None:
         if val and _looks_local(val) and not Path(val).expanduser().exists():
             raise RecipeError(f"{key}: local path '{val}' does not exist; fix the path (or build tiny assets: make assets)")
     if d.dataset_name and d.datasets:
-        raise RecipeError("dataset_name and datasets are both set; keep dataset_name for one dataset, or put it into datasets as one more entry (- path: ...)")
+        raise RecipeError("dataset_name and datasets are both set; keep one: put dataset_name into datasets as one more entry (- path: ...), or set dataset_name: null where a base recipe sets it")
     if not d.dataset_name and not d.datasets:
         raise RecipeError("dataset_name: required; set a hub dataset id, a local folder or a json/jsonl/parquet file (or datasets: a list for a mixture)")
     if d.datasets:
