@@ -49,7 +49,7 @@ def run(recipe):
     # 2. tokenizer (chat template, special tokens) and data: the main process prepares, the others reuse its cache
     tokenizer, end_of_turn, added_tokens = models.load_tokenizer(recipe)
     with args.main_process_first(desc="dataset preparation"):
-        train_ds, eval_ds, prompt = data.load_datasets(recipe, tokenizer, end_of_turn)
+        train_ds, eval_ds, prompt, data_counts = data.load_datasets(recipe, tokenizer, end_of_turn)
 
     # 3. model: dtype, attention, 4/8-bit loading; LoRA is applied by the trainer from peft_config
     rss_before = backends.rss_mb()
@@ -118,6 +118,7 @@ def run(recipe):
             "attention": model.config._attn_implementation,
             "sample": {"prompt": prompt, "reply": sample.get("reply"), "stopped_on": sample.get("stopped_on"),
                        "new_tokens": sample.get("new_tokens")},
+            "data": data_counts,  # per split: read, truncated, dropped after the cut, fully masked, kept (data.py)
             "push_later": push_later,
         }
         with open(f"{args.output_dir}/run_summary.json", "w") as f:

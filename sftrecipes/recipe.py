@@ -18,7 +18,8 @@ from typing import Any
 
 import yaml
 
-from .schema import ALIASES, NESTED, SECTIONS, DataOptions, LaunchOptions, ModelOptions, Option, RunOptions, all_options
+from .schema import (ALIASES, DATASET_ENTRY_KEYS, NESTED, SECTIONS, DataOptions, LaunchOptions, ModelOptions, Option,
+                     RunOptions, all_options)
 
 RESERVED = ("base",)
 REPO = Path(__file__).resolve().parent.parent
@@ -293,6 +294,15 @@ def coerce(opt: Option, value: Any, src: str) -> Any:
         if isinstance(value, (list, tuple)) and all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value):
             return [str(v) for v in value]
         raise bad("a list of strings (or one comma-separated string)")
+    if kind == "mappings":  # a list of mappings (`datasets:`); on the command line a JSON list
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise RecipeError(f"{where}: not valid JSON ({e.msg}); write a JSON list of mappings, e.g. '[{{\"path\": \"data/a.jsonl\"}}]'") from None
+        if not isinstance(value, list) or not value or not all(isinstance(v, dict) for v in value):
+            raise bad("a non-empty list of mappings", " (YAML: one '- path: ...' item per dataset; command line: a JSON list)")
+        return [dict(v) for v in value]
     if kind == "dict":
         if isinstance(value, dict):
             return value
@@ -444,8 +454,12 @@ def validate(r: Recipe) -> None:
                      ("dataset_name", d.dataset_name)):
         if val and _looks_local(val) and not Path(val).expanduser().exists():
             raise RecipeError(f"{key}: local path '{val}' does not exist; fix the path (or build tiny assets: make assets)")
-    if not d.dataset_name:
-        raise RecipeError("dataset_name: required; set a hub dataset id, a local folder or a json/jsonl/parquet file")
+    if d.dataset_name and d.datasets:
+        raise RecipeError("dataset_name and datasets are both set; keep one: put dataset_name into datasets as one more entry (- path: ...), or set dataset_name: null where a base recipe sets it")
+    if not d.dataset_name and not d.datasets:
+        raise RecipeError("dataset_name: required; set a hub dataset id, a local folder or a json/jsonl/parquet file (or datasets: a list for a mixture)")
+    if d.datasets:
+        _validate_datasets(d.datasets)
 
     # quantization
     if m.use_4bit_quantization and m.use_8bit_quantization:
@@ -509,7 +523,8 @@ def validate(r: Recipe) -> None:
     if not splits or not any("train" in s for s in splits):
         raise RecipeError(f"splits: '{d.splits}' names no training split; include one with 'train' in its name, e.g. train,test")
     eval_on = str(r.trl_value("eval_strategy")) != "no"
-    if eval_on and not any("test" in s or "val" in s or "eval" in s for s in splits):
+    entry_evals = any(e.get("eval_split") for e in d.datasets or [])
+    if eval_on and not entry_evals and not any("test" in s or "val" in s or "eval" in s for s in splits):
         raise RecipeError(f"eval_strategy: {r.trl_value('eval_strategy')} needs an eval split, but splits is '{d.splits}'; add one (train,test) or set eval_strategy: no")
     if r.trl_value("packing") and r.trl_value("max_length") is None:
         raise RecipeError("packing: true needs max_length (alias max_seq_len) to set the packed length; set max_length: 2048")
@@ -517,8 +532,14 @@ def validate(r: Recipe) -> None:
         raise RecipeError(f"max_length: {r.trl_value('max_length')} is too short to hold a formatted sample; use at least 8")
     if m.chat_template_format == "none" and r.trl.get("assistant_only_loss"):
         raise RecipeError("assistant_only_loss: needs conversations; set chat_template_format (chatml/zephyr/tokenizer) or remove assistant_only_loss")
-    if r.trl.get("completion_only_loss"):
-        raise RecipeError("completion_only_loss: prompt/completion data is not supported by this pipeline; use 'messages' data with assistant_only_loss: true")
+    formats = {e.get("format", d.dataset_format) for e in d.datasets} if d.datasets else {d.dataset_format}
+    conversational = formats & {"messages", "conversations"}
+    if m.chat_template_format == "none" and conversational:
+        raise RecipeError(f"chat_template_format: none, but dataset_format {sorted(conversational)[0]} is conversational; set chat_template_format: tokenizer (the model's own template), chatml or zephyr")
+    if r.trl.get("completion_only_loss") is not None and not formats & {"auto", "prompt_completion"}:
+        raise RecipeError(f"completion_only_loss: applies to prompt/completion data, but dataset_format is {', '.join(sorted(formats))}; remove it (for conversations, assistant_only_loss: true trains on the assistant turns only)")
+    if r.trl.get("assistant_only_loss") and formats == {"text"}:
+        raise RecipeError("assistant_only_loss: text data has no assistant turns; remove it, or use conversational data (dataset_format: messages)")
     if r.trl.get("dataset_kwargs") and isinstance(r.trl["dataset_kwargs"], dict) and r.trl["dataset_kwargs"].get("skip_prepare_dataset"):
         raise RecipeError("dataset_kwargs.skip_prepare_dataset: would skip truncation and packing of the tokenized data; remove it")
 
@@ -543,6 +564,45 @@ def validate(r: Recipe) -> None:
         if getattr(L, key) is not None and getattr(L, key) <= 0:
             raise RecipeError(f"launch.{key}: must be > 0 GB, got {getattr(L, key)}")
     _validate_launch(r)
+
+
+def _validate_datasets(entries: list[dict]) -> None:
+    """Each `datasets:` entry on its own (torch-free); data.py reads the sources."""
+    formats = all_options()["dataset_format"].choices
+    for i, e in enumerate(entries):
+        at = f"datasets[{i}]"
+        for k in e:
+            if k not in DATASET_ENTRY_KEYS:
+                close = difflib.get_close_matches(str(k), list(DATASET_ENTRY_KEYS), n=1, cutoff=0.6)
+                hint = f"did you mean {close[0]}? " if close else ""
+                raise RecipeError(f"{at}.{k}: unknown key; {hint}an entry takes {', '.join(DATASET_ENTRY_KEYS)}")
+        path = e.get("path")
+        if not isinstance(path, str) or not path.strip():
+            raise RecipeError(f"{at}.path: required; give the dataset's hub id, local folder or json/jsonl/parquet/csv file")
+        if _looks_local(path) and not Path(path).expanduser().exists():
+            raise RecipeError(f"{at}.path: local path '{path}' does not exist; fix the path")
+        for k in ("name", "split", "eval_split"):
+            v = e.get(k)
+            if k in e and not (isinstance(v, str) and v.strip()) and not (k == "eval_split" and v is None):
+                hint = "; YAML reads bare yes/no/on/off as booleans — quote it" if isinstance(v, bool) else ""
+                null = " (or null: no eval rows from this entry)" if k == "eval_split" else ""
+                raise RecipeError(f"{at}.{k}: expected a split/config name, got {v!r}{hint}; write a string{null}")
+        if "weight" in e and "samples" in e:
+            raise RecipeError(f"{at}.weight and {at}.samples are both set; keep one (weight: a fraction of its rows, samples: a row count)")
+        w = e.get("weight")
+        if "weight" in e and (isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0):
+            raise RecipeError(f"{at}.weight: must be a number > 0 (the fraction of its rows drawn: 0.5 half, 2 twice), got {w!r}; to leave the dataset out, remove the entry")
+        n = e.get("samples")
+        if "samples" in e and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise RecipeError(f"{at}.samples: must be a whole number >= 1 (rows drawn), got {n!r}")
+        cols = e.get("columns")
+        if "columns" in e:
+            if not isinstance(cols, dict) or not all(isinstance(a, str) and isinstance(b, str) for a, b in cols.items()):
+                raise RecipeError(f"{at}.columns: expected a mapping {{column in the data: column the format needs}}, e.g. {{question: prompt, answer: completion}}, got {cols!r}")
+            if len(set(cols.values())) != len(cols):
+                raise RecipeError(f"{at}.columns: two columns renamed to the same name ({cols}); map each target once")
+        if "format" in e and e["format"] not in formats:
+            raise RecipeError(f"{at}.format: {e['format']!r} is not a format; use one of {', '.join(formats)} (ShareGPT from/value data is conversations)")
 
 
 DEEPSPEED_KEYS = ("zero_stage", "offload_optimizer", "offload_params", "zero3_init")

@@ -28,12 +28,14 @@ TRL_SNAPSHOT = Path(__file__).with_name("trl_options.json")
 DTYPES = ("bfloat16", "float16", "float32")
 
 
-def opt(default: Any, help: str, choices: tuple | None = None, aliases: tuple = ()) -> Any:
+def opt(default: Any, help: str, choices: tuple | None = None, aliases: tuple = (), kind: str | None = None) -> Any:
     meta: dict[str, Any] = {"help": help}
     if choices:
         meta["choices"] = tuple(choices)
     if aliases:
         meta["aliases"] = tuple(aliases)
+    if kind:
+        meta["kind"] = kind  # overrides the kind read from the annotation (e.g. 'mappings' for a list of dicts)
     return field(default=default, metadata=meta)
 
 
@@ -115,19 +117,57 @@ class DataOptions:
     """Where the data comes from and how it becomes token ids (data.py)."""
 
     dataset_name: str | None = opt(
-        None, "Hub dataset id, local folder (train.jsonl/test.jsonl, parquet, ...) or one json/jsonl/parquet file."
+        None, "Hub dataset id, local folder (train.jsonl/test.jsonl, parquet, ...) or one json/jsonl/parquet file. "
+        "Or use datasets (a mixture), not both."
+    )
+    datasets: list[dict] | None = opt(
+        None,
+        "A mixture instead of dataset_name: a list of mappings, one per dataset, with the keys "
+        "path (required), name, split, eval_split, weight, samples, columns, format (see DATASET_ENTRY_KEYS in "
+        "sftrecipes/schema.py and README 'Training'). Rows are drawn and shuffled under the recipe's seed. On the "
+        "command line: a JSON list, e.g. --datasets '[{\"path\": \"data/a.jsonl\", \"weight\": 0.5}]'.",
+        kind="mappings",
+    )
+    dataset_format: str = opt(
+        "auto",
+        "Shape of the data. auto reads it from the columns: 'messages' (role/content turns) -> messages; "
+        "'conversations' (ShareGPT from/value turns) -> conversations; 'prompt' + 'completion' (TRL's "
+        "prompt-completion, plain strings or lists of messages) -> prompt_completion; otherwise the "
+        "dataset_text_field column -> text (with chat_template_format: none, a dataset_text_field set in the recipe wins). "
+        "Conversational data needs a chat_template_format; text data (text, plain prompt/completion) does not use it.",
+        choices=("auto", "messages", "conversations", "prompt_completion", "text"),
     )
     splits: str = opt(
-        "train,test", "Comma-separated splits to load; the one named like 'train' trains, one like 'test' evaluates."
+        "train,test", "Comma-separated splits to load; the one named like 'train' trains, one like 'test' evaluates. "
+        "With datasets: each entry's default split and eval_split."
     )
     add_special_tokens: bool = opt(
-        False, "Let the tokenizer add its special tokens (e.g. Llama's BOS) when tokenizing each formatted sample."
+        False, "Let the tokenizer add its special tokens (e.g. Llama's BOS) when tokenizing each formatted sample. "
+        "When the text already starts with BOS (templates that write {{ bos_token }}: Llama-3, Gemma, Mistral), the "
+        "added duplicate is removed (logged)."
     )
     append_concat_token: bool = opt(
         False,
         "Append the EOS token to each sample (the separator between packed samples), unless the sample already "
-        "ends with it.",
+        "ends with the end-of-turn token or EOS (compared on token ids, trailing whitespace aside). Plain "
+        "prompt/completion samples always end with EOS, as in TRL.",
     )
+
+
+# The keys of one `datasets:` entry (validated in recipe.py, applied in data.py).
+DATASET_ENTRY_KEYS: dict[str, str] = {
+    "path": "Required. Hub id, local folder or one json/jsonl/parquet/csv file, as dataset_name takes.",
+    "name": "The hub dataset's configuration name (load_dataset's `name`).",
+    "split": "The split to train on. Default: the training split named in `splits`.",
+    "eval_split": "The split this entry adds to the eval set (all of its rows). Default: the eval split named in "
+                  "`splits`, if the source has it; null: none.",
+    "weight": "Fraction of the entry's rows drawn into the mixture, > 0: 0.5 draws half of them (under the seed), "
+              "2 every row twice. Default 1 (every row once). Not with samples.",
+    "samples": "Exact number of rows drawn (under the seed; more than the source has repeats rows). Not with weight.",
+    "columns": "Rename columns before the format is read: {column in the data: column the format needs}, e.g. "
+               "{question: prompt, answer: completion}.",
+    "format": "This entry's dataset_format (default: dataset_format).",
+}
 
 
 @dataclass
@@ -212,7 +252,7 @@ ALIASES: dict[str, str] = {
 @dataclass(frozen=True)
 class Option:
     name: str
-    kind: str  # bool | int | float | str | dict | list | int|str | str|bool | object
+    kind: str  # bool | int | float | str | dict | list | mappings | int|str | str|bool | object
     default: Any
     help: str
     choices: tuple | None = None
@@ -262,6 +302,7 @@ def _options_of(cls: type, owner: str) -> list[Option]:
         if not f.init:
             continue
         kind, nullable, choices = _kind(hints[f.name])
+        kind = f.metadata.get("kind", kind)
         choices = f.metadata.get("choices", choices)
         if isinstance(choices, type({}.keys())):
             choices = tuple(choices)

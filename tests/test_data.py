@@ -19,7 +19,7 @@ CONV = {"messages": [
 
 
 def build(*flags):
-    r = load_recipe(BASE + list(flags))
+    r = load_recipe(BASE + [str(f) for f in flags])
     tok, eot, added = models.load_tokenizer(r)
     return r, tok, eot, added
 
@@ -89,8 +89,11 @@ def test_splits_and_local_sources(tiny_model, tmp_path):
 
 @pytest.mark.parametrize("flags,fragment", [
     (["--splits", "train,validation"], "splits: 'validation' not found"),
-    (["--chat_template_format", "none"], "the data is conversational"),
-    (["--chat_template_format", "chatml", "--dataset_name", "JSONL", "--splits", "train"], "needs a 'messages' column"),
+    (["--chat_template_format", "none"], "chat_template_format: none, but dataset_name is conversational (messages); set chat_template_format: tokenizer"),
+    (["--chat_template_format", "chatml", "--dataset_name", "JSONL", "--splits", "train", "--dataset_text_field", "body"],
+     "dataset_format: dataset_name"),
+    (["--chat_template_format", "chatml", "--dataset_name", "JSONL", "--splits", "train", "--dataset_format", "messages"],
+     "dataset_format: messages needs the column 'messages'"),
     (["--dataset_name", "nobody-here/not-a-dataset-xyz"], "dataset_name: 'nobody-here/not-a-dataset-xyz'"),
 ])
 def test_data_errors_name_the_key(tiny_model, tmp_path, flags, fragment):
@@ -99,8 +102,7 @@ def test_data_errors_name_the_key(tiny_model, tmp_path, flags, fragment):
     flags = [str(one) if f == "JSONL" else f for f in flags]
     r, tok, eot, _ = build(*flags)
     with pytest.raises(RecipeError) as e:
-        train, _ = data.load_raw(r)
-        data.prepare(r, tok, eot, train, "train split")
+        data.load_datasets(r, tok, eot)
     assert fragment in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
@@ -123,3 +125,335 @@ def test_packed_batch_has_no_cross_sample_attention(tiny_model):
         leaky = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=True).logits[0]  # the trap
     torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(leaky[len(a):], alone[len(a):], atol=1e-3)
+
+
+# ------------------------------------------------------------------------------------------ formats
+# Fixtures built from the shipped chat data: the same conversations as TRL prompt/completion (plain text and
+# conversational), ShareGPT and plain text.
+
+ROWS = [json.loads(line) for line in open("data/tiny_chat/train.jsonl")][:24]
+SHAREGPT_FROM = {"user": "human", "assistant": "gpt", "system": "system"}
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory):
+    d = tmp_path_factory.mktemp("shapes")
+    plain = [{"prompt": " ".join(m["content"] for m in r["messages"][:-1]) + "\nAnswer:", "completion": " " + r["messages"][-1]["content"]}
+             for r in ROWS]
+    return {
+        "messages": write_jsonl(d / "messages.jsonl", ROWS),
+        "prompt_completion": write_jsonl(d / "pc.jsonl", plain),
+        "prompt_completion_chat": write_jsonl(d / "pc_chat.jsonl", [{"prompt": r["messages"][:-1], "completion": r["messages"][-1:]} for r in ROWS]),
+        "conversations": write_jsonl(d / "sharegpt.jsonl", [{"conversations": [{"from": SHAREGPT_FROM[m["role"]], "value": m["content"]} for m in r["messages"]]} for r in ROWS]),
+        "text": write_jsonl(d / "text.jsonl", [{"text": p["prompt"] + p["completion"]} for p in plain]),
+        "qa": write_jsonl(d / "qa.jsonl", [{"question": p["prompt"], "answer": p["completion"]} for p in plain]),
+    }
+
+
+def prepared(*flags):
+    r, tok, eot, _ = build(*flags)
+    train, evals, prompt, counts = data.load_datasets(r, tok, eot)
+    return tok, train, counts
+
+
+def trained_text(tok, row):
+    return tok.decode([t for t, label in zip(row["input_ids"], row["labels"]) if label != -100])
+
+
+def test_prompt_completion_trains_the_completion_only_as_trl_does(tiny_model, shapes):
+    tok, ds, counts = prepared("--dataset_name", shapes["prompt_completion"], "--splits", "train", "--chat_template_format", "none")
+    assert counts["train"]["formats"] == {"prompt_completion": len(ROWS)}
+    for row, src in zip(ds, ROWS):
+        assert trained_text(tok, row) == " " + src["messages"][-1]["content"] + "</s>"  # and it learns to stop
+        assert tok.decode(row["input_ids"]).endswith("Answer: " + src["messages"][-1]["content"] + "</s>")
+    # completion_only_loss: false = the whole sequence, as in TRL
+    tok, ds, _ = prepared("--dataset_name", shapes["prompt_completion"], "--splits", "train", "--completion_only_loss", "false")
+    assert all(row["labels"] == row["input_ids"] for row in ds)
+
+
+def test_conversational_prompt_completion_and_sharegpt_tokenize_like_messages(tiny_model, shapes):
+    chat = ("--splits", "train", "--chat_template_format", "chatml")
+    tok, msgs, _ = prepared("--dataset_name", shapes["messages"], *chat)
+    _, sharegpt, counts = prepared("--dataset_name", shapes["conversations"], *chat)
+    assert counts["train"]["formats"] == {"conversations": len(ROWS)}
+    assert sharegpt["input_ids"] == msgs["input_ids"] and sharegpt["labels"] == msgs["labels"]
+    _, pc, _ = prepared("--dataset_name", shapes["prompt_completion_chat"], *chat)
+    assert pc["input_ids"] == msgs["input_ids"]
+    for row, src in zip(pc, ROWS):  # the completion (the last assistant turn and its end of turn), nothing else
+        assert trained_text(tok, row) == src["messages"][-1]["content"] + "<|im_end|>\n"
+    # ShareGPT with assistant_only_loss masks exactly like messages
+    _, a, _ = prepared("--dataset_name", shapes["messages"], *chat, "--assistant_only_loss", "True")
+    _, b, _ = prepared("--dataset_name", shapes["conversations"], *chat, "--assistant_only_loss", "True")
+    assert a["labels"] == b["labels"] and a["labels"] != msgs["labels"]
+
+
+def test_text_format_and_format_override(tiny_model, shapes, tmp_path, caplog):
+    with caplog.at_level("INFO", logger="sftrecipes"):
+        tok, ds, counts = prepared("--dataset_name", shapes["text"], "--splits", "train", "--chat_template_format", "chatml")
+    assert counts["train"]["formats"] == {"text": len(ROWS)} and all(r["labels"] == r["input_ids"] for r in ds)
+    assert "chatml is unused for text data" in caplog.text
+    both = write_jsonl(tmp_path / "both.jsonl", [{"prompt": "Q?", "completion": " A.", "text": "Some whole text."}])
+    _, ds, counts = prepared("--dataset_name", both, "--splits", "train")  # auto: prompt + completion wins over text
+    assert counts["train"]["formats"] == {"prompt_completion": 1}
+    tok, ds, counts = prepared("--dataset_name", both, "--splits", "train", "--dataset_format", "text")
+    assert counts["train"]["formats"] == {"text": 1} and tok.decode(ds[0]["input_ids"]) == "Some whole text."
+
+
+@pytest.mark.parametrize("rows,flags,fragment", [
+    ([{"question": "q", "answer": "a"}], [], "none of the accepted shapes: messages (column 'messages'"),
+    ([{"conversations": [{"from": "bing", "value": "hi"}]}], ["--chat_template_format", "chatml"], "unknown 'from' value 'bing'"),
+    ([{"prompt": [{"role": "user", "content": "q"}], "completion": [{"role": "assistant", "content": "a"}]}], [],
+     "chat_template_format: none, but dataset_name is conversational (prompt_completion)"),
+    ([{"text": "t"}], ["--chat_template_format", "chatml", "--assistant_only_loss", "True"], "assistant_only_loss: train split is text"),
+    ([{"text": "t"}], ["--completion_only_loss", "true"], "completion_only_loss: applies to prompt/completion data"),
+    ([{"messages": [{"role": "user", "content": "only a question"}]}], ["--chat_template_format", "chatml", "--assistant_only_loss", "True"],
+     "assistant_only_loss: every train split sample has no assistant token"),
+])
+def test_format_errors_are_one_line_with_the_fix(tiny_model, tmp_path, rows, flags, fragment):
+    f = write_jsonl(tmp_path / "d.jsonl", rows)
+    r, tok, eot, _ = build("--dataset_name", str(f), "--splits", "train", *flags)
+    with pytest.raises(RecipeError) as e:
+        data.load_datasets(r, tok, eot)
+    assert fragment in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_the_fix_each_error_names_trains_what_was_meant(tiny_model, tmp_path):
+    """Following the advice of the conversational and shape errors gives a run that trains the answers."""
+    f = write_jsonl(tmp_path / "d.jsonl", [{"question": "What is 2 plus 3?", "answer": " 5."}])
+    r = load_recipe(BASE[:2] + ["--output_dir", "o", "--datasets", json.dumps([{"path": str(f), "columns": {"question": "prompt", "answer": "completion"}}])])
+    tok, eot, _ = models.load_tokenizer(r)
+    train, _, _, _ = data.load_datasets(r, tok, eot)
+    assert trained_text(tok, train[0]) == " 5.</s>"
+    r, tok, eot, _ = build("--chat_template_format", "tokenizer", "--splits", "train")  # the shipped chat data
+    train, _, _, _ = data.load_datasets(r, tok, eot)
+    assert "<|im_start|>assistant" in tok.decode(train[0]["input_ids"])
+
+
+# ------------------------------------------------------------------------------------------ counts
+
+
+def conv(user_words: int, answer_words: int, answer=True, tail_words=0):
+    msgs = [{"role": "user", "content": " ".join(["apple"] * user_words)}]
+    if answer:
+        msgs.append({"role": "assistant", "content": " ".join(["river"] * answer_words)})
+    if tail_words:
+        msgs.append({"role": "user", "content": " ".join(["stone"] * tail_words)})
+    return {"messages": msgs}
+
+
+@pytest.mark.parametrize("mode,expect", [
+    ("keep_start", {"read": 4, "truncated": 2, "dropped_after_cut": 1, "fully_masked": 1, "kept": 2}),
+    ("keep_end", {"read": 4, "truncated": 2, "dropped_after_cut": 0, "fully_masked": 1, "kept": 3}),
+])
+def test_counts_of_cut_dropped_and_masked_samples(tiny_model, tmp_path, caplog, mode, expect):
+    rows = [conv(3, 3), conv(3, 0, answer=False), conv(80, 2), conv(3, 80)]  # short; no answer; answer past the cut; long answer
+    f = write_jsonl(tmp_path / "d.jsonl", rows)
+    flags = ["--dataset_name", str(f), "--splits", "train", "--chat_template_format", "chatml", "--assistant_only_loss", "True",
+             "--max_length", "40", "--truncation_mode", mode]
+    with caplog.at_level("INFO", logger="sftrecipes"):
+        tok, ds, counts = prepared(*flags)
+    got = {k: counts["train"][k] for k in expect}
+    assert got == expect
+    assert all(len(r["input_ids"]) <= 40 and any(label != -100 for label in r["labels"][1:]) for r in ds)
+    lines = [m for m in caplog.messages if m.startswith("data: train split:")]
+    assert len(lines) == 1 and f"{expect['truncated']} truncated at max_length 40 ({mode})" in lines[0]
+    assert f"{expect['dropped_after_cut']} dropped after the cut" in lines[0] and "1 fully masked" in lines[0]
+    if mode == "keep_end":  # the kept tail is the end of the sample, where the answer is
+        assert tok.decode(ds[1]["input_ids"]).endswith("river river<|im_end|>\n")
+
+
+def test_every_sample_lost_to_the_cut_is_an_error(tiny_model, tmp_path):
+    f = write_jsonl(tmp_path / "d.jsonl", [conv(80, 2)] * 3)
+    r, tok, eot, _ = build("--dataset_name", str(f), "--splits", "train", "--chat_template_format", "chatml",
+                           "--assistant_only_loss", "True", "--max_length", "40")
+    with pytest.raises(RecipeError, match="max_length: no train split sample keeps a trainable token .* set truncation_mode: keep_end"):
+        data.load_datasets(r, tok, eot)
+
+
+@pytest.mark.parametrize("packing", ["none", "bfd", "wrapped"])
+def test_trl_cuts_nothing_twice_and_packed_rows_are_counted(tiny_model, tmp_path, packing):
+    """What SFTTrainer does after the project's preparation: no further cut, no drop, and the packed rows the
+    counts announce (bfd: none fully masked; wrapped: exactly the counted number)."""
+    from trl import SFTTrainer
+
+    from sftrecipes import backends
+
+    # masked runs longer than max_length across sample boundaries (a long masked user tail, then a long user
+    # prompt), which wrapped packing can cut into rows of their own; and one sample longer than max_length
+    rows = [conv(2, 1, tail_words=36) if i % 2 == 0 else conv(38 + i % 3, 1) for i in range(24)] + [conv(3, 60)]
+    f = write_jsonl(tmp_path / "d.jsonl", rows)
+    flags = ["--dataset_name", str(f), "--splits", "train", "--chat_template_format", "chatml", "--assistant_only_loss", "True",
+             "--max_length", "64", "--output_dir", str(tmp_path / "o"), "--launch.hardware", "cpu"]
+    if packing != "none":
+        flags += ["--packing", "True", "--packing_strategy", packing]
+    r, tok, eot, _ = build(*flags)
+    ours, _, _, counts = data.load_datasets(r, tok, eot)
+    assert counts["train"]["truncated"] == 1 and counts["train"]["kept"] == 25
+    trainer = SFTTrainer(model=models.load_model(r, tok, "cpu"), args=backends.training_args(r, "cpu"),
+                         train_dataset=ours, processing_class=tok)
+    theirs = trainer.train_dataset
+    masked_rows = sum(not any(label != -100 for label in row[1:]) for row in theirs["labels"])
+    if packing == "none":
+        assert theirs["input_ids"] == ours["input_ids"] and theirs["labels"] == ours["labels"]
+        assert "packing" not in counts["train"]
+    elif packing == "bfd":
+        assert sum(map(sum, theirs["seq_lengths"])) == sum(map(len, ours["input_ids"]))  # every sample whole
+        assert masked_rows == counts["train"]["packing"]["fully_masked_rows"] == 0
+    else:
+        assert counts["train"]["packing"]["rows"] == len(theirs)
+        assert masked_rows == counts["train"]["packing"]["fully_masked_rows"] > 0
+
+
+# ------------------------------------------------------------------------------------------ BOS and end tokens
+
+CHAT = {"messages": CONV["messages"][1:]}  # user, assistant, user, assistant
+# the end-of-turn token of each family's template (model.end_of_turn's job; given here so the test checks data.py)
+EOT = {"llama3": "<|eot_id|>", "gemma2": "<end_of_turn>", "mistral": "</s>", "qwen2": "<|im_end|>", "phi3": "<|end|>"}
+
+
+def family_build(folder, *flags):
+    r = load_recipe(["--model_name_or_path", str(folder), "--dataset_name", "data/tiny_chat", "--output_dir", "o",
+                     "--chat_template_format", "tokenizer", *flags])
+    tok, _, _ = models.load_tokenizer(r)
+    return r, tok
+
+
+@pytest.mark.parametrize("family", ["llama3", "gemma2", "mistral", "qwen2"])
+def test_one_bos_whatever_add_special_tokens_says(family_models, family, caplog):
+    writes_bos = family != "qwen2"  # Llama-3, Gemma and Mistral templates start with {{ bos_token }}
+    r0, tok = family_build(family_models[family], "--add_special_tokens", "False")
+    r1, _ = family_build(family_models[family], "--add_special_tokens", "True")
+    assert tok.apply_chat_template(CHAT["messages"], tokenize=False).startswith(tok.bos_token or "\0") == writes_bos
+    plain = data.tokenize_example(CHAT, tok, r0, EOT[family])
+    with caplog.at_level("INFO", logger="sftrecipes"):
+        ds = data.prepare(r1, tok, EOT[family], datasets_from([CHAT] * 3), "train split")
+    assert ds[0]["input_ids"] == plain["input_ids"]  # one BOS either way (qwen2 has none to add)
+    if writes_bos:
+        assert plain["input_ids"][0] == tok.bos_token_id != plain["input_ids"][1]
+    notes = [m for m in caplog.messages if m.startswith("add_special_tokens:")]
+    assert len(notes) == int(writes_bos) and (not notes or "3 samples" in notes[0] and "add_special_tokens: false" in notes[0])
+    if tok.bos_token is not None:  # text that starts with BOS: the same
+        text = data.tokenize_example({"text": tok.bos_token + "plain words"}, tok, r1, EOT[family], fmt="text")["input_ids"]
+        assert text[0] == tok.bos_token_id != text[1]
+
+
+def datasets_from(rows):
+    import datasets
+
+    return datasets.Dataset.from_list(rows)
+
+
+@pytest.mark.parametrize("family", ["llama3", "gemma2", "mistral", "qwen2", "phi3"])
+def test_append_concat_token_never_stacks_a_second_end(family_models, family):
+    r_off, tok = family_build(family_models[family], "--append_concat_token", "False")
+    r_on, _ = family_build(family_models[family], "--append_concat_token", "True")
+    eot = EOT[family]
+    # a conversation ends with the end of turn (phi3: then EOS): nothing appended
+    assert data.tokenize_example(CHAT, tok, r_on, eot)["input_ids"] == data.tokenize_example(CHAT, tok, r_off, eot)["input_ids"]
+    for text in ("some words", "some words" + eot, "some words" + eot + "\n", "some words" + tok.eos_token):
+        off = data.tokenize_example({"text": text}, tok, r_off, eot, fmt="text")["input_ids"]
+        on = data.tokenize_example({"text": text}, tok, r_on, eot, fmt="text")["input_ids"]
+        assert on == (off + [tok.eos_token_id] if text == "some words" else off), (text, on, off)
+
+
+def test_plain_text_end_of_turn_is_recognised_on_ids_and_text(tiny_model):
+    """An end of turn that is not one token (rare templates): a sample ending with it gets no EOS after it, however
+    the neighbouring characters merge with it."""
+    r, tok, _, _ = build("--append_concat_token", "True")
+    eot = "Answer end"
+    alone = tok(eot, add_special_tokens=False)["input_ids"]
+    assert eot not in tok.get_vocab() and tok("the " + eot, add_special_tokens=False)["input_ids"][-len(alone):] != alone  # merges
+    for text in ("yes\nAnswer end", "yes Answer end \n", "the Answer end"):
+        assert tok.eos_token_id not in data.tokenize_example({"text": text}, tok, r, eot, fmt="text")["input_ids"], text
+    assert data.tokenize_example({"text": "answer"}, tok, r, eot, fmt="text")["input_ids"][-1] == tok.eos_token_id
+    # a template that makes another token EOS (chatml: <|im_end|>): text ending with the model's own EOS gets none
+    r, tok, eot, _ = build("--append_concat_token", "True", "--chat_template_format", "chatml")
+    ids = data.tokenize_example({"text": "done</s>"}, tok, r, eot, fmt="text")["input_ids"]
+    assert tok.eos_token == "<|im_end|>" and tok.convert_ids_to_tokens(ids[-1:]) == ["</s>"]
+
+
+# ------------------------------------------------------------------------------------------ mixtures
+
+
+def mixture(entries, *flags):
+    r = load_recipe(BASE[:2] + ["--output_dir", "o", "--chat_template_format", "chatml", "--datasets", json.dumps(entries), *flags])
+    tok, eot, _ = models.load_tokenizer(r)
+    return tok, data.load_datasets(r, tok, eot)
+
+
+def test_mixture_draws_its_counts_under_the_seed(tiny_model, shapes):
+    entries = [{"path": "data/tiny_chat", "weight": 0.25},  # 80 of 320, + its test split for eval
+               {"path": str(shapes["prompt_completion"]), "weight": 2.5},  # 24 rows -> 60: each twice + 12
+               {"path": str(shapes["conversations"]), "samples": 10}]
+    tok, (train, evals, prompt, counts) = mixture(entries)
+    drawn = [(s["rows"], s["of"]) for s in counts["mixture"]["sources"]]
+    assert drawn == [(80, 320), (60, 24), (10, 24)]
+    assert counts["train"]["formats"] == {"messages": 80, "prompt_completion": 60, "conversations": 10}
+    assert len(train) == counts["train"]["kept"] == 150 and len(evals) == 40  # eval: the test split of entry 0, whole
+    assert prompt[-1]["role"] == "user"
+    texts = [tok.decode(ids) for ids in train["input_ids"]]
+    plain = [t for t in texts if "Answer:" in t]
+    assert len(plain) == 60 and max(plain.count(t) for t in plain) in (2, 3)  # repeats, not more
+    # the same under the same seed (every rank, every run); another seed: another order and another draw
+    _, (again, *_rest) = mixture(entries)
+    assert again["input_ids"] == train["input_ids"]
+    _, (other, *_rest) = mixture(entries, "--seed", "7")
+    assert other["input_ids"] != train["input_ids"]
+    assert sorted(map(tuple, other["input_ids"])) != sorted(map(tuple, train["input_ids"]))  # a different subset too
+
+
+def test_mixture_columns_and_eval_splits(tiny_model, shapes):
+    qa = {"path": str(shapes["qa"]), "columns": {"question": "prompt", "answer": "completion"}}
+    tok, (train, evals, _, counts) = mixture([qa, {"path": "data/tiny_chat", "samples": 5, "eval_split": None}], "--splits", "train,test")
+    assert counts["train"]["formats"] == {"prompt_completion": 24, "messages": 5} and evals is None
+    answers = {" " + r["messages"][-1]["content"] + tok.eos_token for r in ROWS}  # chatml: EOS is <|im_end|>
+    assert sum(trained_text(tok, row) in answers for row in train) == 24
+    with pytest.raises(RecipeError, match=r"datasets\[0\]\.eval_split: 'test' asked of the single file"):
+        mixture([{**qa, "eval_split": "test"}])
+    with pytest.raises(RecipeError, match=r"datasets\[0\]\.columns: 'query' is not a column"):
+        mixture([{"path": str(shapes["qa"]), "columns": {"query": "prompt"}}])
+    with pytest.raises(RecipeError, match=r"eval_strategy: needs an eval split.*eval_split"):
+        mixture([qa], "--eval_strategy", "steps")
+
+
+@pytest.mark.parametrize("entries,flags,fragment", [
+    ([{"path": "data/tiny_chat", "wieght": 2}], [], "datasets[0].wieght: unknown key; did you mean weight?"),
+    ([{"path": "data/tiny_chat"}, {"path": "data/tiny_chat", "weight": 0}], [], "datasets[1].weight: must be a number > 0"),
+    ([{"path": "data/tiny_chat", "weight": 0.5, "samples": 10}], [], "datasets[0].weight and datasets[0].samples are both set"),
+    ([{"path": "./no/such/data.jsonl"}], [], "datasets[0].path: local path './no/such/data.jsonl' does not exist"),
+    ([{"split": "train"}], [], "datasets[0].path: required"),
+    ([{"path": "data/tiny_chat", "samples": 2.5}], [], "datasets[0].samples: must be a whole number"),
+    ([{"path": "data/tiny_chat", "columns": ["prompt"]}], [], "datasets[0].columns: expected a mapping"),
+    ([{"path": "data/tiny_chat", "format": "sharegpt"}], [], "datasets[0].format: 'sharegpt' is not a format"),
+    ([{"path": "data/tiny_chat"}], ["--dataset_name", "data/tiny_chat"], "dataset_name and datasets are both set"),
+    ({"path": "data/tiny_chat"}, [], "--datasets: expected a non-empty list of mappings"),
+])
+def test_mixture_entries_are_validated_torch_free(entries, flags, fragment):
+    with pytest.raises(RecipeError) as e:
+        load_recipe(["--model_name_or_path", ".assets/tiny-llama", "--output_dir", "o", "--datasets", json.dumps(entries), *flags])
+    assert fragment in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+# ------------------------------------------------------------------------------------------ one short run
+
+
+def test_prompt_completion_run_trains_on_the_completion_only(tiny_model, shapes, tmp_path):
+    import train as train_script
+
+    trainer, summary = train_script.run(load_recipe(
+        ["--model_name_or_path", ".assets/tiny-llama", "--dataset_name", str(shapes["prompt_completion"]), "--splits", "train",
+         "--output_dir", str(tmp_path), "--max_steps", "2", "--per_device_train_batch_size", "4", "--logging_steps", "1",
+         "--sample_max_new_tokens", "0", "--report_to", "none", "--launch.hardware", "cpu"]))
+    saved = json.loads((tmp_path / "run_summary.json").read_text())["data"]
+    assert saved == summary["data"] and saved["train"]["formats"] == {"prompt_completion": len(ROWS)} and saved["train"]["kept"] == len(ROWS)
+    assert len(summary["losses"]) == 2
+    batch = next(iter(trainer.get_train_dataloader()))  # what the model's loss sees
+    tok = trainer.processing_class
+    answers = {" " + r["messages"][-1]["content"] + "</s>" for r in ROWS}
+    for ids, labels in zip(batch["input_ids"].tolist(), batch["labels"].tolist()):
+        assert tok.decode([t for t, label in zip(ids, labels) if label != -100]) in answers

@@ -34,7 +34,7 @@ SPECIAL = {
 # Applied by the data pipeline, not by SFTConfig: observed in tests/test_data.py and tests/test_train.py.
 PIPELINE = {
     "assistant_only_loss": "test_data.py::test_assistant_only_loss_masks_everything_but_assistant_turns",
-    "completion_only_loss": "refused with a one-line error (tests/test_recipe.py BAD list)",
+    "completion_only_loss": "test_data.py::test_prompt_completion_trains_the_completion_only_as_trl_does",
     "resume_from_checkpoint": "test_train.py::test_resume_auto_continues_to_the_same_weights",
 }
 
@@ -199,6 +199,28 @@ def obs_dataset_name(tiny_model, tmp_path):
     f.write_text(json.dumps({"messages": [{"role": "user", "content": "zebra"}]}) + "\n")
     tok, ds = tokenized(recipe("--dataset_name", f, "--splits", "train", "--chat_template_format", "chatml"))
     assert "zebra" in tok.decode(ds[0]["input_ids"])
+
+
+def obs_dataset_format(tiny_model, tmp_path):
+    import json
+
+    f = tmp_path / "both.jsonl"
+    f.write_text(json.dumps({"prompt": "Question?", "completion": " Answer.", "text": "Other words."}) + "\n")
+    tok, ds = tokenized(recipe("--dataset_name", f, "--splits", "train"))  # auto: prompt/completion, completion trained
+    assert -100 in ds[0]["labels"] and "Question?" in tok.decode(ds[0]["input_ids"])
+    tok, ds = tokenized(recipe("--dataset_name", f, "--splits", "train", "--dataset_format", "text"))
+    assert tok.decode(ds[0]["input_ids"]) == "Other words." and ds[0]["labels"] == ds[0]["input_ids"]
+
+
+def obs_datasets(tiny_model, tmp_path):
+    import json
+
+    entries = [{"path": "data/tiny_chat", "samples": 7}, {"path": "data/tiny_chat", "split": "test", "weight": 0.5}]
+    r = load_recipe(["--model_name_or_path", ".assets/tiny-llama", "--output_dir", "outputs/reach", "--chat_template_format",
+                     "chatml", "--datasets", json.dumps(entries)])
+    tok, eot, _ = models.load_tokenizer(r)
+    train, _, _, counts = data.load_datasets(r, tok, eot)
+    assert len(train) == 7 + 20 and [s["rows"] for s in counts["mixture"]["sources"]] == [7, 20]
 
 
 def obs_splits(tiny_model, tmp_path):
