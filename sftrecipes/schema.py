@@ -57,9 +57,10 @@ class ModelOptions:
     )
     chat_template_format: str = opt(
         "none",
-        "How conversations ('messages' column) become text: 'chatml' or 'zephyr' set that template (adding its "
-        "special tokens if missing), 'tokenizer' uses the tokenizer's own template, 'none' means the data is "
-        "already text in dataset_text_field.",
+        "How conversational data (messages, ShareGPT conversations, conversational prompt/completion) becomes text: "
+        "'chatml' or 'zephyr' set that template (adding its special tokens if missing), 'tokenizer' uses the "
+        "tokenizer's own template, 'none' for text data only. The token that closes an assistant turn is read from the "
+        "template (special, added or plain text), logged, made the eos token and written into the generation config.",
         choices=("chatml", "zephyr", "tokenizer", "none"),
     )
     attn_implementation: str = opt(

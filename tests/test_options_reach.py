@@ -132,6 +132,13 @@ def obs_use_flash_attn(tiny_model, tmp_path, caplog=None):
         assert models.attn_implementation(r, "gpu") == "flash_attention_2"
 
 
+def obs_attn_implementation(tiny_model, tmp_path):
+    r = recipe("--attn_implementation", "eager")
+    tok, _, _ = models.load_tokenizer(r)
+    assert models.load_model(r, tok, "cpu").config._attn_implementation == "eager"
+    assert models.load_model(recipe(), tok, "cpu").config._attn_implementation == "sdpa"  # auto, for a Llama
+
+
 def lora(*flags):
     return models.lora_config(recipe("--use_peft_lora", "True", *flags), [])
 
