@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from sftrecipes import backends, data, model as models
-from sftrecipes.recipe import load_recipe
+from sftrecipes.recipe import RecipeError, load_recipe
 from sftrecipes.schema import all_options
 
 BASE = ["--model_name_or_path", ".assets/tiny-llama", "--dataset_name", "data/tiny_chat", "--output_dir", "outputs/reach"]
@@ -129,7 +129,9 @@ def obs_use_flash_attn(tiny_model, tmp_path, caplog=None):
     from unittest import mock
 
     with mock.patch.object(importlib.util, "find_spec", return_value=object()):
-        assert models.attn_implementation(r, "gpu") == "flash_attention_2"
+        assert models.attn_implementation(recipe("--use_flash_attn", "True", "--bf16", "True"), "gpu") == "flash_attention_2"
+        with pytest.raises(RecipeError, match="flash_attention_2 computes in bf16/fp16 only"):  # fp32 without autocast
+            models.attn_implementation(r, "gpu")
 
 
 def obs_attn_implementation(tiny_model, tmp_path):
