@@ -224,14 +224,14 @@ def add_resized_embeddings_under_zero3(trainer, out: Path, expected: set[str]) -
     partitioned weights are absent from the consolidated state dict the Trainer hands peft, and the adapter comes out
     without them. Every rank gathers them here (a collective); rank 0 adds any the file lacks."""
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
-    params = dict(unwrapped.named_parameters())
+    params = dict(unwrapped.named_parameters(remove_duplicate=False))  # a tied head is the embedding under a 2nd name
     names = sorted(n for n in expected if n.endswith(".token_adapter.base_layer.weight") and hasattr(params.get(n), "ds_id"))
     if not names:
         return
     import deepspeed  # noqa: PLC0415
     from safetensors.torch import load_file, save_file  # noqa: PLC0415
 
-    with deepspeed.zero.GatheredParameters([params[n] for n in names], modifier_rank=None):
+    with deepspeed.zero.GatheredParameters(list({id(params[n]): params[n] for n in names}.values()), modifier_rank=None):
         gathered = {n: params[n].detach().cpu().clone() for n in names} if trainer.is_world_process_zero() else {}
     path = out / "adapter_model.safetensors"
     if not gathered or not path.is_file():

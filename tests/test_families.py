@@ -147,7 +147,10 @@ def test_zero3_lora_on_two_ranks_exports_and_merges(family, family_models, tmp_p
     merged = export(out, tmp_path / "merged", verify=True)
     assert torch.isfinite(logits(load(merged), probe_ids(merged))).all()
     adapter = export(out / "checkpoint-2", tmp_path / "ck-adapter", verify=True)
-    assert sorted(load_file(adapter / "adapter_model.safetensors")) == sorted(load_file(out / "adapter_model.safetensors"))
+    # the checkpoint holds what trains (LoRA pairs, new token rows); the resized frozen embeddings ZeRO-3 leaves out of
+    # it are in the final adapter only (the merge grows the base from the rows)
+    trained = lambda names: sorted(n for n in names if not n.endswith(".token_adapter.base_layer.weight"))  # noqa: E731
+    assert trained(load_file(adapter / "adapter_model.safetensors")) == trained(load_file(out / "adapter_model.safetensors"))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
