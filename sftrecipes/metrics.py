@@ -172,10 +172,11 @@ def trainable_split(model, shape: Shape | None = None) -> tuple[int, int]:
             if not p.requires_grad:
                 continue
             dims = len(getattr(p, "ds_shape", p.shape))
+            linear_weight = isinstance(module, torch.nn.Linear) and p is module.weight
             if "lora_" in name:
-                adapter += numel(p) * (share if id(p) in expert_adapters else 1.0)
-            elif isinstance(module, torch.nn.Linear):
-                trained += numel(p) if p is module.weight else 0
+                adapter += numel(p) * (share if id(p) in expert_adapters else 1.0) if linear_weight else 0
+            elif linear_weight:
+                trained += numel(p)
             elif dims == 3 and name.endswith("mlp.experts"):
                 trained += numel(p) * share
             elif dims == 2 and name.endswith("mlp.gate"):
