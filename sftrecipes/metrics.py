@@ -17,6 +17,9 @@ What is counted
   forward 2·N, backward 2·N for activation gradients (also through frozen weights, which LoRA needs) + 2·T for weight
   gradients; adapters 6·A like any trained weight. A full fine-tune gives the standard 6·N (Kaplan et al. 2020,
   "Scaling Laws", sec. 2.1). N is every decoder linear plus the LM head (input embeddings are a lookup, no FLOPs).
+  Mixtures of experts count what a token runs through (`Shape.matmul_params`): the router and its top-k experts,
+  so N, T and A hold k/E of each fused expert tensor and of its adapters (peft's per-step fold W + s·BA of an
+  adapted expert tensor is implementation work, not model work, and is not counted).
   Attention adds 12·L·d FLOPs per (query, key) pair a causal mask lets through (QKᵀ and AV: 2·d each forward, x3 for
   training; d = heads·head_dim); a sample of length s has s(s+1)/2 pairs, i.e. ≈ 6·L·d·s per token: the causal half
   of PaLM's 12·L·H·Q·T (Chowdhery et al. 2022, appendix B), as FlashAttention-2's benchmarks count it. Packed samples
@@ -46,7 +49,8 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from .plan import Shape
+from .recipe import RecipeError
+from .shape import Shape, model_shape
 
 log = logging.getLogger("sftrecipes")
 
@@ -75,19 +79,20 @@ def device_peak_tflops(name: str | None = None) -> float | None:
     return next((peak for key, peak in PEAK_TFLOPS if key.lower() in name.lower()), None)
 
 
-def shape_from_config(config) -> Shape:
-    """The planner's Shape of a transformers config (a PretrainedConfig or its dict; multimodal: the text config)."""
-    c = config if isinstance(config, dict) else config.get_text_config().to_dict()
-    c = c.get("text_config", c)
-    heads = c["num_attention_heads"]
-    return Shape(c.get("_name_or_path", ""), c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], heads,
-                 c.get("num_key_value_heads") or heads, c.get("head_dim") or c["hidden_size"] // heads, c["vocab_size"],
-                 bool(c.get("tie_word_embeddings", False)), c.get("max_position_embeddings", 0))
+def model_shape_of(model) -> Shape | None:
+    """The shape of a live model, from its config (under PEFT: the base model's); None for a layout shape.py does
+    not know (FLOPs and MFU are then not reported)."""
+    try:
+        return model_shape(_base_model(model).config.to_dict())
+    except RecipeError as e:
+        log.warning("metrics: no FLOP count for this model (%s); MFU is not reported", e)
+        return None
 
 
 def matmul_params(shape: Shape) -> int:
-    """Weights that take part in a matmul per token: every decoder linear and the LM head (tied or not)."""
-    return shape.layers * shape.layer_linear_params + shape.vocab * shape.hidden
+    """Weights that take part in a matmul per token: every decoder linear, the router and top-k experts (MoE), and
+    the LM head (tied or not)."""
+    return shape.matmul_params
 
 
 def step_flops(shape: Shape, tokens: float, pairs: float, *, trainable: int | None = None, adapter: int = 0,
@@ -101,8 +106,9 @@ def step_flops(shape: Shape, tokens: float, pairs: float, *, trainable: int | No
     t = n if trainable is None else trainable
     d = shape.heads * shape.head_dim
     flops = (4 * n + 2 * t + 6 * adapter) * tokens + 12 * shape.layers * d * pairs
-    if recompute:
-        flops += (2 * shape.layers * shape.layer_linear_params + 2 * adapter) * tokens + 4 * shape.layers * d * pairs
+    if recompute:  # the decoder layers' forward again (the LM head is not checkpointed)
+        decoder = n - shape.vocab * shape.hidden
+        flops += (2 * decoder + 2 * adapter) * tokens + 4 * shape.layers * d * pairs
     return float(flops)
 
 
@@ -142,24 +148,40 @@ def batch_counts(inputs: dict, pad_token_id: int | None) -> tuple[int, int, int]
     return sum(lengths), int(ids.numel()), sum(s * (s + 1) // 2 for s in lengths)
 
 
-def trainable_split(model) -> tuple[int, int]:
-    """(trained base matmul weights, LoRA adapter parameters) of a model, sharded or not (ZeRO-3 ds_numel,
-    DTensor global numel). FSDP1 flattens parameters: count before it wraps (on_init_end does)."""
+def trainable_split(model, shape: Shape | None = None) -> tuple[int, int]:
+    """(trained base matmul weights, LoRA adapter parameters) per token of a model, sharded or not (ZeRO-3 ds_numel,
+    DTensor global numel). FSDP1 flattens parameters: count before it wraps (on_init_end does).
+
+    Base weights: nn.Linear weights, and in a mixture of experts the routers (`mlp.gate`) and the fused expert tensors
+    (`mlp.experts`); an expert tensor and the adapters peft puts on it count top_k/experts of their size (`shape`),
+    what one token runs through."""
     import torch  # noqa: PLC0415
+
+    share = shape.top_k / shape.experts if shape is not None and shape.experts else 1.0
 
     def numel(p):
         return int(getattr(p, "ds_numel", p.numel()))
 
-    trained = adapter = 0
+    expert_adapters = set()  # peft ParamWrapper on a fused expert tensor: its lora_A/lora_B hold one pair per expert
+    for module in model.modules():
+        if getattr(module, "num_experts", 1) > 1 and isinstance(getattr(module, "lora_A", None), torch.nn.ModuleDict):
+            expert_adapters.update(id(sub.weight) for d in (module.lora_A, module.lora_B) for sub in d.values())
+    trained = adapter = 0.0
     for name, module in model.named_modules():
-        w = getattr(module, "weight", None)
-        if not isinstance(module, torch.nn.Linear) or w is None or not w.requires_grad:
-            continue
-        if "lora_" in name:
-            adapter += numel(w)
-        else:
-            trained += numel(w)
-    return trained, adapter
+        for p in module.parameters(recurse=False):
+            if not p.requires_grad:
+                continue
+            dims = len(getattr(p, "ds_shape", p.shape))
+            linear_weight = isinstance(module, torch.nn.Linear) and p is module.weight
+            if "lora_" in name:
+                adapter += numel(p) * (share if id(p) in expert_adapters else 1.0) if linear_weight else 0
+            elif linear_weight:
+                trained += numel(p)
+            elif dims == 3 and name.endswith("mlp.experts"):
+                trained += numel(p) * share
+            elif dims == 2 and name.endswith("mlp.gate"):
+                trained += numel(p)
+    return round(trained), round(adapter)
 
 
 # ----------------------------------------------------------------------------------------------- memory
@@ -204,20 +226,24 @@ class ThroughputCallback(TrainerCallback):
         self.peak_tflops, self.plot, self.tensorboard = peak_tflops, plot, tensorboard
         self.summary: dict = {}
         self._split: tuple[int, int] | None = None
+        self.shape: Shape | None = None
         self._hook = None
         self._writer = None
 
     # -- events
     def on_init_end(self, args, state, control, model=None, **kwargs):
         if model is not None:  # before accelerate wraps (FSDP1 flattens parameters)
-            self._split = trainable_split(model)
+            self.shape = model_shape_of(model)
+            self._split = trainable_split(model, self.shape)
 
     def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
         import torch  # noqa: PLC0415
 
-        self.shape = shape_from_config(_base_model(model).config)
         if self._split is None:
-            self._split = trainable_split(model)
+            self.shape = model_shape_of(model)
+            self._split = trainable_split(model, self.shape)
+        if self.shape is None:
+            self.peak_tflops = None  # no FLOP count, no MFU
         self.recompute = bool(getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False))
         self.cuda = torch.cuda.is_available() and not getattr(args, "use_cpu", False)
         self.device = torch.cuda.get_device_name() if self.cuda else "cpu"
@@ -289,6 +315,8 @@ class ThroughputCallback(TrainerCallback):
 
     # -- arithmetic
     def _flops(self, tokens: float, pairs: float, recompute: bool = False) -> float:
+        if self.shape is None:  # a layout shape.py does not know: no FLOP count
+            return 0.0
         trained, adapter = self._split
         return step_flops(self.shape, tokens, pairs, trainable=trained, adapter=adapter, recompute=recompute)
 
@@ -298,9 +326,9 @@ class ThroughputCallback(TrainerCallback):
 
         s = max(row["seconds"], 1e-9)
         out = {"perf/step_time_s": row["seconds"], "perf/tokens_per_s_per_device": row["tokens"] / s,
-               "perf/real_token_share": row["tokens"] / max(row["slots"], 1),
-               "perf/model_tflops_per_device": self._flops(row["tokens"], row["pairs"]) / s / 1e12,
-               "mem/rss_gb": self.sampler.rss() / GB}
+               "perf/real_token_share": row["tokens"] / max(row["slots"], 1), "mem/rss_gb": self.sampler.rss() / GB}
+        if self.shape is not None:
+            out["perf/model_tflops_per_device"] = self._flops(row["tokens"], row["pairs"]) / s / 1e12
         if self.peak_tflops:
             out["perf/mfu"] = out["perf/model_tflops_per_device"] / self.peak_tflops
             if self.recompute:
@@ -326,8 +354,8 @@ class ThroughputCallback(TrainerCallback):
             "real_tokens": sum(r["tokens"] for r in self.steps), "token_slots": sum(r["slots"] for r in self.steps),
             "step_time_s": statistics.median(r["seconds"] for r in steady) if steady else None,
             "tokens_per_s": tps, "ms_per_1k_real_tokens": 1e6 * secs / toks if toks else None,
-            "model_tflops": tflops,
-            "flops_per_token": self._flops(toks, pairs) / toks if toks else None,
+            "model_tflops": tflops if self.shape else None,
+            "flops_per_token": self._flops(toks, pairs) / toks if toks and self.shape else None,
             "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
             "hfu": (self._flops(toks, pairs, True) / secs / 1e12 / self.peak_tflops
                     if self.peak_tflops and self.recompute and secs else None),
@@ -352,8 +380,9 @@ class ThroughputCallback(TrainerCallback):
             "real_token_share": sum(r["real_tokens"] for r in ranks) / max(1, sum(r["token_slots"] for r in ranks)),
             "mfu": mean("mfu"), "hfu": mean("hfu"), "model_tflops_per_device": mean("model_tflops"),
             "flops_per_token": mean("flops_per_token"),
-            "flops_convention": "model FLOPs: (4N+2T+6A) per token + 12*L*d per causal (q,k) pair; "
-                                f"N={matmul_params(self.shape)} T={trained} A={adapter}; recompute in HFU only",
+            "flops_convention": ("model FLOPs: (4N+2T+6A) per token + 12*L*d per causal (q,k) pair; "
+                                 f"N={matmul_params(self.shape)} T={trained} A={adapter}; recompute in HFU only"
+                                 if self.shape else "no FLOP count: the model's layout is not in sftrecipes/shape.py"),
             "ranks": ranks,
         }
 

@@ -10,6 +10,7 @@ import os
 
 import torch
 
+from .shape import load_dtype as load_dtype_name
 from .recipe import Recipe, RecipeError
 
 log = logging.getLogger("sftrecipes")
@@ -31,18 +32,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 
 def load_dtype(recipe: Recipe) -> torch.dtype:
-    """The dtype weights are loaded in (see ModelOptions.dtype)."""
-    m = recipe.model
-    if m.dtype != "auto":
-        return DTYPES[m.dtype]
-    if m.use_4bit_quantization and m.bnb_4bit_quant_storage_dtype != "uint8":
-        return DTYPES[m.bnb_4bit_quant_storage_dtype]
-    if m.use_peft_lora or m.use_4bit_quantization or m.use_8bit_quantization or m.precision == "memory_constrained":
-        if recipe.trl_value("bf16"):
-            return torch.bfloat16
-        if recipe.trl_value("fp16"):
-            return torch.float16
-    return torch.float32
+    """The dtype weights are loaded in: the rule of shape.load_dtype (the planner counts with the same), as torch."""
+    return DTYPES[load_dtype_name(recipe)]
 
 
 # Packed rows under sdpa on a GPU: transformers builds a dense block-diagonal mask and torch's sdpa picks cuDNN

@@ -2,14 +2,16 @@
 
     python -m sftrecipes plan RECIPE.yaml [--key value ...]     exit 0 fits (or no gpu_memory_gb), 2 does not fit
 
-No torch: the model's shape comes from config.json (a local folder, or sftrecipes/model_configs/ for hub ids) and
-every byte is arithmetic on that shape and the recipe. The model of one training step (docs/planner.md):
+No torch: the model's shape comes from config.json through sftrecipes/shape.py (a local folder, or
+sftrecipes/model_configs/ for hub ids) and every byte is arithmetic on that shape and the recipe. The model of one
+training step (docs/planner.md):
 
 * model states per rank: weights (by dtype; 4-bit with its quant constants), gradients and Adam states of the
   trainable parameters, each divided by the ranks that shard it (DDP none; ZeRO-1 states; ZeRO-2 +grads;
   ZeRO-3/FSDP everything);
-* activations per token per decoder layer, counted from the tensors autograd saves in transformers' Llama layer,
-  PEFT's LoRA layer and TRL's chunked LM head (so there are no [tokens, vocab] logits);
+* activations per token per decoder layer, counted from the tensors autograd saves in transformers' decoder layers
+  (a sparse MoE block: its router and the k routed copies of each token), PEFT's LoRA layer (and its fold of
+  W + s*BA on fused expert tensors) and TRL's chunked LM head (so there are no [tokens, vocab] logits);
 * a timeline: the peak is the largest of the start of backward, the backward of the last and of the first layer
   (grads grow while activations shrink, linearly, so the ends are the extremes) and the optimizer step;
 * ZeRO-3/FSDP gathered layers (+ prefetch), gradient buckets, optimizer temporaries, and an allowance for the
@@ -19,15 +21,13 @@ every byte is arithmetic on that shape and the recipe. The model of one training
 from __future__ import annotations
 
 import copy
-import json
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from .recipe import Recipe, RecipeError, load_recipe
+from .shape import DTYPE_BYTES, Layer, Shape, Weight, load_dtype, model_shape
 
 GB = 1e9
-CONFIGS = Path(__file__).with_name("model_configs")
 # Runtime allowance on a GPU: CUDA context + cuBLAS/NCCL workspaces (not visible to torch's allocator, visible to
 # nvidia-smi), and the caching allocator's fragmentation as a share of the memory that churns each step.
 CUDA_CONTEXT_GB = 1.0
@@ -37,91 +37,6 @@ CKPT_SHARD_GB = 10.0  # hub checkpoints ship in ~5-10 GB safetensors shards; a r
 # bandwidths used only to rank strategies (bytes per second per GPU): NVLink ring, InfiniBand 200 Gb/s, PCIe
 NVLINK, INFINIBAND, PCIE = 150e9, 25e9, 20e9
 TRL_TOKEN_TILE, TRL_VOCAB_TILE = 4096, 32768  # trl.kernels.chunked_logprob tile of the fused LM head
-
-
-# ----------------------------------------------------------------------------------------------- model shape
-
-
-@dataclass(frozen=True)
-class Shape:
-    name: str
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    tied: bool
-    max_positions: int
-
-    def linears(self) -> dict[str, tuple[int, int]]:
-        """(in, out) of every nn.Linear of one decoder layer."""
-        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
-        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-
-    @property
-    def layer_linear_params(self) -> int:
-        return sum(a * b for a, b in self.linears().values())
-
-    @property
-    def layer_params(self) -> int:
-        return self.layer_linear_params + 2 * self.hidden  # + the two RMSNorm weights
-
-    @property
-    def embed_params(self) -> int:
-        return self.vocab * self.hidden
-
-    @property
-    def head_params(self) -> int:
-        return 0 if self.tied else self.vocab * self.hidden
-
-    @property
-    def params(self) -> int:
-        return self.layers * self.layer_params + self.embed_params + self.head_params + self.hidden
-
-
-def _config_file(name: str) -> Path:
-    local = Path(name).expanduser()
-    if local.is_dir():
-        return local / "config.json"
-    return CONFIGS / (name.replace("/", "--") + ".json")
-
-
-def model_shape(name: str) -> Shape:
-    """Shape of a local model folder (its config.json) or of a hub id with a config shipped in model_configs/."""
-    path = _config_file(name)
-    if not path.is_file():
-        shipped = ", ".join(sorted(p.stem.replace("--", "/") for p in CONFIGS.glob("*.json")))
-        raise RecipeError(f"model_name_or_path: no config.json for '{name}' offline; point it at a local model folder, "
-                          f"or add {CONFIGS / (name.replace('/', '--') + '.json')} (shipped: {shipped})")
-    c = json.loads(path.read_text())
-    c = c.get("text_config", c)
-    try:
-        heads = c["num_attention_heads"]
-        return Shape(name, c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], heads,
-                     c.get("num_key_value_heads") or heads, c.get("head_dim") or c["hidden_size"] // heads,
-                     c["vocab_size"], bool(c.get("tie_word_embeddings", False)), c.get("max_position_embeddings", 0))
-    except KeyError as e:
-        raise RecipeError(f"model_name_or_path: {path} lacks {e.args[0]}; the planner reads Llama-style configs") from None
-
-
-def lora_params(shape: Shape, targets: str, r: int) -> int:
-    """Exact LoRA parameter count: r*(in+out) per adapted linear. 'all-linear' = every decoder nn.Linear (not lm_head)."""
-    return shape.layers * sum(r * (a + b) for a, b in _lora_targets(shape, targets).values())
-
-
-def _lora_targets(shape: Shape, targets: str) -> dict[str, tuple[int, int]]:
-    lin = shape.linears()
-    names = [t.strip() for t in targets.split(",") if t.strip()]
-    if targets.strip() == "all-linear":
-        return lin
-    unknown = [n for n in names if n not in lin]
-    if unknown:
-        raise RecipeError(f"lora_target_modules: '{unknown[0]}' is not a linear layer of {shape.name}; "
-                          f"use 'all-linear' or some of {','.join(lin)}")
-    return {n: lin[n] for n in names}
 
 
 # ----------------------------------------------------------------------------------------------- precision, sharding
@@ -146,18 +61,13 @@ class Setup:
     gpu: bool
     offload_opt: bool
     offload_params: bool
+    expert_bytes: int = 4  # MoE experts compute in their weights' dtype (grouped_mm is not autocast): 2 or 4
+    lora_router: bool = False  # lora_target_router
 
 
 def load_bytes(recipe: Recipe) -> int:
-    """Bytes per float weight as loaded: the rule of sftrecipes.model.load_dtype, without importing torch."""
-    m = recipe.model
-    if m.dtype != "auto":
-        return 4 if m.dtype == "float32" else 2
-    if m.use_4bit_quantization and m.bnb_4bit_quant_storage_dtype != "uint8":
-        return 4 if m.bnb_4bit_quant_storage_dtype == "float32" else 2
-    if (m.use_peft_lora or m.use_4bit_quantization or m.use_8bit_quantization) and (recipe.trl_value("bf16") or recipe.trl_value("fp16")):
-        return 2
-    return 4
+    """Bytes per float weight as loaded (shape.load_dtype, the rule model.load_dtype loads with)."""
+    return DTYPE_BYTES[load_dtype(recipe)]
 
 
 def setup(recipe: Recipe) -> Setup:
@@ -172,11 +82,15 @@ def setup(recipe: Recipe) -> Setup:
         w = world if L.zero_stage == 3 else 1
     elif L.backend == "fsdp" and L.fsdp_sharding_strategy != "NO_SHARD":
         w = g = o = gpn if L.fsdp_sharding_strategy == "HYBRID_SHARD" else world
+    ds16 = L.backend == "deepspeed" and mixed16
+    # expert weights as the experts' matmuls see them: DeepSpeed's 16-bit module, FSDP's param_dtype, 16-bit loading
+    expert_b = 2 if (ds16 or (L.backend == "fsdp" and mixed16) or lb == 2) else 4
     return Setup(world, gpn, lb, 2 if (mixed16 or lb == 2) else 4, mixed16,
                  4 if m.use_4bit_quantization else 8 if m.use_8bit_quantization else 16, m.use_peft_lora, w, g, o,
-                 w > 1, L.backend == "deepspeed" and mixed16, L.hardware != "cpu",
+                 w > 1, ds16, L.hardware != "cpu",
                  L.backend == "deepspeed" and L.offload_optimizer or L.backend == "fsdp" and L.fsdp_offload_params,
-                 L.backend == "deepspeed" and L.offload_params or L.backend == "fsdp" and L.fsdp_offload_params)
+                 L.backend == "deepspeed" and L.offload_params or L.backend == "fsdp" and L.fsdp_offload_params,
+                 expert_b, m.use_peft_lora and m.lora_target_router)
 
 
 def quant_bytes_per_param(recipe: Recipe) -> float:
@@ -243,6 +157,7 @@ class Plan:
     pipeline_degree: int | None = None
     bubble: float | None = None
     weights_shard_gb: float = 0.0  # one rank's share of all weights (what offload_params moves over PCIe)
+    active_params: int = 0  # parameters one token runs through (MoE: its top-k experts; else all)
 
     @property
     def model_states_gb(self) -> float:
@@ -256,35 +171,72 @@ def pipeline_bubble(p: int, m: int) -> float:
     return (p - 1) / (m + p - 1)
 
 
-def _layer_activation_bytes(shape: Shape, s: Setup, recipe: Recipe, seq: int, attn: str) -> float:
-    """Bytes autograd saves per token in one decoder layer (transformers' Llama, PEFT LoRA), for its backward."""
-    h, q, kv, i, nh, a = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.intermediate, shape.heads, s.act_bytes
+def _norm_width(shape: Shape, w: Weight) -> int:
+    """Elements per token a norm weight normalises: q/k norms (Qwen3, Gemma-3) run over every head."""
+    return {"q_norm": shape.heads * shape.head_dim, "k_norm": shape.kv_heads * shape.head_dim}.get(w.leaf, shape.hidden)
+
+
+def _moe_token_bytes(shape: Shape, layer: Layer, s: Setup) -> float:
+    """Bytes per token a sparse MoE block saves for its backward (transformers 5: top-k router, then the experts'
+    default grouped_mm path, which sorts the token copies by expert and runs each fused tensor as one grouped matmul)."""
+    E, k, h, i, a, ae = layer.experts, layer.top_k, shape.hidden, shape.expert_intermediate, s.act_bytes, s.expert_bytes
+    # router: the fp32 softmax output, the top-k indices (int64), the normalised top-k weights (fp32) and their sum
+    router = 4 * E + 8 * k + 4 * k + 4
+    # each of the k routed copies of a token, in the experts' weight dtype: the gathered input, the gate_up output
+    # (2i), silu(gate), their product (down's input), the down output (kept for the routing-weight product); three
+    # int64 index vectors (gather, routing-weight gather, un-permute) and its routing weight
+    experts = k * (ae * (2 * h + 4 * i) + 3 * 8 + 4)
+    shared = 0.0
+    if layer.shared_intermediate:  # Qwen2-MoE: a dense MLP for every token, scaled by a sigmoid gate
+        shared = 4 * a * layer.shared_intermediate + a * h + 2 * a
+    return router + experts + shared
+
+
+def _layer_activation_bytes(shape: Shape, layer: Layer, adapted: tuple, s: Setup, recipe: Recipe, seq: int, attn: str,
+                            tokens: int) -> float:
+    """Bytes autograd saves in one decoder layer for `tokens` tokens (transformers 5 layers, PEFT LoRA), for its backward."""
+    h, q, kv, nh, a = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.heads, s.act_bytes
     full = not s.lora
     # RMSNorm computes in fp32: pow/mul save its fp32 input (a copy when activations are 16-bit); the output feeds
-    # the projections; with a trainable weight the normalised tensor is saved too.
-    norm = 4 * h + a * h + (a * h if full else 0)
+    # the projections; with a trainable weight the normalised tensor is saved too. Two per layer (Llama), four
+    # (Gemma), plus q/k norms over each head (Qwen3, Gemma-3).
+    norms = sum((4 + a + (a if full else 0)) * _norm_width(shape, w) for w in layer.weights if w.kind == "norm")
     # q and k after RoPE, v, the attention output + fp32 logsumexp (flash/sdpa kernels), o_proj's contiguous input
     attn_b = a * (q + 2 * kv) + a * q + 4 * nh + a * q
     if attn == "eager" or (attn == "sdpa" and recipe.trl_value("packing")):
         attn_b += a * 2 * (q - kv)  # a mask keeps sdpa off its GQA path: k and v repeated to every head
     if attn == "eager":
         attn_b += nh * seq * (4 + a)  # the s x s scores: fp32 softmax output and its cast, per head
-    mlp = 4 * a * i  # gate and up outputs, silu(gate), their product (down_proj's input)
-    lora = 0.0
+    # dense MLP: gate and up outputs, silu(gate), their product (down_proj's input); sparse: _moe_token_bytes
+    mlp = _moe_token_bytes(shape, layer, s) if layer.experts else 4 * a * shape.intermediate
+    lora, folded = 0.0, 0.0
     if s.lora:
         m = recipe.model
         # PEFT: result + lora_B(lora_A(dropout(x))): dropout makes a copy (+ a 1-byte mask) per adapted module; fp32
         # adapters under autocast (no DeepSpeed/FSDP bf16 cast) save their own 16-bit copy of the input
         cast = recipe.launch.backend in ("none", "ddp") and a == 2
         per_in = (a if (m.lora_dropout > 0 or cast) else 0) + (1 if m.lora_dropout > 0 else 0)
-        for fan_in, _ in _lora_targets(shape, m.lora_target_modules).values():
-            lora += per_in * fan_in + a * m.lora_r
-    return 2 * norm + attn_b + mlp + lora
+        for w, _ in adapted:
+            if w.kind == "linear":
+                lora += per_in * w.fan_in + a * m.lora_r
+            else:  # peft's ParamWrapper folds W + s*BA into a full-size tensor each forward; the matmul saves it
+                folded += w.numel * (s.expert_bytes if w.kind == "experts" else a)
+    return tokens * (norms + attn_b + mlp + lora) + folded
 
 
-def _backward_working_bytes(shape: Shape, s: Setup) -> float:
-    """Gradient tensors alive at once inside one layer's backward, per token (MLP: d(product), d(silu), d(up))."""
-    return s.act_bytes * (3 * shape.intermediate + 2 * shape.hidden)
+def _backward_working_bytes(shape: Shape, layer: Layer, adapted: tuple, s: Setup, tokens: int) -> float:
+    """Gradient tensors alive at once inside one layer's backward (MLP: d(product), d(silu), d(up); experts the same
+    for each routed copy; an adapted expert tensor: the full-size gradient of its folded W + s*BA)."""
+    a, h = s.act_bytes, shape.hidden
+    if not layer.experts:
+        return tokens * a * (3 * shape.intermediate + 2 * h)
+    per_token = s.expert_bytes * layer.top_k * (3 * shape.expert_intermediate + 2 * h) + 3 * a * layer.shared_intermediate
+    folded = max((w.numel for w, _ in adapted if w.kind == "experts"), default=0) * s.expert_bytes
+    return tokens * per_token + folded
+
+
+def _layer_lora_params(adapted: tuple, r: int) -> int:
+    return sum(r * mult * w.matrices * (w.fan_in + w.fan_out) for w, mult in adapted)
 
 
 def plan_recipe(recipe: Recipe, pipeline_degree: int | None = None, _alternatives: bool = True) -> Plan:
@@ -296,14 +248,14 @@ def plan_recipe(recipe: Recipe, pipeline_degree: int | None = None, _alternative
     notes: list[str] = []
 
     # --- weights: frozen + trainable, in the dtype each backend keeps them at rest
-    lin = shape.layers * shape.layer_linear_params
+    lin = shape.linear_params  # what bitsandbytes quantizes: nn.Linear weights (not experts, router, embeddings, head)
     other = shape.params - lin
-    trainable = lora_params(shape, m.lora_target_modules, m.lora_r) if s.lora else shape.params
+    adapted = shape.lora_targets(m.lora_target_modules, s.lora_router) if s.lora else tuple(() for _ in shape.decoder)
+    trainable = sum(_layer_lora_params(ad, m.lora_r) for ad in adapted) if s.lora else shape.params
     float_b = 2 if s.deepspeed16 else s.load_bytes  # DeepSpeed bf16/fp16 casts the whole module
     if s.quant_bits < 16:
         qb = quant_bytes_per_param(recipe)
-        rows = shape.layers * sum(o for _, o in shape.linears().values())
-        frozen_b = lin * qb + (4 * rows if s.quant_bits == 8 else 0) + other * float_b
+        frozen_b = lin * qb + (4 * shape.linear_rows if s.quant_bits == 8 else 0) + other * float_b
         wnote = (f"{lin / 1e9:.2f}B linear weights in {s.quant_bits}-bit ({qb:.4f} B/param incl. "
                  + ("absmax 8-bit/64 + fp32/256 nested" if m.use_nested_quant else "fp32 absmax/64" if s.quant_bits == 4 else "fp32 row scales")
                  + f", storage {m.bnb_4bit_quant_storage_dtype if s.quant_bits == 4 else 'int8'}) + {other / 1e9:.2f}B others in {float_b}-byte floats")
@@ -345,10 +297,18 @@ def plan_recipe(recipe: Recipe, pipeline_degree: int | None = None, _alternative
     tokens = b * seq
     attn = "flash_attention_2" if (m.use_flash_attn and s.gpu) else "sdpa"
     a = s.act_bytes
-    layer_act = tokens * _layer_activation_bytes(shape, s, recipe, seq, attn)
     ckpt = recipe.gradient_checkpointing
     h, V = shape.hidden, shape.vocab
-    saved_per_layer = tokens * a * h if ckpt else layer_act  # checkpointing keeps each layer's input only
+    # per decoder layer (dense and sparse layers differ): saved tensors, backward temporaries, weight grads
+    per_layer: dict = {}
+    for layer, ad in zip(shape.decoder, adapted):
+        if (layer, ad) not in per_layer:
+            per_layer[layer, ad] = (_layer_activation_bytes(shape, layer, ad, s, recipe, seq, attn, tokens),
+                                    _backward_working_bytes(shape, layer, ad, s, tokens))
+    acts = [per_layer[k][0] for k in zip(shape.decoder, adapted)]
+    wss = [per_layer[k][1] for k in zip(shape.decoder, adapted)]
+    saved_all = shape.layers * tokens * a * h if ckpt else sum(acts)  # checkpointing keeps each layer's input only
+    saved_first = tokens * a * h if ckpt else acts[0]
     shared = tokens * (2 * a * shape.head_dim + 16)  # RoPE cos/sin, input ids + labels (int64)
     if attn == "sdpa" and recipe.trl_value("packing"):
         shared += b * seq * seq  # block-diagonal boolean mask of the packed rows
@@ -362,67 +322,74 @@ def plan_recipe(recipe: Recipe, pipeline_degree: int | None = None, _alternative
     head_bwd = tokens * (4 * h + (a * h if a != 4 else 0) + a * h) + rows * TRL_VOCAB_TILE * a
     head_bwd += 0 if s.gpu else rows * min(V, TRL_VOCAB_TILE) * 6 * 4
     head_bwd += V * h * 4 if head_trainable else 0
-    bwd_ws = tokens * _backward_working_bytes(shape, s)
-    if s.quant_bits < 16:
-        bwd_ws += max(x * y for x, y in shape.linears().values()) * 2  # one weight de-quantized to 16-bit for its matmul
+    if s.quant_bits < 16:  # one weight de-quantized to 16-bit for its matmul
+        deq = max(w.numel for L_ in shape.decoder for w in L_.weights if w.kind == "linear") * 2
+        wss = [x + deq for x in wss]
 
     # ZeRO-3/FSDP: the layer being computed + the next one prefetched, in the gather dtype; DS gathers one layer
     # plus its prefetch bucket (0.9 h^2 elements, accelerate's 'auto'); lm_head gathered for the head
     gather_b = (frozen_b + trainable * p_b) / shape.params if s.lora else (2 if s.mixed16 else p_b)
     if s.lora and s.mixed16 and L.backend == "fsdp":
         gather_b = (frozen_b + trainable * 2) / shape.params  # FSDP mixed precision gathers in param_dtype
-    layer_gather = shape.layer_params * gather_b
+    layer_params = max(L_.params for L_ in shape.decoder)  # the largest layer (MoE: all its experts)
+    layer_gather = layer_params * gather_b
     gathered = 0.0
     if s.gathers:
-        prefetch = min(shape.layer_params, 0.9 * h * h) * gather_b if L.backend == "deepspeed" else layer_gather
+        prefetch = min(layer_params, 0.9 * h * h) * gather_b if L.backend == "deepspeed" else layer_gather
         gathered = layer_gather + prefetch
         if L.fsdp_sharding_strategy == "SHARD_GRAD_OP" and L.backend == "fsdp":
             gathered = shape.params * gather_b  # unsharded params stay from forward to backward
     head_gather = (shape.head_params or shape.embed_params) * gather_b if s.gathers else 0.0
     # gradient buckets: DDP keeps a flat copy of all grads (gradient_as_bucket_view off); DeepSpeed a reduce bucket of
     # h^2 elements; FSDP the unsharded grads of the current layer before its reduce-scatter
-    layer_trainable = trainable / shape.layers if s.lora else shape.layer_params
+    layer_trainable = max(_layer_lora_params(ad, m.lora_r) for ad in adapted) if s.lora else layer_params
     bucket = {"ddp": trainable * g_b if N > 1 else 0.0, "deepspeed": min(trainable, h * h) * 2 if s.mixed16 else min(trainable, h * h) * 4,
               "fsdp": layer_trainable * (2 if s.mixed16 else g_b)}.get(L.backend, 0.0)
     ga = recipe.trl_value("gradient_accumulation_steps")
     # grads outlive the step's backward only with accumulation (zero_grad(set_to_none) after each step), or when
     # DeepSpeed allocates its partitioned grad buffer up front
     grads_always = L.backend == "deepspeed" or ga > 1
-    g_layer = grads_total / shape.layers if s.lora else shape.layer_params * g_b / s.shard_g
+    if s.lora:
+        g_layers = [_layer_lora_params(ad, m.lora_r) * g_b / s.shard_g if grads_total else 0.0 for ad in adapted]
+    else:
+        g_layers = [layer.params * g_b / s.shard_g for layer in shape.decoder]
     # full fine-tuning: lm_head's grad comes first in backward, the embedding's last (after the first layer's)
     g_embed = 0 if s.lora else shape.embed_params * g_b / s.shard_g
-    g_head = grads_total - g_layer * shape.layers - g_embed
+    g_head = grads_total - sum(g_layers) - g_embed
     Lr = shape.layers
     # optimizer step temporaries: fused AdamW (TRL's default adamw_torch_fused), DeepSpeed's and bitsandbytes' Adam
     # work in place; torch's foreach AdamW (GPU) allocates a copy of the states' shard, its single-tensor path (CPU)
     # one parameter's worth
     fused = L.backend == "deepspeed" or "fused" in optim or "8bit" in optim
-    opt_tmp = 0.0 if fused else (trainable * p_b / s.shard_o if s.gpu else _largest_param(shape, recipe) * p_b)
+    opt_tmp = 0.0 if fused else (trainable * p_b / s.shard_o if s.gpu else _largest_param(shape, recipe, adapted) * p_b)
     # what is live, besides the resident states, at each phase of a step
     acts_note = (f"{b} x {seq} tokens, {Lr} layers, h {h}, {attn}, "
                  + ("checkpointed: each layer's input kept, one layer recomputed in backward" if ckpt else "every layer's saved tensors"))
-    layer_note = f"{layer_act / tokens / 1e3:.1f} kB/token saved + {bwd_ws / tokens / 1e3:.1f} kB/token grad temporaries"
+    # inside one layer's backward its weight grads appear module by module as its saved tensors are released: count
+    # the larger of the two (they overlap little), the grads of the layers below not yet; the largest layer counts
+    in_layers = [max((acts[j] if ckpt else 0) + wss[j], g_layers[j] - (0 if ckpt else acts[j])) for j in range(Lr)]
+    big = max(range(Lr), key=in_layers.__getitem__)
+    in_layer, g_layer = in_layers[big], g_layers[big]
+    layer_note = (f"{acts[big] / tokens / 1e3:.1f} kB/token saved + {wss[big] / tokens / 1e3:.1f} kB/token grad temporaries"
+                  + (f" (layer {big}, {shape.decoder[big].experts} experts)" if shape.decoder[big].experts else ""))
     buckets = ("gradient buckets", bucket, {"ddp": "DDP flat buckets", "deepspeed": "reduce bucket", "fsdp": "one layer before reduce-scatter"}.get(L.backend, ""))
     def not_yet(present: float) -> tuple:  # grads are freed after each step (zero_grad(set_to_none)) unless accumulating
         return ("gradients not yet produced", 0 if grads_always else present - grads_total, "set_to_none after each step")
-    # inside one layer's backward its weight grads appear module by module as its saved tensors are released: count
-    # the larger of the two (they overlap little), the grads of the layers below not yet
-    in_layer = max((layer_act if ckpt else 0) + bwd_ws, g_layer - (0 if ckpt else layer_act))
     one_layer = ("one layer in backward", in_layer, ("recomputed: " if ckpt else "grad temporaries; ") + layer_note
                  + (f"; or its weight grads, {g_layer / GB:.2f} GB, if larger" if not s.lora else ""))
     gath = ("gathered params (ZeRO-3/FSDP)", gathered, "current layer + prefetch")
     live = {
         "start of backward (LM head)": [
-            ("activations", shared + Lr * saved_per_layer, acts_note),
+            ("activations", shared + saved_all, acts_note),
             ("LM head (TRL chunked log-probs)", head_saved + head_bwd,
              f"no [tokens, vocab] logits: a {rows} x {TRL_VOCAB_TILE} tile buffer + fp32 grads"),
             ("gathered lm_head", head_gather, ""), not_yet(0), buckets],
         "backward, last layer": [
-            ("activations", shared + Lr * saved_per_layer, acts_note), one_layer, gath,
+            ("activations", shared + saved_all, acts_note), one_layer, gath,
             not_yet(g_head), buckets],
         "backward, first layer": [
-            ("activations", shared + saved_per_layer, "first layer's only"), one_layer, gath,
-            not_yet(grads_total - g_embed - g_layer), buckets],
+            ("activations", shared + saved_first, "first layer's only"), one_layer, gath,
+            not_yet(grads_total - g_embed - g_layers[0]), buckets],
         "optimizer step": [("optimizer step temporaries", opt_tmp,
                            "in place" if fused else "foreach AdamW" if s.gpu else "single-tensor AdamW")],
     }
@@ -479,6 +446,9 @@ def plan_recipe(recipe: Recipe, pipeline_degree: int | None = None, _alternative
                 peak_phase, phases, tensor_peak, allowance, total, limit, fits, cpu, cpu_total, cpu_limit, cpu_fits,
                 comm, comm_gb, recipe.trl_value("per_device_train_batch_size") * ga * N, notes)
     plan.weights_shard_gb = (frozen_b + trainable * p_b) / s.shard_w / GB
+    plan.active_params = shape.active_params
+    if shape.moe:
+        notes += _moe_notes(shape, s, adapted, float_b, m.lora_target_modules)
     if pipeline_degree:
         plan.pipeline_degree, plan.bubble = pipeline_degree, pipeline_bubble(pipeline_degree, ga)
         notes.append(f"pipeline: {pipeline_degree} stages x {ga} micro-batches -> bubble {plan.bubble:.0%} idle "
@@ -488,10 +458,32 @@ def plan_recipe(recipe: Recipe, pipeline_degree: int | None = None, _alternative
     return plan
 
 
-def _largest_param(shape: Shape, recipe: Recipe) -> int:
+def _moe_notes(shape: Shape, s: Setup, adapted: tuple, float_b: int, targets: str) -> list[str]:
+    sparse = sum(1 for layer in shape.decoder if layer.experts)
+    out = [f"MoE: {sparse} of {shape.layers} layers route each token to {shape.top_k} of {shape.experts} experts: weights, "
+           f"gradients and optimizer states hold all {shape.params / 1e9:.2f}B parameters, activations the {shape.top_k} "
+           f"routed copies of each token ({shape.active_params / 1e9:.2f}B parameters active per token); no expert "
+           f"parallelism, so " + ("a gathered layer brings all its experts" if s.gathers else "every rank holds every expert")]
+    if s.quant_bits < 16:
+        out.append(f"{s.quant_bits}-bit quantization covers nn.Linear weights only: the {shape.expert_params / 1e9:.2f}B "
+                   f"expert weights and the routers stay in {float_b}-byte floats")
+    if any(w.kind == "experts" for ad in adapted for w, _ in ad):
+        out.append("LoRA on fused experts (peft ParamWrapper): each forward folds W + s*BA into a full-size copy of every "
+                   "adapted expert tensor, kept for backward (in the layer's activations) and matched by a full-size "
+                   "gradient in backward")
+    if s.lora and targets.strip() == "all-linear":
+        routed = any(w.kind == "router" for ad in adapted for w, _ in ad)
+        out.append("router (mlp.gate): " + ("adapted (lora_target_router: true)" if routed else
+                                            "not adapted (lora_target_router: false)"))
+    return out
+
+
+def _largest_param(shape: Shape, recipe: Recipe, adapted: tuple) -> int:
+    """Elements of the largest trainable tensor (a LoRA matrix: r x the wider side, times the experts of a fused one)."""
     if recipe.model.use_peft_lora:
-        return max(shape.intermediate, shape.hidden) * recipe.model.lora_r  # the widest LoRA matrix
-    return max(shape.embed_params, max(a * b for a, b in shape.linears().values()))
+        r = recipe.model.lora_r
+        return max((r * mult * w.matrices * max(w.fan_in, w.fan_out) for ad in adapted for w, mult in ad), default=0)
+    return shape.largest_weight
 
 
 def _backend_name(recipe: Recipe) -> str:
@@ -624,7 +616,7 @@ def pitfalls(recipe: Recipe) -> list[str]:
                    "variable ready only once'); set use_reentrant: false (or ddp_find_unused_parameters: false)")
     if m.use_4bit_quantization and L.backend in ("fsdp", "deepspeed"):
         compute = "bfloat16" if recipe.trl_value("bf16") else "float16" if recipe.trl_value("fp16") else "float32"
-        dtype = m.dtype if m.dtype != "auto" else {2: "16-bit", 4: "float32"}[load_bytes(recipe)]
+        dtype = load_dtype(recipe)
         if m.bnb_4bit_quant_storage_dtype != compute or (m.dtype != "auto" and m.dtype != m.bnb_4bit_quant_storage_dtype):
             out.append(f"WARNING bnb_4bit_quant_storage_dtype {m.bnb_4bit_quant_storage_dtype} differs from the model/mixed-precision "
                        f"dtype ({dtype}, {compute}): {L.backend} flattens all weights of a unit into one dtype; "
@@ -652,7 +644,8 @@ def preflight(recipe: Recipe) -> tuple[bool, str]:
 def format_plan(plan: Plan, warnings: list[str] | None = None) -> str:
     w = 44
     line = lambda i: f"  {i.name:<{w}} {i.gb:8.2f} GB  {i.note}"  # noqa: E731
-    out = [f"{plan.model}: {plan.params / 1e9:.2f}B params, {plan.trainable / 1e6:.2f}M trainable; {plan.backend} on "
+    active = f" ({plan.active_params / 1e9:.2f}B active per token)" if plan.active_params not in (0, plan.params) else ""
+    out = [f"{plan.model}: {plan.params / 1e9:.2f}B params{active}, {plan.trainable / 1e6:.2f}M trainable; {plan.backend} on "
            f"{plan.nodes} node(s) x {plan.gpus_per_node} GPU(s) = {plan.world}; global batch {plan.global_batch}",
            "", "Per GPU — model states (always resident):"]
     out += [line(i) for i in plan.states]

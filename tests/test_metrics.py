@@ -10,14 +10,15 @@ import pytest
 import torch
 
 import train
-from conftest import ROOT, free_port
+from conftest import FAMILIES, ROOT, free_port
 from sftrecipes import metrics
-from sftrecipes.plan import Shape, lora_params
 from sftrecipes.recipe import load_recipe
+from sftrecipes.shape import model_shape
 
 # the tiny Llama's shape (.assets/tiny-llama/config.json), written out so the hand computations below are checkable
-TINY = Shape("tiny", hidden=64, intermediate=192, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=512, tied=False,
-             max_positions=1024)
+TINY = model_shape({"model_type": "llama", "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2,
+                    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "tie_word_embeddings": False,
+                    "max_position_embeddings": 1024}, name="tiny")
 
 
 # ----------------------------------------------------------------------------------------------- arithmetic
@@ -30,7 +31,7 @@ def test_flops_per_token_by_hand():
     attn_causal = 12 * 2 * 64 * 129 / 2  # 12·L·d per pair, 128·129/2 pairs over 128 tokens
     assert metrics.flops_per_token(TINY, 128) == 6 * n + attn_causal == 885504
     assert metrics.flops_per_token(TINY, 128, causal=False) == 6 * n + 12 * 2 * 64 * 128 == 983040  # PaLM's 12·L·H·Q·T
-    a = lora_params(TINY, "all-linear", 8)
+    a = TINY.lora_params("all-linear", 8)
     assert a == 16 * (128 + 2 * 96 + 128 + 2 * 256 + 256) == 19456
     assert metrics.flops_per_token(TINY, 128, trainable=0, adapter=a) == 4 * n + 6 * a + attn_causal == 740096
     # gradient checkpointing: a second forward of the decoder layers (linears + adapters + attention), HFU only
@@ -65,15 +66,47 @@ def test_device_peak_by_name(name, peak):
     assert metrics.device_peak_tflops(name) == peak
 
 
-def test_shape_from_config_matches_planner(tiny_model):
-    from transformers import AutoConfig
+@pytest.mark.parametrize("family", FAMILIES)
+def test_live_config_gives_the_planners_shape(family_models, family):
+    """The callback reads the live model's config object; the planner reads config.json: one shape either way."""
+    import dataclasses
 
-    from sftrecipes.plan import model_shape
+    from transformers import AutoModelForCausalLM
 
-    got = metrics.shape_from_config(AutoConfig.from_pretrained(tiny_model))
-    want = model_shape(str(tiny_model))
-    assert (got.hidden, got.layers, got.heads, got.kv_heads, got.head_dim, got.vocab) == \
-           (want.hidden, want.layers, want.heads, want.kv_heads, want.head_dim, want.vocab) == (64, 2, 4, 2, 16, 512)
+    folder = family_models[family]
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    got, want = metrics.model_shape_of(model), model_shape(str(folder))
+    assert dataclasses.replace(got, name="") == dataclasses.replace(want, name="")
+    assert got.params == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_moe_flops_count_the_routed_experts_only(family_models, family):
+    """MFU of a mixture of experts: N, T and A hold what a token runs through: the router and k of E experts (and k/E
+    of the adapters on fused expert tensors), counted here from the live model's own tensors."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(family_models[family])
+    k, E = model.config.num_experts_per_tok, model.config.num_experts
+    active = total = 0
+    for name, p in model.named_parameters():
+        if p.ndim >= 2 and "embed_tokens" not in name:  # matmul weights (the embedding is a lookup)
+            total += p.numel()
+            active += p.numel() * k // E if ".experts." in name else p.numel()
+    if model.config.tie_word_embeddings:
+        active, total = active + model.lm_head.weight.numel(), total + model.lm_head.weight.numel()
+    cb = metrics.ThroughputCallback()
+    cb.on_init_end(None, None, None, model=model)
+    assert metrics.matmul_params(cb.shape) == active < total
+    assert cb._split == (active, 0)  # a full fine-tune trains all of them, per token the routed experts
+    assert metrics.step_flops(cb.shape, 1, 0, trainable=cb._split[0]) == 6 * active
+
+    peft = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"))
+    adapters = sum(p.numel() * (k / E if ".experts." in n else 1) for n, p in peft.named_parameters() if "lora_" in n)
+    cb = metrics.ThroughputCallback()
+    cb.on_init_end(None, None, None, model=peft)
+    assert cb._split == (0, round(adapters)) and round(adapters) < peft.get_nb_trainable_parameters()[0]
 
 
 # ----------------------------------------------------------------------------------------------- one process
@@ -142,7 +175,7 @@ def test_unpacked_run_counts_non_pad_tokens(tiny_model, tmp_path, monkeypatch, c
     # steady-state FLOPs per token from the batches of steps 2..6, LoRA: trainable 0 base weights, all-linear r=8
     toks = sum(sum(segments(b)) for b in fed[1:])
     pairs = sum(x * (x + 1) // 2 for b in fed[1:] for x in segments(b))
-    a = lora_params(TINY, "all-linear", 8)
+    a = TINY.lora_params("all-linear", 8)
     assert rank["flops_per_token"] == pytest.approx(metrics.step_flops(TINY, toks, pairs, trainable=0, adapter=a) / toks)
     assert rank["mfu"] is None and s["mfu"] is None  # CPU without a given peak: no MFU
     assert rank["rss_peak_gb"] >= rank["rss_before_gb"] > 0.05 and rank["accelerator_peak_gb"] is None

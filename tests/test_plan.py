@@ -10,9 +10,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from sftrecipes.plan import (GB, format_plan, lora_params, main, model_shape, pipeline_bubble, pitfalls, plan_recipe,
-                             preflight)
+from sftrecipes.plan import GB, format_plan, main, pipeline_bubble, pitfalls, plan_recipe, preflight
 from sftrecipes.recipe import RecipeError, load_recipe
+from sftrecipes.shape import model_shape
 
 LORA_70B = "recipes/llama2-70b/lora.yaml"
 # The PEFT guide's QLoRA + ZeRO-3 run on 2 x 40 GB (run_peft_qlora_deepspeed_stage3.sh), as overrides of the LoRA recipe
@@ -80,9 +80,9 @@ def test_local_folder_config_and_exact_lora_count_match_peft(tiny_model):
     for targets in ("all-linear", "q_proj,v_proj", "down_proj"):
         peft = get_peft_model(AutoModelForCausalLM.from_config(model.config), LoraConfig(
             r=4, target_modules=targets if targets == "all-linear" else targets.split(","), task_type="CAUSAL_LM"))
-        assert lora_params(shape, targets, 4) == peft.get_nb_trainable_parameters()[0], targets
+        assert shape.lora_params(targets, 4) == peft.get_nb_trainable_parameters()[0], targets
     with pytest.raises(RecipeError, match="lora_target_modules"):
-        lora_params(shape, "q_proj,qkv", 4)
+        shape.lora_params("q_proj,qkv", 4)
 
 
 # ----------------------------------------------------------------------------------------------- textbook figures
@@ -282,22 +282,34 @@ def test_live_storage_counts_each_storage_once_and_frees():
 
 # hidden 1024, 3 layers, GQA 16/8 heads, vocab 1024, micro-batch 2 x 256 tokens: activations and model states are of
 # the same order as TRL's LM-head tile buffer, so the per-layer accounting is what is tested
-CAL = dict(hidden_size=1024, intermediate_size=2752, num_hidden_layers=3, num_attention_heads=16, num_key_value_heads=8,
-           vocab_size=1024, max_position_embeddings=512, tie_word_embeddings=False)
+CAL = dict(model_type="llama", hidden_size=1024, intermediate_size=2752, num_hidden_layers=3, num_attention_heads=16,
+           num_key_value_heads=8, vocab_size=1024, max_position_embeddings=512, tie_word_embeddings=False)
+# mixtures of experts, small enough for CPU: what the experts' grouped_mm path saves per routed copy of a token, and
+# (LoRA) peft's per-forward fold W + s*BA of every fused expert tensor, are a large share of the peak
+_MOE = dict(hidden_size=512, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=4, vocab_size=1024,
+            max_position_embeddings=512, tie_word_embeddings=False)
+CAL_MOE = {"qwen3_moe": dict(_MOE, model_type="qwen3_moe", intermediate_size=1024, moe_intermediate_size=256, num_experts=16,
+                             num_experts_per_tok=4, head_dim=64, norm_topk_prob=True),
+           "mixtral": dict(_MOE, model_type="mixtral", intermediate_size=512, num_local_experts=8, num_experts_per_tok=2)}
+CAL_CASES = [("llama", lora, ckpt) for lora in (False, True) for ckpt in (False, True)] + [
+    ("qwen3_moe", True, False), ("mixtral", False, True)]
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-@pytest.mark.parametrize("ckpt", [False, True], ids=["no-ckpt", "ckpt"])
-def test_calibration_plan_vs_measured_peak_on_cpu(tmp_path, lora, ckpt):
+@pytest.mark.parametrize("family,lora,ckpt", CAL_CASES,
+                         ids=[f"{f}-{'lora' if lo else 'full'}-{'ckpt' if c else 'no-ckpt'}" for f, lo, c in CAL_CASES])
+def test_calibration_plan_vs_measured_peak_on_cpu(tmp_path, family, lora, ckpt):
     """Plan the test model's recipe (plan_recipe, as for 70B), then run 2 real steps (forward with TRL's fused LM head,
     as SFTTrainer.compute_loss does, backward, fused AdamW, zero_grad) and compare with the measured peak."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
     from sftrecipes.model import load_dtype, lora_config
 
-    cfg = LlamaConfig(**CAL)
+    cfg = AutoConfig.for_model(**(CAL if family == "llama" else CAL_MOE[family]))
     cfg.save_pretrained(tmp_path / "model")
+    # LoRA on fused experts (peft ParamWrapper) takes no dropout; all-linear adapts the router as peft does by default
+    lora_keys = ("use_peft_lora: true\nlora_r: 8\nlora_target_modules: all-linear\n"
+                 + ("lora_dropout: 0.1\n" if family == "llama" else "lora_dropout: 0.0\nlora_target_router: true\n"))
     recipe = load_recipe([write(tmp_path, "cal.yaml", textwrap.dedent(f"""
         model_name_or_path: {tmp_path / 'model'}
         dataset_name: data/tiny_chat
@@ -306,7 +318,7 @@ def test_calibration_plan_vs_measured_peak_on_cpu(tmp_path, lora, ckpt):
         per_device_train_batch_size: 2
         gradient_checkpointing: {str(ckpt).lower()}
         launch: {{hardware: cpu}}
-        """) + ("use_peft_lora: true\nlora_r: 8\nlora_dropout: 0.1\nlora_target_modules: all-linear\n" if lora else ""))])
+        """) + (lora_keys if lora else ""))])
     plan = plan_recipe(recipe, _alternatives=False)
     torch.manual_seed(0)
     with LiveStorage() as mode:
@@ -331,6 +343,6 @@ def test_calibration_plan_vs_measured_peak_on_cpu(tmp_path, lora, ckpt):
             del out, loss
     predicted = plan.tensor_peak_gb * GB
     error = predicted / mode.peak - 1
-    print(f"calibration lora={lora} ckpt={ckpt}: measured {mode.peak / 1e6:.1f} MB, predicted {predicted / 1e6:.1f} MB "
+    print(f"calibration {family} lora={lora} ckpt={ckpt}: measured {mode.peak / 1e6:.1f} MB, predicted {predicted / 1e6:.1f} MB "
           f"({plan.peak_phase}), error {error:+.1%}")
     assert abs(error) <= 0.10

@@ -1,0 +1,398 @@
+"""Torch-free model shapes: what a config.json says a model is made of, weight by weight as the model names them.
+
+    shape = model_shape("Qwen/Qwen3-30B-A3B")        # a hub id (sftrecipes/model_configs/), a local folder or a config dict
+    shape.params, shape.active_params                # 30.53B, 3.35B: every weight, and those one token runs through
+    shape.lora_params("all-linear", r=8)             # what peft creates (router left out unless router=True)
+
+The layouts are those of transformers 5.24 (`models/*/modeling_*.py`): Llama/Mistral, Qwen2 (q/k/v biases), Qwen3
+and Gemma-3 (q/k norms over head_dim), Gemma-2/3 (four norms per layer), Phi-3 (fused `qkv_proj`, `gate_up_proj`),
+Gemma-3's nested `text_config`, and mixtures of experts: Mixtral, Qwen2-MoE (a shared expert behind a sigmoid gate),
+Qwen3-MoE (dense `mlp_only_layers`, `decoder_sparse_step`). Experts are fused 3-D parameters (`mlp.experts.gate_up_proj`
+[E, 2*inter, hidden], `mlp.experts.down_proj` [E, hidden, inter]) behind a router `mlp.gate` (weight [E, hidden]).
+Keys a config.json leaves out take the config class's default (`DEFAULTS`; a test compares them with transformers).
+
+It also owns the rule for the dtype weights are loaded in (`load_dtype`, a dtype name; `model.load_dtype` maps it to
+torch, the planner to bytes).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .recipe import RecipeError
+
+if TYPE_CHECKING:
+    from .recipe import Recipe
+
+CONFIGS = Path(__file__).with_name("model_configs")
+
+# Class defaults (transformers 5.24 config classes) of every key the layouts read. None: derived (kv heads = heads,
+# head_dim = hidden / heads). A key absent here is read with getattr(config, key, fallback) by the model itself.
+_DENSE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+          "num_key_value_heads", "tie_word_embeddings", "max_position_embeddings")
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": dict(zip(_DENSE, (32000, 4096, 11008, 32, 32, None, False, 2048)), head_dim=None, attention_bias=False,
+                  mlp_bias=False),
+    "mistral": dict(zip(_DENSE, (32000, 4096, 14336, 32, 32, 8, False, 131072)), head_dim=None),
+    "qwen2": dict(zip(_DENSE, (151936, 4096, 22016, 32, 32, 32, False, 32768))),
+    "qwen3": dict(zip(_DENSE, (151936, 4096, 22016, 32, 32, 32, False, 32768)), head_dim=128, attention_bias=False),
+    "gemma2": dict(zip(_DENSE, (256000, 2304, 9216, 26, 8, 4, True, 8192)), head_dim=256, attention_bias=False),
+    "gemma3_text": dict(zip(_DENSE, (262208, 2304, 9216, 26, 8, 4, True, 131072)), head_dim=256, attention_bias=False),
+    "phi3": dict(zip(_DENSE, (32064, 3072, 8192, 32, 32, None, False, 4096))),
+    "mixtral": dict(zip(_DENSE, (32000, 4096, 14336, 32, 32, 8, False, 131072)), head_dim=None, num_local_experts=8,
+                    num_experts_per_tok=2),
+    "qwen2_moe": dict(zip(_DENSE, (151936, 2048, 5632, 24, 16, 16, False, 32768)), num_experts=60,
+                      num_experts_per_tok=4, moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+                      decoder_sparse_step=1, mlp_only_layers=[], qkv_bias=True),
+    "qwen3_moe": dict(zip(_DENSE, (151936, 2048, 6144, 24, 32, 4, False, 32768)), attention_bias=False,
+                      num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, decoder_sparse_step=1,
+                      mlp_only_layers=[]),
+}
+# types whose q/k/v/o biases follow attention_bias (Qwen2 has q/k/v biases always, Qwen2-MoE per qkv_bias, the others none)
+ATTENTION_BIAS = ("llama", "qwen3", "qwen3_moe", "gemma2", "gemma3_text")
+# a multimodal config whose text part is another model type
+TEXT_TYPES = {"gemma3": "gemma3_text"}
+# peft 0.21 converts LoRA targets of these model types to transformers 5's fused experts (peft.utils.
+# transformers_weight_conversion): the v4 module names below become parameters of the fused experts (the two halves of
+# gate_up_proj together, at twice the rank and alpha: peft's rank_pattern) or the router, and stop naming modules (a
+# dense MLP's gate/up/down_proj of such a model is then not adapted). MoE types not listed (qwen2_moe) keep experts
+# and router out of LoRA: they are not nn.Linear.
+PEFT_EXPERT_NAMES = {
+    "qwen3_moe": {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj", "gate": "gate"},
+    "mixtral": {"w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj", "gate": "gate"},
+}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+# ----------------------------------------------------------------------------------------------- structures
+
+
+@dataclass(frozen=True)
+class Weight:
+    """One parameter tensor of a decoder layer, named as in the model (relative to `model.layers.N.`).
+
+    kind: "linear" (an nn.Linear weight, dims (out, in)), "bias", "norm", "experts" (a fused expert tensor, dims
+    (experts, out, in)) or "router" (the router's weight, dims (experts, hidden)); name: the module's path for
+    linear/norm/router weights, the parameter's path for experts and biases."""
+
+    name: str
+    kind: str
+    dims: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.dims)
+
+    @property
+    def param_name(self) -> str:
+        return self.name if self.kind in ("experts", "bias") else f"{self.name}.weight"
+
+    @property
+    def leaf(self) -> str:
+        return self.name.rpartition(".")[2]
+
+    @property
+    def fan_in(self) -> int:
+        return self.dims[-1]
+
+    @property
+    def fan_out(self) -> int:
+        return self.dims[-2]
+
+    @property
+    def matrices(self) -> int:
+        """Matrices in the tensor (experts of a fused tensor, else 1)."""
+        return self.dims[0] if self.kind == "experts" else 1
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One decoder layer: its weights; experts/top_k > 0 for a sparse (mixture-of-experts) layer."""
+
+    weights: tuple[Weight, ...]
+    experts: int = 0
+    top_k: int = 0
+    shared_intermediate: int = 0  # Qwen2-MoE's shared expert (always on), 0 without one
+
+    @property
+    def params(self) -> int:
+        return sum(w.numel for w in self.weights)
+
+    @property
+    def expert_params(self) -> int:
+        return sum(w.numel for w in self.weights if w.kind == "experts")
+
+    @property
+    def active_params(self) -> int:
+        """Weights one token runs through: its top-k experts of all."""
+        return self.params - self.expert_params // max(self.experts, 1) * (self.experts - self.top_k)
+
+    @property
+    def matmul_params(self) -> int:
+        """Matmul weights per token: linears, the router, the top-k experts (biases and norms are no matmuls)."""
+        dense = sum(w.numel for w in self.weights if w.kind in ("linear", "router"))
+        return dense + self.expert_params // max(self.experts, 1) * self.top_k
+
+    def get(self, name: str) -> Weight | None:
+        return next((w for w in self.weights if w.name == name), None)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A model's shape: sizes, every decoder layer's weights (`decoder`), embeddings and head."""
+
+    name: str
+    model_type: str
+    hidden: int
+    intermediate: int  # the dense MLP's width (MoE: of dense layers; expert_intermediate for experts)
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    max_positions: int
+    decoder: tuple[Layer, ...]
+    experts: int = 0  # routed experts per sparse layer (0: dense model)
+    top_k: int = 0  # experts per token
+    expert_intermediate: int = 0
+    shared_intermediate: int = 0
+
+    @property
+    def layers(self) -> int:
+        return len(self.decoder)
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def embed_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def head_params(self) -> int:
+        return 0 if self.tied else self.vocab * self.hidden
+
+    @cached_property
+    def params(self) -> int:
+        """Every parameter, as sum(p.numel() for p in model.parameters()) counts them (a tied head once)."""
+        return sum(L.params for L in self.decoder) + self.embed_params + self.head_params + self.hidden
+
+    @cached_property
+    def active_params(self) -> int:
+        """Parameters one token uses (MoE: its top-k experts only; embeddings and head included, as model cards count)."""
+        return sum(L.active_params for L in self.decoder) + self.embed_params + self.head_params + self.hidden
+
+    @cached_property
+    def expert_params(self) -> int:
+        return sum(L.expert_params for L in self.decoder)
+
+    @cached_property
+    def linear_params(self) -> int:
+        """nn.Linear weights of the decoder layers: what bitsandbytes quantizes (not experts, router, lm_head)."""
+        return sum(w.numel for L in self.decoder for w in L.weights if w.kind == "linear")
+
+    @cached_property
+    def linear_rows(self) -> int:
+        """Output rows of those nn.Linear weights (8-bit quantization keeps one scale per row)."""
+        return sum(w.fan_out for L in self.decoder for w in L.weights if w.kind == "linear")
+
+    @cached_property
+    def matmul_params(self) -> int:
+        """Matmul weights one token runs through: decoder linears, routers, top-k experts, and the LM head."""
+        return sum(L.matmul_params for L in self.decoder) + self.vocab * self.hidden
+
+    @cached_property
+    def largest_weight(self) -> int:
+        """Elements of the largest single parameter tensor (embedding or a decoder weight)."""
+        return max(self.embed_params, max(w.numel for L in self.decoder for w in L.weights))
+
+    # -- LoRA
+    def lora_targets(self, targets: str, router: bool = False) -> tuple[tuple[tuple[Weight, int], ...], ...]:
+        """Per decoder layer, the weights LoRA adapts and the rank multiplier of each, as peft 0.21 resolves them.
+
+        'all-linear': every nn.Linear of the decoder (not lm_head); for the MoE types peft converts
+        (PEFT_EXPERT_NAMES) also the fused expert tensors (gate_up_proj at twice the rank) and, only with router=True
+        (the project's lora_target_router), the router. A comma list: nn.Linears by leaf name (q_proj, qkv_proj, ...);
+        on a converted MoE type the v4 names peft maps (gate_proj+up_proj, or w1+w3: gate_up_proj at twice the rank;
+        down_proj or w2; gate: the router) and the model's own names of the expert tensors (gate_up_proj, down_proj:
+        at the given rank). A name that adapts nothing is a RecipeError naming the ones that would."""
+        renamed = PEFT_EXPERT_NAMES.get(self.model_type, {})
+        if targets.strip() == "all-linear":
+            picks = {"linear": None, "experts": {"gate_up_proj": 2, "down_proj": 1} if renamed else {},
+                     "router": {"gate": 1} if renamed and router else {}}
+        else:
+            names = [t.strip() for t in targets.split(",") if t.strip()]
+            fused = [n for n in names if renamed.get(n) == "gate_up_proj"]
+            if len(fused) == 1:
+                other = next(k for k, v in renamed.items() if v == "gate_up_proj" and k != fused[0])
+                raise RecipeError(f"lora_target_modules: '{fused[0]}' is half of the fused experts' gate_up_proj in "
+                                  f"{self.name}; list '{other}' too (or gate_up_proj)")
+            experts = {"gate_up_proj": 2} if fused else {}
+            if renamed:
+                experts.update({renamed.get(n, n): 1 for n in names if renamed.get(n, n) in ("gate_up_proj", "down_proj")
+                                and renamed.get(n, n) not in experts})
+            picks = {"linear": {n for n in names if n not in renamed}, "experts": experts,
+                     "router": {"gate": 1} if "gate" in renamed and "gate" in names else {}}
+            adapted = {w.leaf for L in self.decoder for w in L.weights if w.kind == "linear" and w.leaf in picks["linear"]}
+            adapted |= set(picks["experts"]) | set(picks["router"])
+            adapted |= {n for n in names if renamed.get(n) in adapted}
+            unknown = [n for n in names if n not in adapted]
+            if unknown:
+                known = sorted({w.leaf for L in self.decoder for w in L.weights if w.kind == "linear" and w.leaf not in renamed}
+                               | ({"gate_up_proj", "down_proj", "gate"} | set(renamed) if renamed else set()))
+                raise RecipeError(f"lora_target_modules: '{unknown[0]}' is not a linear layer of {self.name}; "
+                                  f"use 'all-linear' or some of {','.join(known)}")
+        out = []
+        for L in self.decoder:
+            picked = []
+            for w in L.weights:
+                if w.kind == "linear" and w.leaf not in renamed and (picks["linear"] is None or w.leaf in picks["linear"]):
+                    picked.append((w, 1))
+                elif w.kind in ("experts", "router") and w.leaf in picks[w.kind]:
+                    picked.append((w, picks[w.kind][w.leaf]))
+            out.append(tuple(picked))
+        return tuple(out)
+
+    def lora_params(self, targets: str, r: int, router: bool = False) -> int:
+        """LoRA parameters peft creates: r*(in+out) per adapted matrix; a fused expert tensor has one pair per expert
+        (lora_A [r*E, in], lora_B [out, r*E])."""
+        return sum(r * mult * w.matrices * (w.fan_in + w.fan_out)
+                   for layer in self.lora_targets(targets, router) for w, mult in layer)
+
+
+# ----------------------------------------------------------------------------------------------- config -> shape
+
+
+def config_path(name: str) -> Path:
+    """config.json of a local model folder, or the copy shipped for a hub id (model_configs/<org>--<name>.json)."""
+    local = Path(name).expanduser()
+    if local.is_dir():
+        return local / "config.json"
+    return CONFIGS / (name.replace("/", "--") + ".json")
+
+
+def read_config(name: str) -> dict:
+    """The config dict of a model name (a local folder or a hub id with a shipped config)."""
+    path = config_path(name)
+    if not path.is_file():
+        shipped = ", ".join(sorted(p.stem.replace("--", "/") for p in CONFIGS.glob("*.json")))
+        raise RecipeError(f"model_name_or_path: no config.json for '{name}' offline; point it at a local model folder, "
+                          f"or add {CONFIGS / (name.replace('/', '--') + '.json')} (shipped: {shipped})")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise RecipeError(f"model_name_or_path: {path} is not valid JSON ({e.msg} at line {e.lineno}); fix or replace it") from None
+
+
+def model_shape(source: str | Path | dict, name: str | None = None) -> Shape:
+    """Shape of a model: a local folder or hub id (its config.json), or a config dict (e.g. `config.to_dict()`)."""
+    if isinstance(source, dict):
+        c, where = source, "the model config"
+    else:
+        c, where = read_config(str(source)), str(config_path(str(source)))
+        name = name or str(source)
+    mt = c.get("model_type")
+    if "text_config" in c:  # multimodal: the decoder is the text part
+        text = dict(c["text_config"] or {})
+        text.setdefault("model_type", TEXT_TYPES.get(mt, mt))
+        c, mt = text, text["model_type"]
+    if not mt:
+        raise RecipeError(f"model_name_or_path: {where} has no model_type; the shape needs one of {', '.join(DEFAULTS)}")
+    if mt not in DEFAULTS:
+        raise RecipeError(f"model_name_or_path: {where} is a '{mt}' model, whose layout sftrecipes/shape.py does not know "
+                          f"(known: {', '.join(DEFAULTS)}); add its layout there")
+    return _build(c, mt, name or c.get("_name_or_path") or mt)
+
+
+def _build(c: dict, mt: str, name: str) -> Shape:
+    d = DEFAULTS[mt]
+
+    def get(key, fallback=None):
+        v = c.get(key, d.get(key, fallback))
+        return fallback if v is None else v
+
+    h, heads, n = get("hidden_size"), get("num_attention_heads"), get("num_hidden_layers")
+    kv = get("num_key_value_heads", heads)
+    hd = get("head_dim", h // heads)
+    inter, vocab = get("intermediate_size"), get("vocab_size")
+    q, kvd = heads * hd, kv * hd
+    experts = 0
+    if mt in ("mixtral", "qwen2_moe", "qwen3_moe"):  # one count, two spellings (an attribute_map aliases them)
+        experts = next((c[k] for k in ("num_experts", "num_local_experts") if c.get(k) is not None),
+                       d.get("num_experts", d.get("num_local_experts")))
+    top_k = get("num_experts_per_tok", 0) if experts else 0
+    e_inter = (inter if mt == "mixtral" else get("moe_intermediate_size")) if experts else 0
+    shared = get("shared_expert_intermediate_size", 0) if mt == "qwen2_moe" else 0
+
+    def lin(path, fan_in, fan_out, bias=False):
+        return [Weight(path, "linear", (fan_out, fan_in))] + ([Weight(path + ".bias", "bias", (fan_out,))] if bias else [])
+
+    def mlp(prefix, width):
+        return lin(f"{prefix}.gate_proj", h, width) + lin(f"{prefix}.up_proj", h, width) + lin(f"{prefix}.down_proj", width, h)
+
+    # attention
+    if mt == "phi3":
+        attn = lin("self_attn.qkv_proj", h, q + 2 * kvd) + lin("self_attn.o_proj", q, h)
+    else:
+        o_bias = mt in ATTENTION_BIAS and bool(get("attention_bias", False))
+        qkv_bias = o_bias or mt == "qwen2" or (mt == "qwen2_moe" and bool(get("qkv_bias")))
+        attn = (lin("self_attn.q_proj", h, q, qkv_bias) + lin("self_attn.k_proj", h, kvd, qkv_bias)
+                + lin("self_attn.v_proj", h, kvd, qkv_bias) + lin("self_attn.o_proj", q, h, o_bias))
+    if mt in ("qwen3", "qwen3_moe", "gemma3_text"):
+        attn += [Weight("self_attn.q_norm", "norm", (hd,)), Weight("self_attn.k_norm", "norm", (hd,))]
+    norm_names = ["input_layernorm", "post_attention_layernorm"]
+    if mt in ("gemma2", "gemma3_text"):
+        norm_names += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+    norms = [Weight(x, "norm", (h,)) for x in norm_names]
+
+    # MLP: dense, fused (Phi-3) or sparse
+    if mt == "phi3":
+        dense = lin("mlp.gate_up_proj", h, 2 * inter) + lin("mlp.down_proj", inter, h)
+    else:
+        bias = mt == "llama" and bool(get("mlp_bias", False))
+        dense = lin("mlp.gate_proj", h, inter, bias) + lin("mlp.up_proj", h, inter, bias) + lin("mlp.down_proj", inter, h, bias)
+    dense_layer = Layer(tuple(attn + dense + norms))
+    sparse_layer = None
+    if experts:
+        moe = [Weight("mlp.gate", "router", (experts, h)),
+               Weight("mlp.experts.gate_up_proj", "experts", (experts, 2 * e_inter, h)),
+               Weight("mlp.experts.down_proj", "experts", (experts, h, e_inter))]
+        if shared:
+            moe += mlp("mlp.shared_expert", shared) + lin("mlp.shared_expert_gate", h, 1)
+        sparse_layer = Layer(tuple(attn + moe + norms), experts, top_k, shared)
+    if mt == "mixtral":
+        decoder = tuple(sparse_layer for _ in range(n))
+    elif experts:  # Qwen2/3-MoE: sparse unless listed in mlp_only_layers or off the decoder_sparse_step
+        only, step = set(get("mlp_only_layers", [])), get("decoder_sparse_step", 1)
+        decoder = tuple(sparse_layer if (i not in only and (i + 1) % step == 0) else dense_layer for i in range(n))
+    else:
+        decoder = tuple(dense_layer for _ in range(n))
+    return Shape(name, mt, h, inter, heads, kv, hd, vocab, bool(get("tie_word_embeddings", False)),
+                 get("max_position_embeddings", 0), decoder, experts, top_k, e_inter, shared)
+
+
+# ----------------------------------------------------------------------------------------------- load dtype
+
+
+def load_dtype(recipe: Recipe) -> str:
+    """The dtype the weights are loaded in (see ModelOptions.dtype): 'float32', 'bfloat16' or 'float16'.
+
+    auto: the 4-bit storage dtype when it is a float; bf16/fp16 (whichever mixed precision is on) for LoRA, QLoRA,
+    8-bit and precision memory_constrained; otherwise float32 (full fine-tuning keeps its trainable weights fp32)."""
+    m = recipe.model
+    if m.dtype != "auto":
+        return m.dtype
+    if m.use_4bit_quantization and m.bnb_4bit_quant_storage_dtype != "uint8":
+        return m.bnb_4bit_quant_storage_dtype
+    if m.use_peft_lora or m.use_4bit_quantization or m.use_8bit_quantization or m.precision == "memory_constrained":
+        if recipe.trl_value("bf16"):
+            return "bfloat16"
+        if recipe.trl_value("fp16"):
+            return "float16"
+    return "float32"

@@ -1,0 +1,291 @@
+"""sftrecipes.shape: every shipped config against the model transformers builds from it (meta device, real size),
+LoRA counts against peft's own, the config-class defaults, the load-dtype rule in the planner, MoE in the planner."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from conftest import ROOT
+from sftrecipes import shape as shapes
+from sftrecipes.plan import GB, main, plan_recipe
+from sftrecipes.recipe import RecipeError, load_recipe
+from sftrecipes.shape import model_shape, read_config
+
+# published totals (model cards / safetensors indexes), in billions, and active parameters of the MoE models
+PUBLISHED = {
+    "meta-llama/Llama-3.1-8B": 8.03, "meta-llama/Llama-3.1-70B": 70.55, "Qwen/Qwen2.5-7B": 7.62,
+    "Qwen/Qwen2.5-0.5B": 0.49, "Qwen/Qwen3-8B": 8.19, "Qwen/Qwen3-32B": 32.76, "Qwen/Qwen3-30B-A3B": 30.53,
+    "mistralai/Mistral-7B-v0.3": 7.25, "google/gemma-2-9b": 9.24, "microsoft/Phi-3-mini-4k-instruct": 3.82,
+    "mistralai/Mixtral-8x7B-v0.1": 46.70,
+    "google/gemma-3-12b-pt": 11.77,  # the text decoder (shipped as gemma3_text); the card's 12.2B adds the vision tower
+}
+ACTIVE = {"Qwen/Qwen3-30B-A3B": 3.3, "mistralai/Mixtral-8x7B-v0.1": 12.9}
+SHIPPED = sorted(p.stem.replace("--", "/") for p in shapes.CONFIGS.glob("*.json"))
+MOE = ["Qwen/Qwen3-30B-A3B", "mistralai/Mixtral-8x7B-v0.1"]
+
+
+_models: dict = {}
+
+
+def meta_model(key, config: dict):
+    """The model transformers builds from a config, on the meta device; one per key for the whole module (peft
+    cases unload their adapters again)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if key not in _models:
+        with torch.device("meta"):
+            _models[key] = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    return _models[key]
+
+
+def model_tensors(model) -> dict[str, tuple[int, ...]]:
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def shape_tensors(s) -> dict[str, tuple[int, ...]]:
+    out = {f"model.layers.{i}.{w.param_name}": w.dims for i, layer in enumerate(s.decoder) for w in layer.weights}
+    out.update({"model.embed_tokens.weight": (s.vocab, s.hidden), "model.norm.weight": (s.hidden,)})
+    if not s.tied:
+        out["lm_head.weight"] = (s.vocab, s.hidden)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- parameter counts
+
+
+def test_every_published_model_is_shipped():
+    assert set(PUBLISHED) <= set(SHIPPED)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_config_is_the_model_weight_by_weight(name):
+    """Exact: the same tensor names with the same dims as the model transformers 5.24 builds, hence the same count."""
+    model = meta_model(name, read_config(name))
+    s = model_shape(name)
+    assert shape_tensors(s) == model_tensors(model)
+    assert s.params == sum(p.numel() for p in model.parameters())
+    if name in PUBLISHED:
+        assert round(s.params / 1e9, 2) == PUBLISHED[name]
+    # MoE cards round the active count (Qwen3-30B-A3B: "3.3B activated" for 3.35B, embeddings and head included)
+    assert s.active_params / 1e9 == pytest.approx(ACTIVE[name], abs=0.06) if name in ACTIVE else s.active_params == s.params
+
+
+def test_nested_text_config_is_read_like_the_flat_one():
+    """Gemma-3's hub config.json nests the decoder in text_config (model_type gemma3, a vision tower beside it)."""
+    flat = read_config("google/gemma-3-12b-pt")
+    nested = {"model_type": "gemma3", "text_config": {k: v for k, v in flat.items() if k != "model_type"},
+              "vision_config": {"model_type": "siglip_vision_model"}}
+    assert dataclasses.replace(model_shape(nested), name="") == dataclasses.replace(model_shape(flat), name="")
+
+
+@pytest.mark.parametrize("model_type", list(shapes.DEFAULTS))
+def test_defaults_are_the_config_classes(model_type):
+    """A config.json that leaves keys out gets the config class's defaults: an empty config is the class default."""
+    from transformers import AutoConfig
+
+    model = meta_model(("default", model_type), {"model_type": model_type})
+    s = model_shape({"model_type": model_type})
+    assert shape_tensors(s) == model_tensors(model)
+    assert dataclasses.replace(model_shape(AutoConfig.for_model(model_type).to_dict()), name="") == \
+        dataclasses.replace(s, name="")
+
+
+SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=256, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+LAYOUTS = {  # dense layers among sparse ones, a shared expert, biases, explicit head_dim
+    "qwen3_moe-dense-layers": dict(SMALL, model_type="qwen3_moe", mlp_only_layers=[0], decoder_sparse_step=2, head_dim=8,
+                                   attention_bias=True),
+    "qwen2_moe-shared-expert": dict(SMALL, model_type="qwen2_moe", shared_expert_intermediate_size=48, mlp_only_layers=[2]),
+    "llama-biases": dict(SMALL, model_type="llama", attention_bias=True, mlp_bias=True, head_dim=32),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layouts_weight_by_weight(layout):
+    s = model_shape(LAYOUTS[layout])
+    assert shape_tensors(s) == model_tensors(meta_model(layout, LAYOUTS[layout]))
+    if s.moe:
+        kinds = ["sparse" if layer.experts else "dense" for layer in s.decoder]
+        assert kinds == (["dense", "sparse", "dense", "sparse"] if layout.startswith("qwen3") else
+                         ["sparse", "sparse", "dense", "sparse"])
+
+
+# ----------------------------------------------------------------------------------------------- LoRA against peft
+
+
+def peft_count(model, targets: str, r: int) -> tuple[int, int]:
+    """(trainable parameters peft creates, of them on the router) for target_modules as the recipe writes it."""
+    from peft import LoraConfig, get_peft_model
+
+    spec = targets if targets == "all-linear" else targets.split(",")
+    with torch.device("meta"):  # adapters made on the meta device: seconds for 70B instead of minutes
+        peft = get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules=spec, task_type="CAUSAL_LM"))
+    try:
+        counts = [(p.numel(), ".mlp.gate." in n) for n, p in peft.named_parameters() if p.requires_grad]
+        return sum(c for c, _ in counts), sum(c for c, router in counts if router)
+    finally:
+        peft.unload()
+
+
+LLAMA_NAMES = "q_proj,k_proj,v_proj,o_proj,down_proj,up_proj,gate_proj"  # the schema's default lora_target_modules
+EXPLICIT = {"microsoft/Phi-3-mini-4k-instruct": ["qkv_proj,down_proj"],
+            "Qwen/Qwen3-30B-A3B": ["q_proj,v_proj", LLAMA_NAMES],  # peft maps gate/up/down_proj to the fused experts
+            "mistralai/Mixtral-8x7B-v0.1": ["q_proj,v_proj", "q_proj,v_proj,w1,w2,w3"]}  # and Mixtral's w1/w3, w2
+
+
+def lora_cases():
+    for name in sorted(PUBLISHED):
+        for targets in ["all-linear", *EXPLICIT.get(name, ["q_proj,v_proj"])]:
+            for r in (8, 16):
+                yield pytest.param(name, targets, r, id=f"{name}-{targets}-r{r}")
+
+
+@pytest.mark.parametrize("name,targets,r", list(lora_cases()))
+def test_lora_count_is_peft_count(name, targets, r):
+    """all-linear on an MoE model: peft adapts the fused experts (gate_up_proj at twice the rank) and the router; the
+    project leaves the router out unless lora_target_router: true."""
+    s = model_shape(name)
+    total, router = peft_count(meta_model(name, read_config(name)), targets, r)
+    assert s.lora_params(targets, r, router=True) == total
+    assert s.lora_params(targets, r) == total - router
+    assert (router > 0) == (s.moe and targets == "all-linear")
+
+
+@pytest.mark.parametrize("layout", ["qwen3_moe-dense-layers", "qwen2_moe-shared-expert"])
+def test_lora_count_on_dense_layers_and_shared_experts(layout):
+    """peft 0.21 quirks, counted as they are: on Qwen3-MoE, all-linear drops the dense layers' gate/up/down_proj (their
+    v4 names become the expert parameters); Qwen2-MoE is not converted, so only its nn.Linears (shared expert
+    included) are adapted, experts and router not."""
+    s = model_shape(LAYOUTS[layout])
+    total, router = peft_count(meta_model(layout, LAYOUTS[layout]), "all-linear", 8)
+    assert s.lora_params("all-linear", 8, router=True) == total
+    assert s.lora_params("all-linear", 8) == total - router
+
+
+def test_unknown_target_names_the_models_own():
+    cases = {("microsoft/Phi-3-mini-4k-instruct", "q_proj,v_proj"): ("'q_proj'", "qkv_proj"),
+             ("mistralai/Mixtral-8x7B-v0.1", LLAMA_NAMES): ("'up_proj'", "w1"),  # Mixtral's experts are w1/w3, w2
+             ("Qwen/Qwen3-30B-A3B", "q_proj,gate_proj"): ("'gate_proj' is half", "'up_proj'")}  # peft refuses it too
+    for (name, targets), (bad, hint) in cases.items():
+        with pytest.raises(RecipeError) as e:
+            model_shape(name).lora_params(targets, 8)
+        msg = str(e.value)
+        assert "\n" not in msg and msg.startswith(f"lora_target_modules: {bad}") and hint in msg, msg
+
+
+# ----------------------------------------------------------------------------------------------- errors, torch-free
+
+
+def test_unknown_architecture_is_one_line_naming_it(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "falcon", "hidden_size": 4544}))
+    with pytest.raises(RecipeError) as e:
+        model_shape(str(tmp_path))
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("model_name_or_path:") and "'falcon'" in msg and "shape.py" in msg
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 4544}))
+    with pytest.raises(RecipeError, match="no model_type"):
+        model_shape(str(tmp_path))
+
+
+def test_shape_and_plan_import_no_torch():
+    code = textwrap.dedent("""
+        import sys
+        from sftrecipes import plan, shape
+        from sftrecipes.recipe import load_recipe
+        s = shape.model_shape("Qwen/Qwen3-30B-A3B")
+        assert s.lora_params("all-linear", 8) > 0
+        p = plan.plan_recipe(load_recipe(["recipes/llama2-70b/lora.yaml", "--model_name_or_path", "Qwen/Qwen3-30B-A3B"]))
+        assert shape.load_dtype(load_recipe(["recipes/llama2-70b/lora.yaml"])) == "bfloat16"
+        print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers", "peft")))
+        """)
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == "[]"
+
+
+# ----------------------------------------------------------------------------------------------- the planner
+
+
+def test_memory_constrained_loads_and_plans_in_16_bit():
+    """precision memory_constrained: the model loads in bf16 (model.load_dtype) and the planner counts bf16 weights,
+    grads and Adam states (2 + 2 + 4 bytes instead of 4 + 4 + 8): model states halve."""
+    from sftrecipes.model import load_dtype
+
+    base = load_recipe(["recipes/llama2-70b/fsdp.yaml"])
+    mc = load_recipe(["recipes/llama2-70b/fsdp.yaml", "--precision", "memory_constrained"])
+    assert (load_dtype(base), load_dtype(mc)) == (torch.float32, torch.bfloat16)
+    p, q = plan_recipe(base, _alternatives=False), plan_recipe(mc, _alternatives=False)
+    assert q.model_states_gb == pytest.approx(p.model_states_gb / 2)
+    assert q.gpu_total_gb < p.gpu_total_gb - 30
+
+
+def mixtral_fsdp(*flags):
+    return ["recipes/llama2-70b/fsdp.yaml", "--model_name_or_path", "mistralai/Mixtral-8x7B-v0.1",
+            "--launch.num_machines", "1", *flags]
+
+
+def test_mixtral_full_fsdp_on_8x80_does_not_fit(capsys):
+    """Full fine-tuning holds weights, grads and Adam states of all 8 experts: 16 B x 46.7B / 8 GPUs = 93 GB each."""
+    plan = plan_recipe(load_recipe(mixtral_fsdp()))
+    assert plan.params == model_shape("mistralai/Mixtral-8x7B-v0.1").params
+    assert plan.model_states_gb * GB == pytest.approx(16 * plan.params / 8)
+    assert plan.fits is False and plan.gpu_total_gb > 80
+    assert any(a.fits and a.gpus == 16 for a in plan.alternatives)
+    assert main(mixtral_fsdp()) == 2
+    out = capsys.readouterr().out
+    assert "46.70B params (12.88B active per token)" in out and "VERDICT: DOES NOT FIT" in out
+
+
+def test_moe_lora_plan_counts_router_and_folded_experts(tmp_path):
+    """Qwen3-30B-A3B LoRA all-linear: the router is trained only with lora_target_router; adapting the fused experts
+    makes peft fold W + s*BA each forward (a full-size copy of every expert tensor, saved for backward, and in
+    backward a full-size gradient of it), against the same run adapting the attention only."""
+    (tmp_path / "moe.yaml").write_text(textwrap.dedent("""
+        model_name_or_path: Qwen/Qwen3-30B-A3B
+        dataset_name: data/tiny_chat
+        output_dir: outputs/moe
+        max_length: 2048
+        per_device_train_batch_size: 4
+        bf16: true
+        use_peft_lora: true
+        lora_r: 8
+        lora_dropout: 0.0
+        lora_target_modules: all-linear
+        launch: {backend: deepspeed, zero_stage: 3, gpus_per_node: 8, gpu_memory_gb: 80}
+        """))
+    lora = [str(tmp_path / "moe.yaml"), "--gradient_checkpointing", "true"]
+    no_ckpt = [str(tmp_path / "moe.yaml"), "--gradient_checkpointing", "false"]
+    attention = ["--lora_target_modules", "q_proj,k_proj,v_proj,o_proj"]
+    s = model_shape("Qwen/Qwen3-30B-A3B")
+    plans = {k: plan_recipe(load_recipe(argv), _alternatives=False) for k, argv in {
+        "off": lora, "on": lora + ["--lora_target_router", "true"], "attn": lora + attention,
+        "off-no-ckpt": no_ckpt, "attn-no-ckpt": no_ckpt + attention}.items()}
+    assert plans["off"].trainable == s.lora_params("all-linear", 8)
+    assert plans["on"].trainable - plans["off"].trainable == s.layers * 8 * (s.hidden + s.experts)
+    assert any("router (mlp.gate): not adapted" in n for n in plans["off"].notes)
+    layer = s.decoder[0]
+    fold = layer.expert_params * 2  # bf16 under DeepSpeed
+    grad = layer.get("mlp.experts.gate_up_proj").numel * 2  # the larger tensor's gradient
+    # what is live besides the model states (which differ by the adapters), at the start of backward (every layer's
+    # saved tensors) and in the last layer's backward (checkpointed: that layer's recomputed tensors + temporaries)
+    # (ZeRO-3's gathers average the bytes per parameter over base and adapters: they differ a little between the two)
+    live = lambda p, phase: (p.phases[phase] - p.model_states_gb) * GB  # noqa: E731
+    start, last = "start of backward (LM head)", "backward, last layer"
+    assert live(plans["off-no-ckpt"], start) - live(plans["attn-no-ckpt"], start) == pytest.approx(s.layers * fold, rel=1e-3)
+    assert live(plans["off"], last) - live(plans["attn"], last) == pytest.approx(fold + grad, rel=0.02)
+
+
+def test_qlora_quantizes_linears_only():
+    """bitsandbytes replaces nn.Linear: the fused experts and routers of Mixtral stay in 16-bit floats."""
+    q = plan_recipe(load_recipe(["recipes/llama2-70b/qlora.yaml", "--model_name_or_path", "mistralai/Mixtral-8x7B-v0.1",
+                                 "--lora_dropout", "0"]), _alternatives=False)
+    s = model_shape("mistralai/Mixtral-8x7B-v0.1")
+    weights = next(i for i in q.states if i.name.startswith("weights"))
+    linear_4bit = s.linear_params * (0.5 + 1 / 64 + 4 / (64 * 256))  # nf4 + nested-quant constants
+    assert weights.gb * GB * q.world == pytest.approx(linear_4bit + (s.params - s.linear_params) * 2, rel=1e-6)
+    assert any("quantization covers nn.Linear weights only" in n for n in q.notes)
