@@ -4,7 +4,6 @@ decides. The same functions load the tiny test model and meta-llama/Llama-2-70b-
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 import os
 
@@ -70,10 +69,9 @@ def attention_support(recipe: Recipe) -> tuple[str, dict[str, bool]] | None:
         try:
             cfg = AutoConfig.from_pretrained(name, trust_remote_code=bool(recipe.trl_value("trust_remote_code")))
         except (OSError, ValueError):  # a hub id offline: the planner's shipped config of it
-            from .plan import _config_file  # noqa: PLC0415
+            from .shape import read_config  # noqa: PLC0415
 
-            data = json.loads(_config_file(name).read_text())
-            cfg = AutoConfig.for_model(**data)
+            cfg = AutoConfig.for_model(**read_config(name))
         cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]
     except Exception:  # noqa: BLE001 - any failure here only means "unknown": loading will say what is wrong
         return None
