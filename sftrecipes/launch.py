@@ -131,7 +131,9 @@ def export_script(recipe: Recipe, rel: str, name: str) -> str:
 
 
 MAKE_TARGETS = {"llama2-70b-lora": "sft-70b-lora", "llama2-70b-qlora": "sft-70b-qlora", "llama2-7b-offload": "sft-offload",
-                "llama2-70b-fsdp": "sft-70b-fsdp", "llama2-70b-qlora-fsdp": "sft-70b-qlora-fsdp", "llama2-7b-ddp": "sft-ddp"}
+                "llama2-70b-fsdp": "sft-70b-fsdp", "llama2-70b-qlora-fsdp": "sft-70b-qlora-fsdp", "llama2-7b-ddp": "sft-ddp",
+                "llama3.1-70b-lora": "sft-llama3-70b-lora", "qwen3-32b-qlora-fsdp": "sft-qwen3-32b-qlora",
+                "qwen3-30b-a3b-lora": "sft-qwen3-moe-lora"}
 
 
 def _header_comments(path: Path) -> list[str]:
@@ -177,7 +179,8 @@ def setup_doc(recipe: Recipe, path: Path, rel: str, name: str) -> str:
             + (f", r={recipe.model.lora_r}, alpha={recipe.model.lora_alpha}, targets {recipe.model.lora_target_modules}" if recipe.model.use_peft_lora else ""),
             f"- sequence {recipe.trl_value('max_length')}, micro-batch {recipe.trl_value('per_device_train_batch_size')}, "
             f"accumulation {recipe.trl_value('gradient_accumulation_steps')}, packing {recipe.trl_value('packing')}, "
-            f"gradient checkpointing {recipe.gradient_checkpointing}, flash-attn {recipe.model.use_flash_attn}", ""]
+            f"gradient checkpointing {recipe.gradient_checkpointing}, attention {recipe.model.attn_implementation}"
+            + (" (use_flash_attn)" if recipe.model.use_flash_attn else ""), ""]
     out += ["## Expected memory (python -m sftrecipes plan)", "", "```", format_plan(plan), "```", ""]
     out += ["## Tested on CPU", ""]
     out += [f"- [`{t}`](../../{t}) runs this recipe's settings on 2 CPU processes in `make test` (tests/test_twins.py)."

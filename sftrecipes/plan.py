@@ -239,6 +239,17 @@ def _layer_lora_params(adapted: tuple, r: int) -> int:
     return sum(r * mult * w.matrices * (w.fan_in + w.fan_out) for w, mult in adapted)
 
 
+def planned_attention(recipe: Recipe, shape: Shape, gpu: bool) -> str:
+    """The attention kernel the run will use, as model.choose_attention decides it, without torch: flash_attention_2
+    when asked for on a GPU (its package is assumed installed there), otherwise sdpa, or eager where the model has no
+    sdpa path (Gemma-2). flex_attention saves what flash does (the output and its logsumexp)."""
+    m = recipe.model
+    want = "flash_attention_2" if m.use_flash_attn and m.attn_implementation == "auto" else m.attn_implementation
+    if want == "flash_attention_2" and not gpu or want == "auto":
+        return "sdpa" if shape.sdpa else "eager"
+    return "flash_attention_2" if want == "flex_attention" else want
+
+
 def plan_recipe(recipe: Recipe, pipeline_degree: int | None = None, _alternatives: bool = True) -> Plan:
     """Memory per GPU and per node for a recipe on its launch hardware, the verdict, and strategies that would fit."""
     shape = model_shape(recipe.model.model_name_or_path)
@@ -295,7 +306,7 @@ def plan_recipe(recipe: Recipe, pipeline_degree: int | None = None, _alternative
     # --- activations
     b, seq = recipe.trl_value("per_device_train_batch_size"), recipe.trl_value("max_length") or shape.max_positions
     tokens = b * seq
-    attn = "flash_attention_2" if (m.use_flash_attn and s.gpu) else "sdpa"
+    attn = planned_attention(recipe, shape, s.gpu)
     a = s.act_bytes
     ckpt = recipe.gradient_checkpointing
     h, V = shape.hidden, shape.vocab

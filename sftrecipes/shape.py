@@ -67,6 +67,10 @@ PEFT_EXPERT_NAMES = {
     "mixtral": {"w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj", "gate": "gate"},
 }
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# model types whose transformers 5.24 class has no sdpa path (_supports_sdpa False: Gemma-2's attention soft-capping);
+# attn_implementation auto gives them eager (model.choose_attention reads the class itself; tests/test_shape.py checks
+# this table against it)
+NO_SDPA = ("gemma2",)
 
 
 # ----------------------------------------------------------------------------------------------- structures
@@ -169,6 +173,10 @@ class Shape:
     @property
     def moe(self) -> bool:
         return self.experts > 0
+
+    @property
+    def sdpa(self) -> bool:
+        return self.model_type not in NO_SDPA
 
     @property
     def embed_params(self) -> int:

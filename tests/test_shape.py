@@ -289,3 +289,27 @@ def test_qlora_quantizes_linears_only():
     linear_4bit = s.linear_params * (0.5 + 1 / 64 + 4 / (64 * 256))  # nf4 + nested-quant constants
     assert weights.gb * GB * q.world == pytest.approx(linear_4bit + (s.params - s.linear_params) * 2, rel=1e-6)
     assert any("quantization covers nn.Linear weights only" in n for n in q.notes)
+
+
+@pytest.mark.parametrize("model_type", list(shapes.DEFAULTS))
+def test_sdpa_table_is_the_model_classes(model_type):
+    """The torch-free planner needs to know which models have no sdpa path (attention then runs eager, with its s x s
+    scores): its table must say what transformers' classes say."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.for_model(model_type))]
+    assert model_shape({"model_type": model_type}).sdpa == cls._supports_sdpa
+
+
+def test_planned_attention_follows_the_recipe():
+    from sftrecipes.plan import plan_recipe
+
+    gemma = load_recipe(["recipes/llama2-7b/ddp.yaml", "--model_name_or_path", "google/gemma-2-9b", "--use_flash_attn", "false"])
+    gemma.trl["max_length"] = 1024
+    acts = {p.name: p.note for p in plan_recipe(gemma, _alternatives=False).peak}
+    assert "eager" in acts["activations"]  # Gemma-2 has no sdpa path: its s x s scores are counted
+    llama = load_recipe(["recipes/llama2-7b/ddp.yaml", "--use_flash_attn", "false", "--attn_implementation", "eager"])
+    eager = plan_recipe(llama, _alternatives=False).gpu_total_gb
+    llama.model.attn_implementation = "sdpa"
+    assert plan_recipe(llama, _alternatives=False).gpu_total_gb < eager
