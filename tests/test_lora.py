@@ -149,6 +149,19 @@ def test_moe_parameter_targets_refuse_what_peft_cannot_do(family_models, family,
     assert load_recipe(base + ["--lora_target_modules", "q_proj,v_proj", "--lora_dropout", "0.1"]).model.lora_dropout == 0.1
 
 
+def test_parameter_targets_without_dropout_also_when_no_config_was_at_hand(family_models):
+    """A hub id without a shipped config.json validates without knowing it is an MoE model; building the LoRA config
+    on the loaded model then refuses the dropout with the same one line (here: a recipe for the dense tiny model,
+    handed the MoE model)."""
+    from transformers import AutoModelForCausalLM
+
+    from sftrecipes import model as models
+
+    r = load_recipe(["recipes/tiny/lora.yaml", "--lora_dropout", "0.1"])
+    with pytest.raises(RecipeError, match=r"^lora_dropout: 0.1 cannot apply to the parameters .*set lora_dropout: 0.0$"):
+        models.lora_config(r, [], AutoModelForCausalLM.from_pretrained(family_models["qwen3_moe"]))
+
+
 @pytest.mark.parametrize("family", MOE)
 def test_moe_adapter_exports_and_merges_like_peft(runs, tmp_path, family, capsys):
     """The final adapter, its checkpoint-2 and the router-on adapter export (--verify: logits against peft's unmerged
