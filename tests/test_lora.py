@@ -182,6 +182,25 @@ def test_moe_adapter_exports_and_merges_like_peft(runs, tmp_path, family, capsys
 
 
 @pytest.mark.parametrize("family", MOE)
+def test_moe_adapter_errors_blame_the_right_thing(runs, family_models, tmp_path, family):
+    """On the other MoE family or a dense model the expert LoRA does not fit: 'wrong base', before anything is
+    written; an adapter feature the merge does not apply is named."""
+    run, _ = moe_run(runs, family)
+    other = "mixtral" if family == "qwen3_moe" else "qwen3_moe"
+    for base in (family_models[other], family_models["llama3"]):
+        with pytest.raises(RecipeError, match="wrong (--)?base") as e:
+            ex.export(run, tmp_path / "out", base=str(base))
+        assert "\n" not in str(e.value)
+    odd = tmp_path / "odd"
+    shutil.copytree(run, odd)
+    cfg = json.loads((odd / "adapter_config.json").read_text())
+    (odd / "adapter_config.json").write_text(json.dumps({**cfg, "lora_bias": True}))
+    with pytest.raises(RecipeError, match="lora_bias .* is not supported by the streaming merge"):
+        ex.export(odd, tmp_path / "out")
+    assert not list(tmp_path.glob("out*"))
+
+
+@pytest.mark.parametrize("family", MOE)
 def test_moe_sharded_checkpoint_exports_the_adapter(runs, tmp_path, family, capsys):
     """A sharded (FSDP SHARDED_STATE_DICT) checkpoint of the run: accelerate saves {'model': state_dict} as DCP, so the
     expert LoRA arrives as 'model.base_model.model....experts.base_layer.lora_A.default.weight'. It exports to the
