@@ -341,6 +341,10 @@ def lora_targets(recipe: Recipe, model) -> dict:
     names = [n for n, _ in model.named_parameters()] if params else []
     names = [_clean(n) for n in names if "lora_" not in n]
     selected = [n for n in names if hits_any(n, params)]
+    for t in p.get("target_parameters") or []:
+        if not any(hits_any(n, [t]) for n in names):
+            raise RecipeError(f"target_parameters: '{t}' matches no parameter of {m.model_name_or_path}; give a parameter's "
+                              "name or its dotted end, e.g. mlp.down_proj.weight")
     narrowing = p.get("layers_to_transform") is not None or p.get("exclude_modules") or p.get("modules_to_save")
     if selected and narrowing:
         probe = types.SimpleNamespace(exclude_modules=p.get("exclude_modules"), modules_to_save=p.get("modules_to_save"),

@@ -149,7 +149,7 @@ def test_moe_parameter_targets_refuse_what_peft_cannot_do(family_models, family,
     assert load_recipe(base + ["--lora_target_modules", "q_proj,v_proj", "--lora_dropout", "0.1"]).model.lora_dropout == 0.1
 
 
-def test_parameter_targets_without_dropout_also_when_no_config_was_at_hand(family_models):
+def test_lora_config_on_the_model_refuses_what_validation_could_not_see(family_models):
     """A hub id without a shipped config.json validates without knowing it is an MoE model; building the LoRA config
     on the loaded model then refuses the dropout with the same one line (here: a recipe for the dense tiny model,
     handed the MoE model)."""
@@ -160,6 +160,13 @@ def test_parameter_targets_without_dropout_also_when_no_config_was_at_hand(famil
     r = load_recipe(["recipes/tiny/lora.yaml", "--lora_dropout", "0.1"])
     with pytest.raises(RecipeError, match=r"^lora_dropout: 0.1 cannot apply to the parameters .*set lora_dropout: 0.0$"):
         models.lora_config(r, [], AutoModelForCausalLM.from_pretrained(family_models["qwen3_moe"]))
+    # names that match nothing are one line too, not peft's error after loading (or a silently smaller adapter)
+    llama = AutoModelForCausalLM.from_pretrained(family_models["llama3"])
+    with pytest.raises(RecipeError, match="target_parameters: 'mlp.nothing.weight' matches no parameter"):
+        models.lora_config(load_recipe(["recipes/tiny/lora.yaml", "--lora_target_modules", "q_proj", "--target_parameters",
+                                        "mlp.nothing.weight"]), [], llama)
+    with pytest.raises(RecipeError, match="lora_target_modules: 'qkv_proj' matches no module .* its linear layers are down_proj"):
+        models.lora_config(load_recipe(["recipes/tiny/lora.yaml", "--lora_target_modules", "qkv_proj,o_proj"]), [], llama)
 
 
 @pytest.mark.parametrize("family", MOE)
