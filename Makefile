@@ -30,7 +30,7 @@ test: $(STAMP)              ## the test suite (CPU)
 data: $(STAMP)              ## rewrite data/tiny_chat (checked in; tests compare)
 	$(BIN)/python -m sftrecipes tiny --data
 
-schema: $(STAMP)            ## refresh sftrecipes/trl_options.json after upgrading TRL/transformers
+schema: $(STAMP)            ## refresh sftrecipes/{trl,peft}_options.json after upgrading TRL/transformers/peft
 	$(BIN)/python -m sftrecipes schema --refresh
 
 plan: $(STAMP)              ## memory plan of a recipe: make plan RECIPE=recipes/llama2-70b/lora.yaml [ARGS="--lora_r 16"]

@@ -66,6 +66,8 @@ def run(recipe):
                    guard := checkpoints.nonfinite_guard(recipe.run.nan_patience)],
     )
     precision.trainer = trainer
+    if recipe.model.use_peft_lora and args.process_index == 0:
+        log.info("%s", models.describe_adapter(trainer.model, recipe))  # what LoRA adapted: modules, experts, router
     checkpoints.make_checkpoints_atomic(trainer)  # a marker written last; rotation never drops the last complete one
     backends.apply_precision_policy(trainer, recipe)  # trainable params fp32 under mixed precision (logged)
 

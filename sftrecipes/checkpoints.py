@@ -155,7 +155,7 @@ def expected_saved_names(model, hub: bool = True) -> set[str]:
     (hub=False: what a sharded DCP save holds)."""
     from peft import PeftModel, get_peft_model_state_dict  # noqa: PLC0415
 
-    from .export import hub_layout, tied_copies  # noqa: PLC0415
+    from .export import StoredLayout, tied_copies  # noqa: PLC0415
 
     if isinstance(model, PeftModel):
         return set(get_peft_model_state_dict(model).keys())
@@ -164,8 +164,7 @@ def expected_saved_names(model, hub: bool = True) -> set[str]:
     if not hub:
         return set(kept)
     params = dict(model.named_parameters(remove_duplicate=False))  # ZeRO-3 keeps the full shape on the parameter
-    shapes = {n: (t.dtype, tuple(getattr(params.get(n), "ds_shape", None) or t.shape)) for n, t in kept.items()}
-    return set(hub_layout(model, shapes))
+    return set(StoredLayout(model, {n: tuple(getattr(params.get(n), "ds_shape", None) or t.shape) for n, t in kept.items()}).stored)
 
 
 def dcp_tensor_names(folder: str | Path) -> dict[str, tuple[int, ...]]:

@@ -10,7 +10,7 @@
     python -m sftrecipes env RECIPE [--key value ...]                      environment its ranks need (export lines)
     python -m sftrecipes export SRC DEST [--dtype D] [--base DIR] [--verify]  run output/checkpoint -> loadable HF folder
     python -m sftrecipes demo                                              tiny LoRA run end to end on CPU
-    python -m sftrecipes schema [--refresh | --docs]                       check/refresh the TRL option snapshot, docs
+    python -m sftrecipes schema [--refresh | --docs]                       check/refresh the TRL and peft option snapshots, docs
 
 Outside the repository root, call it as `python PATH/TO/sftrecipes VERB ...` (or with PYTHONPATH=PATH/TO).
 Errors a user can fix print one line and exit 2.
@@ -57,7 +57,8 @@ def _schema(ns) -> int:
 
     if ns.refresh:
         schema.write_trl_snapshot()
-        print(f"wrote {schema.TRL_SNAPSHOT}")
+        schema.write_peft_snapshot()
+        print(f"wrote {schema.TRL_SNAPSHOT} and {schema.PEFT_SNAPSHOT}")
     if ns.docs or ns.refresh:
         from .recipe import options_markdown
         from .tiny import ROOT
@@ -65,12 +66,12 @@ def _schema(ns) -> int:
         (ROOT / "docs" / "options.md").write_text(options_markdown())
         print("wrote docs/options.md")
         return 0
-    live = schema.trl_snapshot()
-    stored = schema.load_trl_snapshot()["options"]
-    if live != stored:
-        print("error: sftrecipes/trl_options.json differs from the installed TRL; run: python -m sftrecipes schema --refresh", file=sys.stderr)
-        return 1
-    print("trl_options.json matches the installed TRL")
+    for name, live, stored in (("trl_options.json", schema.trl_snapshot, schema.load_trl_snapshot),
+                               ("peft_options.json", schema.peft_snapshot, schema.load_peft_snapshot)):
+        if live() != stored()["options"]:
+            print(f"error: sftrecipes/{name} differs from the installed library; run: python -m sftrecipes schema --refresh", file=sys.stderr)
+            return 1
+    print("trl_options.json and peft_options.json match the installed TRL and peft")
     return 0
 
 

@@ -45,7 +45,26 @@ PREFIX = "base_model.model."
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "chat_template.jinja", "added_tokens.json")
 MANIFEST = "SHA256SUMS"
-ADAPTER_MARKS = (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embedding_B.", ".modules_to_save.", ".token_adapter.")
+ADAPTER_MARKS = (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embedding_B.", ".lora_magnitude_vector.", ".modules_to_save.",
+                 ".token_adapter.")
+# adapter_config.json features the streaming merge does not apply, each refused by name: what it is
+UNMERGEABLE = {
+    "fan_in_fan_out": "fan_in_fan_out (GPT-2 style Conv1D weights)",
+    "lora_bias": "lora_bias (a bias in lora_B, which the base layers may not have)",
+    "layer_replication": "layer_replication (duplicated decoder layers)",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens: it acts only after its invocation tokens)",
+    "use_qalora": "QALoRA (use_qalora)",
+    "kasa_config": "KaSA (kasa_config: it truncates the base weights)",
+    "use_bdlora": "block-diagonal LoRA (use_bdlora)",
+    "arrow_config": "Arrow routing (arrow_config)",
+    "monteclora_config": "MonteCLoRA (monteclora_config)",
+    "megatron_config": "Megatron tensor-parallel layers (megatron_config)",
+}
+# init_lora_weights whose adapters do not apply to the base as saved: they rewrote the base weights when created
+# (peft can convert them: save_pretrained(path_initial_model_for_weight_conversion=...)), or left lora_B out (mica)
+UNMERGEABLE_INIT = {"pissa": "rewrote the base weights", "olora": "rewrote the base weights", "corda": "rewrote the base weights",
+                    "loftq": "rewrote the base weights", "lora_ga": "rewrote the base weights",
+                    "mica": "left the frozen lora_B out of the adapter file"}
 
 
 def _nbytes(dtype: torch.dtype, shape) -> int:
@@ -331,7 +350,9 @@ def _peft_name(key: str) -> str:
     """A trainable tensor's name in the training model -> its name in adapter_model.safetensors: accelerate's
     'model.' prefix (DCP) and PEFT's adapter name ('.default') are dropped, as get_peft_model_state_dict does."""
     key = key.removeprefix("model.") if key.startswith("model.base_model.") else key
-    return re.sub(r"\.default(?=\.|$)", "", key)
+    key = re.sub(r"\.default(?=\.|$)", "", key)
+    key = re.sub(r"\.lora_magnitude_vector\.weight$", ".lora_magnitude_vector", key)  # DoRA's magnitude, as peft saves it
+    return key.replace(".modules_to_save.", ".")  # a whole trained module is saved under the base name
 
 
 def _local_model_dir(name_or_path: str) -> Path:
@@ -353,30 +374,68 @@ def read_adapter(adapter: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     cfg = json.loads(cfg_path.read_text())
     if cfg.get("peft_type") != "LORA":
         raise RecipeError(f"adapter: peft_type {cfg.get('peft_type')} cannot be merged; only LoRA adapters merge")
-    if cfg.get("use_dora"):
-        raise RecipeError("adapter: DoRA adapters are not supported by the streaming merge; merge with peft's merge_and_unload")
-    if cfg.get("fan_in_fan_out"):
-        raise RecipeError("adapter: fan_in_fan_out (GPT-2 style Conv1D) adapters are not supported by the streaming merge")
+    for key, what in UNMERGEABLE.items():
+        if cfg.get(key):
+            raise RecipeError(f"adapter: {what} is not supported by the streaming merge; merge with peft's merge_and_unload")
+    init = cfg.get("init_lora_weights")
+    family = "pissa" if isinstance(init, str) and init.startswith("pissa") else init
+    if isinstance(family, str) and family in UNMERGEABLE_INIT:
+        raise RecipeError(f"adapter: init_lora_weights '{init}' {UNMERGEABLE_INIT[family]}, so the adapter does not apply to the "
+                          "base model; convert it with peft (save_pretrained(path_initial_model_for_weight_conversion=...)) first")
     reader = _Reader()
     return cfg, {k: reader.get(weights, k) for k in reader.header(weights)}
 
 
-def plan_merge(cfg: dict, tensors: dict[str, torch.Tensor], base_names: set[str]) -> dict[str, dict]:
-    """base tensor name -> what to apply: {'lora': (A, B, scale)} | {'replace': T} | {'rows': (idx, T)}."""
+def _pattern_value(pattern: dict | None, key: str, default: int) -> int:
+    """peft's rank_pattern/alpha_pattern lookup (peft.utils.other.get_pattern_key): the first key, in order, that as a
+    regex matches the end of `key` at a dot boundary. `key` is the module's name in the base model (a targeted
+    parameter's own name for peft's parameter targets)."""
+    for k, v in (pattern or {}).items():
+        if re.match(rf"(.*\.)?({k})$", key):
+            return v
+    return default
+
+
+def param_wrappers(config_dir: Path, target_parameters: list[str]) -> dict[str, tuple[str, bool]]:
+    """Where peft keeps the LoRA of each parameter it adapts as a parameter (target_parameters: MoE experts, a router):
+    module path in the adapter -> (the parameter's name in the base model, whether it is stored [E, in, out]).
+    peft wraps the matching parameters of one module inside each other in the module's registration order, the first
+    innermost, so that one's LoRA is saved under `<module>.base_layer.`, the last's under `<module>.`. The order and
+    the layout flag (is_transposed) are read from the model built from config.json on the meta device."""
+    model = _meta_model(config_dir)
+    out = {}
+    for mname, module in model.named_modules():
+        matched = [pn for pn, _ in module.named_parameters(recurse=False)
+                   if any(f"{mname}.{pn}" == t or f"{mname}.{pn}".endswith("." + t) for t in target_parameters)]
+        for i, pn in enumerate(matched):
+            out[mname + ".base_layer" * (len(matched) - 1 - i)] = (f"{mname}.{pn}", bool(getattr(module, "is_transposed", False)))
+    return out
+
+
+def plan_merge(cfg: dict, tensors: dict[str, torch.Tensor], base_names: set[str],
+               wrapped: dict[str, tuple[str, bool]] | None = None) -> dict[str, dict]:
+    """base tensor name -> what to apply: {'A', 'B', 'scale'[, 'magnitude' (DoRA)][, 'transposed' (3-D experts)]} |
+    {'replace': T} | {'rows': (idx, T)}. `wrapped` (param_wrappers) places the LoRA of parameter targets."""
     r, alpha = cfg["r"], cfg["lora_alpha"]
+    wrapped = wrapped or {}
     plan: dict[str, dict] = {}
     token_idx = cfg.get("trainable_token_indices") or {}
     for key, t in tensors.items():
         name = key[len(PREFIX):] if key.startswith(PREFIX) else key
-        if name.endswith(".lora_A.weight") or name.endswith(".lora_B.weight"):
-            module = name.rsplit(".", 2)[0]
-            target = module + ".weight"
+        lora = re.fullmatch(r"(.+)\.lora_([AB])\.weight", name)
+        if lora or name.endswith(".lora_magnitude_vector"):
+            module = lora.group(1) if lora else name[: -len(".lora_magnitude_vector")]
+            target, transposed = wrapped.get(module, (module + ".weight", False))
             entry = plan.setdefault(target, {})
-            entry["A" if ".lora_A." in name else "B"] = t
-            mod_leaf = module.rsplit(".", 1)[-1]
-            r_m = (cfg.get("rank_pattern") or {}).get(mod_leaf, r)
-            a_m = (cfg.get("alpha_pattern") or {}).get(mod_leaf, alpha)
+            if not lora:
+                entry["magnitude"] = t
+                continue
+            entry[lora.group(2)] = t
+            pattern_key = target if module in wrapped else module  # peft matches a parameter target by its own name
+            r_m = _pattern_value(cfg.get("rank_pattern"), pattern_key, r)
+            a_m = _pattern_value(cfg.get("alpha_pattern"), pattern_key, alpha)
             entry["scale"] = a_m / math.sqrt(r_m) if cfg.get("use_rslora") else a_m / r_m
+            entry["transposed"] = transposed
         elif name.endswith(".token_adapter.trainable_tokens_delta"):
             module = name[: -len(".token_adapter.trainable_tokens_delta")]
             leaf = module.rsplit(".", 1)[-1]
@@ -384,22 +443,52 @@ def plan_merge(cfg: dict, tensors: dict[str, torch.Tensor], base_names: set[str]
             if idx is None:
                 raise RecipeError(f"adapter: {key} has no trainable_token_indices entry in adapter_config.json; the adapter is inconsistent")
             plan.setdefault(module + ".weight", {})["rows"] = (torch.tensor(idx), t)
+        elif ".original_module." in name:
+            continue  # modules_to_save: the untrained copy peft saves with resized embeddings (save_embedding_layers)
+        elif ".modules_to_save." in name and name.replace(".modules_to_save.", ".") in base_names:
+            plan.setdefault(name.replace(".modules_to_save.", "."), {})["replace"] = t  # the trained module, again
         elif name.endswith(".token_adapter.base_layer.weight"):  # full (resized) embedding saved beside the rows
             plan.setdefault(name[: -len(".token_adapter.base_layer.weight")] + ".weight", {})["replace"] = t
-        elif name in base_names:  # modules_to_save: the whole trained tensor
+        elif name.endswith(".base_layer.bias") and name.replace(".base_layer.bias", ".bias") in base_names:
+            plan.setdefault(name.replace(".base_layer.bias", ".bias"), {})["replace"] = t  # bias: all / lora_only
+        elif name in base_names:  # modules_to_save, bias: the whole trained tensor
             plan.setdefault(name, {})["replace"] = t
         else:
             raise RecipeError(f"adapter: tensor '{key}' matches nothing in the base model; wrong --base for this adapter?")
     for target, entry in plan.items():
         if target not in base_names:
             raise RecipeError(f"adapter: targets '{target}', which the base model does not have; wrong --base for this adapter?")
-        if ("A" in entry) != ("B" in entry):
-            raise RecipeError(f"adapter: '{target}' has only one of lora_A/lora_B; the adapter file is incomplete")
+        if ("A" in entry) != ("B" in entry) or ("magnitude" in entry and "A" not in entry):
+            raise RecipeError(f"adapter: '{target}' has only part of its LoRA (lora_A/lora_B/magnitude); the adapter file is incomplete")
     return plan
 
 
-def _apply(w: torch.Tensor, entry: dict, name: str) -> torch.Tensor:
-    out = entry.get("replace", w).to(torch.float32)
+def _lora_fits(shape: tuple, a: tuple, b: tuple, entry: dict) -> bool:
+    """lora_B @ lora_A fits a 2-D weight [out, in]; for a 3-D expert tensor [E, out, in] ([E, in, out] if transposed)
+    peft's factors are lora_A [r*E, in] and lora_B [out, r*E]."""
+    if len(a) != 2 or len(b) != 2 or a[0] != b[1]:
+        return False
+    if len(shape) == 2:
+        return b[0] == shape[0] and a[1] == shape[1]
+    if len(shape) == 3:
+        out_f, in_f = (shape[2], shape[1]) if entry.get("transposed") else (shape[1], shape[2])
+        return b[0] == out_f and a[1] == in_f and a[0] % shape[0] == 0
+    return False
+
+
+def _cut(t: torch.Tensor, piece: tuple | None) -> torch.Tensor:
+    """The stored piece of a tensor in the layout the model holds (see stored_layout): t[expert][rows]."""
+    if piece is None:
+        return t
+    _, expert, rows = piece
+    t = t[expert] if expert is not None else t
+    return t[rows] if rows is not None else t
+
+
+def _apply(w: torch.Tensor, entry: dict, name: str, piece: tuple | None = None) -> torch.Tensor:
+    """The stored tensor `name` (base value `w`) after the plan entry of the tensor it is (a piece of, see
+    stored_layout) in the model: replaced, rows set, LoRA added (DoRA rescaled)."""
+    out = (_cut(entry["replace"], piece) if "replace" in entry else w).to(torch.float32)
     if "rows" in entry:
         idx, rows = entry["rows"]
         need = int(idx.max()) + 1
@@ -410,10 +499,28 @@ def _apply(w: torch.Tensor, entry: dict, name: str) -> torch.Tensor:
             out = torch.cat([out, out.new_zeros(need - out.shape[0], out.shape[1])])
         out[idx] = rows.to(torch.float32)
     if "A" in entry:
-        a, b = entry["A"].to(torch.float32), entry["B"].to(torch.float32)
-        if b.shape[0] != out.shape[0] or a.shape[1] != out.shape[1] or a.shape[0] != b.shape[1]:
+        a, b, shape = entry["A"].to(torch.float32), entry["B"].to(torch.float32), entry.get("shape", tuple(w.shape))
+        want = tuple(_cut(torch.empty(shape, device="meta"), piece).shape)
+        if not _lora_fits(tuple(shape), tuple(a.shape), tuple(b.shape), entry) or tuple(out.shape) != want:
             raise RecipeError(f"adapter: '{name}' lora_B{tuple(b.shape)} @ lora_A{tuple(a.shape)} does not fit the base weight {tuple(out.shape)}; wrong base model")
-        out.addmm_(b, a, alpha=entry["scale"])  # in place: no (out x in) temporaries beside W
+        expert, rows = (piece[1], piece[2]) if piece else (None, None)
+        if len(shape) == 3:
+            # peft's ParamWrapper.get_delta_weight: lora_A [r*E, in] is (E, r, in) expert-major, lora_B [out, r*E] is
+            # (out, r, E) expert-minor; expert e's delta is scale * B[:, :, e] @ A[e], stored transposed for [E, in, out]
+            n = shape[0]
+            a3, b3 = a.reshape(n, -1, a.shape[1]), b.reshape(b.shape[0], -1, n)
+            for e in range(n) if expert is None else [expert]:
+                lhs, rhs = (a3[e].T, b3[:, :, e].T) if entry.get("transposed") else (b3[:, :, e], a3[e])
+                (out[e] if expert is None else out).addmm_(lhs if rows is None else lhs[rows], rhs, alpha=entry["scale"])
+        else:
+            out.addmm_(b if rows is None else b[rows], a, alpha=entry["scale"])  # in place: no (out x in) temporaries beside W
+        if "magnitude" in entry:
+            # DoRA (peft's DoraLinearVariant.merge): W' = m * (W + s*B@A) / ||W + s*B@A||, the norm over each output row
+            m = entry["magnitude"].to(torch.float32)
+            m = m if rows is None else m[rows]
+            if m.shape != out.shape[:1]:
+                raise RecipeError(f"adapter: '{name}' DoRA magnitude{tuple(m.shape)} does not fit the base weight {tuple(out.shape)}; wrong base model")
+            out.mul_((m / torch.linalg.norm(out, dim=1)).unsqueeze(1))
     return out
 
 
@@ -421,9 +528,10 @@ def _check_fits(plan: dict[str, dict], shape_of) -> None:
     """Every LoRA pair must fit the base weight it targets: checked before anything is written."""
     for target, e in plan.items():
         if "A" in e:
-            shape, a, b = shape_of(target), tuple(e["A"].shape), tuple(e["B"].shape)
-            if len(shape) != 2 or b[0] != shape[0] or a[1] != shape[1] or a[0] != b[1]:
-                raise RecipeError(f"adapter: '{target}' lora_B{b} @ lora_A{a} does not fit the base weight {shape}; wrong base model — pass the base it was trained on (--base)")
+            shape, a, b = tuple(shape_of(target)), tuple(e["A"].shape), tuple(e["B"].shape)
+            e["shape"] = shape  # the weight as the model holds it (a 3-D expert tensor may be stored in pieces)
+            if not _lora_fits(tuple(shape), a, b, e) or ("magnitude" in e and tuple(e["magnitude"].shape) != tuple(shape[:1])):
+                raise RecipeError(f"adapter: '{target}' lora_B{b} @ lora_A{a} does not fit the base weight {tuple(shape)}; wrong base model — pass the base it was trained on (--base)")
 
 
 def merge_lora(adapter_dir: str | Path, out_dir: str | Path, base: str | None = None, dtype: str | None = None,
@@ -436,8 +544,9 @@ def merge_lora(adapter_dir: str | Path, out_dir: str | Path, base: str | None = 
     if (base_dir / "config.json").is_file() and "quantization_config" in json.loads((base_dir / "config.json").read_text()):
         raise RecipeError(f"base: '{base_dir}' is quantized (config.json has quantization_config); merge into the unquantized base model (--base)")
     source = _SafetensorsSource(base_dir)
-    plan = plan_merge(cfg, tensors, set(source.names()))
-    _check_fits(plan, lambda n: source.meta(n)[1])
+    held = StoredLayout.of_config(base_dir).held if (base_dir / "config.json").is_file() else {}
+    plan = plan_merge(cfg, tensors, set(source.names()) | set(held), _wrapped(base_dir, cfg))
+    _check_fits(plan, lambda n: held[n] if n in held else source.meta(n)[1])
     tok_src = adapter if (adapter / "tokenizer_config.json").is_file() else base_dir
     reference = (lambda: _peft_reference(base_dir, adapter)) if verify else None
     out = rewrite_model(base_dir, out_dir, plan, dtype, tok_src, max_shard_bytes, source=source, reference=reference)
@@ -517,11 +626,16 @@ def rewrite_model(base_dir: Path, out_dir: str | Path, plan: dict[str, dict], dt
     source as a model) the logits are compared too (verify_logits)."""
     source = source or _SafetensorsSource(base_dir)
     out_dtype = TORCH_DTYPES[dtype] if dtype else None
+    names = names or source.names()
+    # the plan names tensors as the model holds them; the source may store them in pieces (StoredLayout)
+    todo = {n: (plan[n], None) for n in names if n in plan}
+    if set(todo) != set(plan):
+        todo = StoredLayout.of_config(base_dir).plan_pieces(plan, names)
     layout = []
-    for name in names or source.names():
+    for name in names:
         src_dtype, shape = source.meta(name)
-        entry = plan.get(name, {})
-        if "replace" in entry:
+        entry, piece = todo.get(name, ({}, None))
+        if "replace" in entry and piece is None:
             shape = tuple(entry["replace"].shape)
         rows = entry.get("rows")
         if rows is not None:
@@ -531,7 +645,7 @@ def rewrite_model(base_dir: Path, out_dir: str | Path, plan: dict[str, dict], dt
 
     def get(name):
         w = source.get(name)
-        return _apply(w, plan[name], name) if name in plan else w
+        return _apply(w, todo[name][0], name, todo[name][1]) if name in todo else w
 
     with _Staging(Path(out_dir)) as st:
         fnames = _shard_files(shards)
@@ -573,56 +687,131 @@ def tied_copies(model) -> dict[str, str]:
     return dict(getattr(model, "all_tied_weights_keys", None) or {})
 
 
-def hub_layout(model, tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    """The names, dtypes and shapes save_pretrained writes for tensors of these in-memory names: transformers 5 holds
-    some layouts converted (MoE experts fused into one 3-D tensor per layer) and writes them back in the hub's layout
-    (one tensor per expert, Mixtral's block_sparse_moe.experts.N.w1 ...); a folder in the in-memory names does NOT load
-    back (its tensors are left randomly initialised). Computed on the meta device: no data."""
-    from transformers.core_model_loading import revert_weight_conversion  # noqa: PLC0415
+class StoredLayout:
+    """How a model folder stores the tensors the model holds. transformers 5 converts some checkpoints as it loads
+    them and reverts that as it saves (mixture-of-experts experts: one tensor per expert and projection on disk, fused
+    3-D parameters in memory; renamed modules, e.g. Mixtral's block_sparse_moe -> mlp). A folder written in the held
+    names does not load back: from_pretrained leaves those tensors randomly initialised, without an error.
 
-    meta = {n: torch.empty(s, dtype=d, device="meta") for n, (d, s) in tensors.items()}
-    return {n: (t.dtype, tuple(t.shape)) for n, t in revert_weight_conversion(model, meta).items()}
+    * held: name -> shape of every tensor the model holds (its state dict, tied copies left out);
+    * stored: name -> shape of every tensor save_pretrained writes;
+    * pieces: stored name -> (held name, expert, rows): the stored tensor is held[expert][rows] (None: no index).
+
+    Read from transformers' own save-time reversal (revert_weight_conversion), applied on the meta device for names and
+    shapes and to small index tensors for the pieces (which held tensor, expert and rows each stored value came from).
+    A conversion that moves data other than along a tensor's first two axes maps no piece: such tensors are copied as
+    they are by a merge (an adapter that targets them is refused) and refused by a sharded export."""
+
+    def __init__(self, model, held: dict[str, tuple[int, ...]] | None = None):
+        """model: the model (meta or live, whose conversions from_pretrained recorded); held: the shapes of its tensors
+        (default: its state dict's; a ZeRO-3 run passes the full shapes its partitioned parameters keep in ds_shape)."""
+        from transformers.core_model_loading import revert_weight_conversion  # noqa: PLC0415
+
+        tied = set(tied_copies(model))
+        if held is None:
+            held = {n: tuple(t.shape) for n, t in model.state_dict().items() if n not in tied}
+        self.held = dict(held)
+        sd = {n: torch.empty(shape, device="meta") for n, shape in self.held.items()}
+        self.stored = {n: tuple(t.shape) for n, t in revert_weight_conversion(model, sd).items()}
+        self.pieces: dict[str, tuple] = {n: (n, None, None) for n in self.held if n in self.stored}
+        if set(self.stored) == set(self.held):
+            return
+        # index probes: held tensor n's probe holds base[n] + (expert * rows + row), over its first two axes only
+        base, probes, offset = {}, {}, 0
+        for n, shape in self.held.items():
+            lead = shape[:2] if len(shape) == 3 else shape[:1]
+            count = math.prod(lead) if lead else 1
+            probes[n] = (torch.arange(count, dtype=torch.float64) + offset).reshape(*lead, *[1] * (len(shape) - len(lead)))
+            base[n], offset = offset, offset + count
+        starts = sorted((o, n) for n, o in base.items())
+        for name, v in revert_weight_conversion(model, probes).items():
+            flat = v.reshape(-1).to(torch.int64)
+            if flat.numel() == 0:
+                continue
+            held_name = max((o, n) for o, n in starts if o <= int(flat[0]))[1]
+            shape, local = self.held[held_name], flat - base[held_name]
+            rows_per = shape[1] if len(shape) == 3 else (shape[0] if shape else 1)
+            expert = (local // rows_per) if len(shape) == 3 else torch.zeros_like(local)
+            row = local % rows_per if len(shape) == 3 else local
+            if v.shape == probes[held_name].shape and torch.equal(local, torch.arange(local.numel())):
+                piece = (held_name, None, None)
+            elif len(shape) >= 2 and (expert == expert[0]).all() and torch.equal(row, torch.arange(row.numel()) + row[0]):
+                rows = slice(int(row[0]), int(row[0]) + row.numel())
+                piece = (held_name, int(expert[0]) if len(shape) == 3 else None, rows)
+            else:
+                continue
+            if tuple(_cut(torch.empty(shape, device="meta"), piece).shape) == self.stored.get(name):
+                self.pieces[name] = piece
+
+    @classmethod
+    def of_config(cls, config_dir: Path) -> StoredLayout:
+        return cls(_meta_model(config_dir))
+
+    def plan_pieces(self, plan: dict[str, dict], stored_names: list[str]) -> dict[str, tuple]:
+        """stored name -> (plan entry, piece) for the tensors a merge changes; every planned tensor must be covered."""
+        todo, covered = {}, set()
+        for name in stored_names:
+            piece = self.pieces.get(name, (name, None, None))
+            if piece[0] in plan:
+                todo[name] = (plan[piece[0]], None if piece[1:] == (None, None) else piece)
+                covered.add(piece[0])
+        missing = sorted(set(plan) - covered)
+        if missing:
+            raise RecipeError(f"adapter: targets '{missing[0]}', which the base model stores in a layout the streaming merge cannot map; merge with peft's merge_and_unload")
+        return todo
 
 
 class HubFormat:
-    """A tensor source in in-memory names (DCP, ZeRO partitions) presented in save_pretrained's names (hub_layout),
-    converted one source tensor at a time: a fused expert tensor is split when its first piece is asked for, and its
-    pieces are handed out in order (the writer's layout keeps them consecutive). Memory: one source tensor and its
-    pieces."""
+    """A tensor source in the names the model holds (a DCP or ZeRO checkpoint) presented in the names and layout
+    save_pretrained writes (StoredLayout): each stored tensor is its piece of a held one, cut when asked for; the held
+    tensor of the last request is kept, and the pieces of one held tensor are consecutive in names(), so each is read
+    once. Memory: one held tensor."""
 
-    def __init__(self, source, model):
-        from transformers.core_model_loading import revert_weight_conversion  # noqa: PLC0415
-
-        self.source, self.model, self._revert = source, model, revert_weight_conversion
-        self.map: dict[str, tuple[str, torch.dtype, tuple[int, ...]]] = {}  # hub name -> (source name, dtype, shape)
-        for name in source.names():
-            for out, (dtype, shape) in hub_layout(model, {name: source.meta(name)}).items():
-                if out in self.map:
-                    raise RecipeError(f"export: '{out}' is written from both {self.map[out][0]} and {name}; this model's "
-                                      "layout conversion needs several tensors at once, which the streaming export does not do")
-                self.map[out] = (name, dtype, shape)
-        self._cache: tuple[str, dict] = ("", {})
+    def __init__(self, source, layout: StoredLayout):
+        self.source = source
+        have = set(source.names())
+        order = {n: i for i, n in enumerate(source.names())}
+        unmapped = [n for n in layout.stored if n not in layout.pieces]
+        if unmapped:
+            raise RecipeError(f"export: '{unmapped[0]}' is stored in a layout the streaming export cannot cut from the "
+                              "checkpoint's tensors (transformers converts it on more than the first two axes); export "
+                              "with transformers' save_pretrained instead")
+        missing = sorted({layout.pieces[n][0] for n in layout.stored} - have)
+        if missing:
+            raise RecipeError(f"export: the checkpoint lacks {len(missing)} tensors the config needs (e.g. {missing[:2]}); "
+                              "the checkpoint is not of this config's model — check the source folder")
+        self.map = {n: layout.pieces[n] for n in sorted(layout.stored, key=lambda n: order[layout.pieces[n][0]])}
+        self.shapes = layout.stored
+        self._held: tuple[str, torch.Tensor | None] = ("", None)
 
     def names(self) -> list[str]:
         return list(self.map)
 
     def meta(self, name: str):
-        return self.map[name][1:]
+        return self.source.meta(self.map[name][0])[0], self.shapes[name]
 
     def get(self, name: str) -> torch.Tensor:
-        src = self.map[name][0]
-        if self._cache[0] != src:
-            self._cache = (src, self._revert(self.model, {src: self.source.get(src)}))
-        return self._cache[1].pop(name)
+        piece = self.map[name]
+        if piece[1:] == (None, None):  # stored as held: nothing to keep for later pieces
+            self._held = ("", None)
+            return self.source.get(piece[0])
+        if self._held[0] != piece[0]:
+            self._held = ("", None)  # free the previous tensor before reading the next
+            self._held = (piece[0], self.source.get(piece[0]))
+        return _cut(self._held[1], piece)
 
 
-def expected_model_tensors(config_dir: Path) -> dict[str, tuple[int, ...]]:
-    """name -> shape of every tensor save_pretrained writes for this config: in the hub's layout (hub_layout), tied
-    copies left out as save_pretrained does."""
-    model = _meta_model(config_dir)
-    tied = tied_copies(model)
-    kept = {n: (t.dtype, tuple(t.shape)) for n, t in model.state_dict().items() if n not in tied}
-    return {n: s for n, (_, s) in hub_layout(model, kept).items()}
+def _wrapped(config_dir: Path, cfg: dict) -> dict[str, tuple[str, bool]]:
+    """param_wrappers for an adapter config: only adapters with target_parameters need the base's structure."""
+    return param_wrappers(config_dir, list(cfg["target_parameters"])) if cfg.get("target_parameters") else {}
+
+
+def expected_model_tensors(config_dir: Path, held: bool = False) -> dict[str, tuple[int, ...]]:
+    """name -> shape of every tensor save_pretrained writes for this config (held=True: as the model holds them; they
+    differ where transformers converts a checkpoint as it loads it, see StoredLayout), tied copies (lm_head tied to the
+    embeddings) left out as save_pretrained does."""
+    layout = StoredLayout.of_config(config_dir)
+    return layout.held if held else layout.stored
 
 
 def folder_tensors(folder: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
@@ -635,7 +824,8 @@ def folder_tensors(folder: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]
 
 def check_model_folder(folder: Path, dtype: torch.dtype | None = None) -> int:
     """The written tensors must be exactly those the config needs: same names, shapes; floats in `dtype` (if given)."""
-    have, want = folder_tensors(folder), expected_model_tensors(folder)
+    have = folder_tensors(folder)
+    want = StoredLayout.of_config(folder).stored  # the held layout would load as random weights (see StoredLayout)
     missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
     if missing or extra:
         raise RecipeError(f"export: the tensors do not match config.json: {len(missing)} missing (e.g. {missing[:2]}), {len(extra)} unexpected (e.g. {extra[:2]}); the checkpoint is not of this config's model — check the source folder")
@@ -648,10 +838,10 @@ def check_model_folder(folder: Path, dtype: torch.dtype | None = None) -> int:
     return len(have)
 
 
-def check_adapter_folder(folder: Path, base_shapes: dict[str, tuple[int, ...]]) -> int:
+def check_adapter_folder(folder: Path, base_shapes: dict[str, tuple[int, ...]], wrapped: dict | None = None) -> int:
     """Every LoRA pair of an adapter folder must fit the base model's weight it targets (shapes from its config)."""
     cfg, tensors = read_adapter(folder)
-    plan = plan_merge(cfg, tensors, set(base_shapes))
+    plan = plan_merge(cfg, tensors, set(base_shapes), wrapped)
     _check_fits(plan, base_shapes.__getitem__)
     return len(tensors)
 
@@ -769,7 +959,7 @@ def _adapter_reference(base_dir: Path, adapter_cfg_dir: Path, kind: str, folder:
 
     model = get_peft_model(_base_for_adapter(base_dir, adapter_cfg_dir), LoraConfig.from_pretrained(adapter_cfg_dir))
     sd = {k.removeprefix("model.") if k.startswith("model.base_model.") else k: v.float() for k, v in upstream_state_dict(kind, folder).items()}
-    sd = {k if ".default." in k or "lora_" not in k else re.sub(r"(\.lora_[AB])\.", r"\1.default.", k): v for k, v in sd.items()}
+    sd = {k if ".default." in k or "lora_" not in k else re.sub(r"(\.lora_(?:A|B|magnitude_vector))\.", r"\1.default.", k): v for k, v in sd.items()}
     sd = {k + ".default" if k.endswith(".trainable_tokens_delta") else k: v for k, v in sd.items()}  # FSDP drops the adapter name
     missing, unexpected = model.load_state_dict(sd, strict=False)
     lora_missing = [k for k in missing if "lora_" in k]
@@ -828,29 +1018,12 @@ def _export_sharded(source, ckpt: Path, dest, dtype, base, verify: bool, kind: s
     reference = (lambda: _state_dict_reference(meta_dir, kind, folder)) if verify else None
     # a sharded checkpoint holds both names of a tied weight (FSDP's state dict has lm_head.weight beside
     # model.embed_tokens.weight); the model folder holds the shared one only, as save_pretrained writes it
-    have = source.names()
-    model = _meta_model(meta_dir)
-    tied = {copy for copy, shared in tied_copies(model).items() if shared in have}
-    hub = HubFormat(_Only(source, [n for n in have if n not in tied]), model)  # the layout save_pretrained writes
-    out = rewrite_model(meta_dir, dest, {}, dtype, meta_dir, max_shard_bytes, source=hub, reference=reference)
+    # the checkpoint holds tensors as the model holds them (fused MoE experts; both names of a tied weight): written in
+    # the layout save_pretrained writes, which is the one from_pretrained loads
+    stored = HubFormat(source, StoredLayout.of_config(meta_dir))
+    out = rewrite_model(meta_dir, dest, {}, dtype, meta_dir, max_shard_bytes, source=stored, reference=reference)
     log.info("export: %s checkpoint %s -> %s", kind, folder, out)
     return out
-
-
-class _Only:
-    """A source restricted to some of its names."""
-
-    def __init__(self, source, names: list[str]):
-        self.source, self._names = source, names
-
-    def names(self) -> list[str]:
-        return self._names
-
-    def meta(self, name: str):
-        return self.source.meta(name)
-
-    def get(self, name: str) -> torch.Tensor:
-        return self.source.get(name)
 
 
 def _export_adapter(source, names: list[str], ckpt: Path, dest, dtype, base, verify: bool, kind: str, folder: Path) -> Path:
@@ -864,17 +1037,21 @@ def _export_adapter(source, names: list[str], ckpt: Path, dest, dtype, base, ver
     cfg = json.loads((cfg_dir / "adapter_config.json").read_text())
     base_dir = _local_model_dir(base or cfg.get("base_model_name_or_path") or "")
     out_dtype = TORCH_DTYPES[dtype] if dtype else None
+    if cfg.get("bias") in ("all", "lora_only"):  # trained biases: beside the adapter tensors, under their own names
+        suffix = ".bias" if cfg["bias"] == "all" else ".base_layer.bias"
+        names = names + [n for n in source.names() if n.endswith(suffix) and n not in names]
     mapping = {_peft_name(n): n for n in names}
     layout = [(k, out_dtype or source.meta(n)[0], source.meta(n)[1]) for k, n in mapping.items()]
-    base_shapes = expected_model_tensors(base_dir)
-    plan = plan_merge(cfg, {k: torch.empty(s, device="meta") for k, _, s in layout}, set(base_shapes))
+    base_shapes = expected_model_tensors(base_dir, held=True)
+    wrapped = _wrapped(base_dir, cfg)
+    plan = plan_merge(cfg, {k: torch.empty(s, device="meta") for k, _, s in layout}, set(base_shapes), wrapped)
     _check_fits(plan, base_shapes.__getitem__)
     with _Staging(Path(dest)) as st:
         st.write_safetensors("adapter_model.safetensors", layout, lambda k: source.get(mapping[k]))
         for f in ("adapter_config.json", *TOKENIZER_FILES):
             if (cfg_dir / f).is_file():
                 shutil.copy2(cfg_dir / f, st.tmp / f)
-        check_adapter_folder(st.tmp, base_shapes)
+        check_adapter_folder(st.tmp, base_shapes, wrapped)
         if verify:
             verify_logits(st.tmp, lambda: _adapter_reference(base_dir, cfg_dir, kind, folder), out_dtype or torch.float32, base=base_dir)
         out = st.publish()
@@ -899,6 +1076,10 @@ def merge_in_run(trainer, out_dir: str | Path, dtype: str | None = None, max_sha
     named = list(model.named_parameters())
     if any(".modules_to_save." in n or ".token_adapter." in n for n, _ in named):
         raise RecipeError("merge_in_run: the adapter has modules_to_save or trainable token rows; merge offline: python -m sftrecipes export OUTPUT_DIR DEST")
+    config = model.peft_config[model.active_adapter]
+    if config.target_parameters or config.use_dora:
+        what = "parameter targets (MoE expert tensors, the router)" if config.target_parameters else "DoRA magnitudes"
+        raise RecipeError(f"merge_in_run: the adapter has {what}, which it does not merge; merge offline: python -m sftrecipes export OUTPUT_DIR DEST")
     adapter = model.active_adapter
     base_params = [(n, p) for n, p in named if not any(m in n for m in ADAPTER_MARKS)]
     first = next(p for _, p in base_params if p.is_floating_point())

@@ -43,6 +43,7 @@ class Recipe:
     launch: LaunchOptions
     run: RunOptions
     trl: dict[str, Any]  # SFTConfig keys the recipe sets explicitly; everything else keeps TRL's default
+    peft: dict[str, Any] = field(default_factory=dict)  # LoraConfig keys the recipe sets; the rest keep peft's default
     explicit: set[str] = field(default_factory=set)  # every key the user set (flat names, launch.<x>)
     sources: list[str] = field(default_factory=list)  # recipe files, base first
     renamed: dict[str, str] = field(default_factory=dict)  # alias used -> canonical key
@@ -69,6 +70,8 @@ class Recipe:
                 out[key] = getattr(getattr(self, section), name)
             elif name in self.trl:
                 out[key] = self.trl[name]
+            elif name in self.peft:
+                out[key] = self.peft[name]
             else:
                 owner = all_options()[name].owner
                 out[key] = getattr(getattr(self, owner), name)
@@ -199,11 +202,13 @@ def parse_argv(argv: list[str]) -> tuple[list[str], dict[str, tuple[Any, str]]]:
         kind = opt.kind
         if eq:
             raw: Any = value
-        elif kind == "list":
+        elif kind in ("list", "list|str"):
             raw = []
             while i < len(argv) and not argv[i].startswith("--"):
                 raw.append(argv[i])
                 i += 1
+            if kind == "list|str" and len(raw) == 1:
+                raw = raw[0]  # one word: a string (peft: a regex); several: a list of names
         elif i < len(argv) and not argv[i].startswith("--") and (kind != "bool" or argv[i].lower() in TRUE | FALSE):
             raw, i = argv[i], i + 1
         elif kind == "bool" or name == "fsdp":
@@ -287,7 +292,34 @@ def coerce(opt: Option, value: Any, src: str) -> Any:
     if kind == "bool|str":
         if isinstance(value, bool):
             return value
+        if opt.choices and True in opt.choices:  # a bool or a word (peft's init_lora_weights): CLI 'true' is the bool
+            if isinstance(value, str) and value.lower() in TRUE | FALSE:
+                return value.lower() in TRUE
+            patterns = [re.escape(str(c)).replace(re.escape("[number of iters]"), r"\d+") for c in opt.choices]
+            if not any(re.fullmatch(p, str(value)) for p in patterns):  # 'pissa_niter_[number of iters]' is a pattern
+                words = [str(c) for c in opt.choices if not isinstance(c, bool)]
+                raise RecipeError(f"{where}: {value!r} is not true, false or one of {', '.join(words)}; {_suggest(str(value), words)}")
         return str(value)
+    if kind == "list|str":  # peft reads a string as one regex and a list as names: each stays what it was written as
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+            return list(value)
+        raise bad("a string (a regex) or a list of names")
+    if kind == "int|list":  # layer indexes: one, or a list
+        items = [s.strip() for s in value.split(",") if s.strip()] if isinstance(value, str) else value
+        if isinstance(items, list) and len(items) == 1 and isinstance(value, str):
+            items = items[0]
+        try:
+            if isinstance(items, (list, tuple)):
+                if any(isinstance(v, (bool, float)) for v in items):
+                    raise ValueError
+                return [int(v) for v in items]
+            if isinstance(items, (bool, float)):
+                raise ValueError
+            return int(items)
+        except (TypeError, ValueError):
+            raise bad("a layer index or a list of them, e.g. [0, 1]") from None
     if kind == "list":
         if isinstance(value, str):
             return [v for v in (s.strip() for s in value.split(",")) if v]
@@ -416,10 +448,13 @@ def _build(values: dict[str, Any], sources: list[str], renamed: dict[str, str]) 
     options = all_options()
     kw: dict[str, dict[str, Any]] = {"model": {}, "data": {}, "run": {}, "launch": {}}
     trl: dict[str, Any] = {}
+    peft: dict[str, Any] = {}
     for name, v in values.items():
         owner = options[name].owner
         if owner == "trl":
             trl[name] = v
+        elif owner == "peft":
+            peft[name] = v
         else:
             kw[owner][name.split(".", 1)[-1]] = v
     recipe = Recipe(
@@ -428,6 +463,7 @@ def _build(values: dict[str, Any], sources: list[str], renamed: dict[str, str]) 
         launch=LaunchOptions(**kw["launch"]),
         run=RunOptions(**kw["run"]),
         trl=trl,
+        peft=peft,
         explicit=set(values),
         sources=sources,
         renamed=renamed,
@@ -478,9 +514,9 @@ def validate(r: Recipe) -> None:
         )
 
     # LoRA keys without LoRA would be silently ignored
-    lora_keys = ["lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"]
+    lora_keys = ["lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_router", *r.peft]
     stray = [k for k in lora_keys if k in ex and not m.use_peft_lora]
-    if stray:
+    if stray and not (stray == ["lora_target_router"] and not m.lora_target_router):
         raise RecipeError(f"{stray[0]}: only applies to LoRA; set use_peft_lora: true or remove {stray[0]}")
     if m.use_peft_lora:
         if m.lora_r < 1:
@@ -489,6 +525,7 @@ def validate(r: Recipe) -> None:
             raise RecipeError(f"lora_dropout: must be in [0, 1), got {m.lora_dropout}")
         if not m.lora_target_modules.strip(", "):
             raise RecipeError("lora_target_modules: empty; use 'all-linear' or a comma-separated list like q_proj,v_proj")
+        _validate_lora(r)
 
     if m.use_flash_attn and m.attn_implementation not in ("auto", "flash_attention_2"):
         raise RecipeError(f"use_flash_attn: true asks for flash_attention_2 but attn_implementation is {m.attn_implementation}; keep one of them")
@@ -605,6 +642,111 @@ def _validate_datasets(entries: list[dict]) -> None:
             raise RecipeError(f"{at}.format: {e['format']!r} is not a format; use one of {', '.join(formats)} (ShareGPT from/value data is conversations)")
 
 
+def moe_experts(model_name_or_path: str) -> int | None:
+    """Routed experts per layer of the model (shape.py, from its config.json: a local folder's or the copy shipped in
+    model_configs/ for a hub id): 0 for a dense model, None when no config is at hand offline or its architecture is
+    unknown there. Torch-free, for validation."""
+    from .shape import config_path, model_shape  # noqa: PLC0415 - shape imports this module
+
+    if not config_path(model_name_or_path).is_file():
+        return None
+    try:
+        return model_shape(model_name_or_path).experts
+    except RecipeError:
+        return None
+
+
+# Names a target list may use for the fused expert tensors of transformers 5 MoE models: the tensors' own names and
+# the per-projection names they were fused from (Llama/Qwen spelling, Mixtral's w1/w2/w3). model.lora_config maps
+# them onto the model's real parameters; here they only tell, before loading, that parameters will be adapted.
+EXPERT_TARGET_NAMES = ("gate_up_proj", "down_proj", "gate_proj", "up_proj", "w1", "w2", "w3")
+ROUTER_NAMES = ("gate", "router")
+# init_lora_weights values that cannot give an adapter the streaming merge (or any later run) can use, and why.
+INIT_REFUSED = {
+    "pissa": "rewrites the base weights when the adapter is created (W - BA), so the adapter fits only that modified base, not the base model export/merge read",
+    "olora": "rewrites the base weights when the adapter is created (W - QR), so the adapter fits only that modified base, not the base model export/merge read",
+    "corda": "needs calibration data (peft's preprocess_corda) and rewrites the base weights",
+    "loftq": "needs loftq_config and rewrites the (quantized) base weights",
+    "eva": "needs a pass over the data before training (peft's initialize_lora_eva_weights), which the trainer does not run",
+    "mica": "leaves the frozen lora_B out of the adapter file (peft recomputes it from an SVD of the base weight), which the streaming merge does not reproduce",
+}
+
+
+def parameter_targets(r: Recipe) -> str | None:
+    """What the recipe adapts as parameters rather than modules (peft's ParamWrapper: no dropout, no DoRA), in
+    words, or None. From the keys and the model's config.json, before anything is loaded."""
+    m = r.model
+    if r.peft.get("target_parameters"):
+        return f"target_parameters ({', '.join(r.peft['target_parameters'])})"
+    experts = moe_experts(m.model_name_or_path)
+    if not experts:
+        return None
+    targets = m.lora_target_modules.strip()
+    if targets == "all-linear":
+        return "the expert parameters that all-linear adapts on this mixture-of-experts model"
+    listed = [t.strip() for t in targets.split(",") if t.strip().rsplit(".", 1)[-1] in EXPERT_TARGET_NAMES]
+    if listed:
+        return f"the expert parameters of this mixture-of-experts model ({', '.join(listed)})"
+    if m.lora_target_router:
+        return "the router (lora_target_router)"
+    return None
+
+
+def _validate_lora(r: Recipe) -> None:
+    """peft's LoraConfig keys and the MoE rules: what peft would refuse deep inside training, or what the streaming
+    merge could not export, is refused here, before any model is loaded."""
+    m, p = r.model, r.peft
+    init = p.get("init_lora_weights", True)
+    if isinstance(init, str):
+        family = "pissa" if init.startswith("pissa") else init
+        if family in INIT_REFUSED:
+            raise RecipeError(f"init_lora_weights: '{init}' is not supported: it {INIT_REFUSED[family]}; use true, gaussian or orthogonal")
+    for key in ("rank_pattern", "alpha_pattern"):
+        pattern = p.get(key)
+        if pattern is None:
+            continue
+        if not isinstance(pattern, dict):
+            raise RecipeError(f"{key}: must be a mapping of module-name regex to a number, e.g. {key}: {{q_proj: 16}}; got {pattern!r}")
+        for k, v in pattern.items():
+            try:
+                re.compile(str(k))
+            except re.error as e:
+                raise RecipeError(f"{key}: '{k}' is not a valid regex ({e}); peft matches each key as a regex against module names") from None
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise RecipeError(f"{key}: '{k}': {v!r} must be a whole number >= 1")
+    if p.get("layers_pattern") and p.get("layers_to_transform") is None:
+        raise RecipeError("layers_pattern: only applies with layers_to_transform; set layers_to_transform (e.g. [0, 1]) or remove layers_pattern")
+    layers = p.get("layers_to_transform")
+    if layers is not None and any(i < 0 for i in (layers if isinstance(layers, list) else [layers])):
+        raise RecipeError(f"layers_to_transform: layer indexes start at 0, got {layers}")
+    if init == "orthogonal":
+        odd = [v for v in [m.lora_r, *(p.get("rank_pattern") or {}).values()] if v % 2]
+        if odd:
+            raise RecipeError(f"init_lora_weights: orthogonal needs even ranks, got {odd[0]}; make lora_r (and rank_pattern values) even")
+    listed = [] if m.lora_target_modules.strip() == "all-linear" else [t.strip() for t in m.lora_target_modules.split(",")]
+    for name in p.get("target_parameters") or []:
+        module = name.rpartition(".")[0]
+        if module and any(module == t or module.endswith("." + t) for t in listed if t):
+            raise RecipeError(f"target_parameters: '{name}' belongs to a module lora_target_modules already adapts; adapt it one way: remove it from one of the two")
+
+    what = parameter_targets(r)
+    experts = moe_experts(m.model_name_or_path)
+    if m.lora_target_router and experts == 0:
+        raise RecipeError(f"lora_target_router: {m.model_name_or_path} is not a mixture-of-experts model (it has no router); remove lora_target_router")
+    if experts:
+        named_router = [t for t in listed if t in ROUTER_NAMES]
+        if named_router:
+            raise RecipeError(f"lora_target_modules: '{named_router[0]}' is the router of this mixture-of-experts model; remove it from the list and set lora_target_router: true")
+    if what is None:
+        return
+    if m.lora_dropout:
+        raise RecipeError(f"lora_dropout: {m.lora_dropout} cannot apply to {what}: peft adapts parameters without dropout; set lora_dropout: 0.0")
+    if p.get("use_dora"):
+        raise RecipeError(f"use_dora: DoRA cannot adapt {what} (peft's parameter wrapper has no DoRA); set use_dora: false, or adapt only linear modules")
+    if init == "orthogonal":
+        raise RecipeError(f"init_lora_weights: orthogonal cannot initialise {what} (it reads a module weight those parameters lack); use true or gaussian")
+
+
 DEEPSPEED_KEYS = ("zero_stage", "offload_optimizer", "offload_params", "zero3_init")
 FSDP_KEYS = ("fsdp_version", "fsdp_sharding_strategy", "fsdp_state_dict_type", "fsdp_cpu_ram_efficient_loading",
              "fsdp_sync_module_states", "fsdp_offload_params")
@@ -657,7 +799,8 @@ def _validate_launch(r: Recipe) -> None:
         raise RecipeError(f"use_8bit_quantization: 8-bit weights cannot be sharded by {L.backend}; use 4-bit QLoRA with bnb_4bit_quant_storage_dtype: bfloat16")
 
 
-GROUP_TITLES = {"model": "Model, LoRA, quantization", "data": "Data", "run": "Run", "launch": "Launch (`launch:` section)",
+GROUP_TITLES = {"model": "Model, LoRA, quantization", "peft": "peft `LoraConfig` (LoRA only: with use_peft_lora; defaults as peft sets them)",
+                "data": "Data", "run": "Run", "launch": "Launch (`launch:` section)",
                 "trl": "TRL `SFTConfig` / transformers `TrainingArguments` (defaults as TRL sets them)"}
 
 
@@ -688,7 +831,8 @@ def options_markdown() -> str:
         for o in options:
             choices = f" One of: {', '.join(f'`{c}`' for c in o.choices)}." if o.choices else ""
             help_ = (o.help + choices).replace("|", "\\|")
-            out.append(f"| `{o.name}` | {o.kind} | `{o.default!r}` | {help_} |")
+            kind = o.kind.replace("|", "\\|")
+            out.append(f"| `{o.name}` | {kind} | `{o.default!r}` | {help_} |")
         out.append("")
     out += ["## Aliases", "", "Accepted and mapped (the run logs the mapping):", ""]
     out += [f"- `{a}` → `{c}`" for a, c in ALIASES.items()]

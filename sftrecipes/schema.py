@@ -8,8 +8,10 @@ Two sources, no hand-written copies:
 * TRL's ``SFTConfig`` (which includes transformers' ``TrainingArguments``) is used as it is. Its fields are
   read from the live class by :func:`trl_snapshot`, and a copy is kept in ``trl_options.json`` so that a
   recipe can be validated (and ``--help`` printed) in a fraction of a second, before torch is imported.
-  ``tests/test_schema.py`` fails when that copy differs from the installed TRL; ``python -m sftrecipes
-  schema --refresh`` rewrites it.
+  ``tests/test_schema_and_assets.py`` fails when that copy differs from the installed TRL; ``python -m
+  sftrecipes schema --refresh`` rewrites it.
+* peft's ``LoraConfig`` the same way (:func:`peft_snapshot`, ``peft_options.json``): its fields are recipe keys
+  (owner ``peft``, applied with ``use_peft_lora``), except those in :data:`PEFT_NOT_EXPOSED`, each with the reason.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 TRL_SNAPSHOT = Path(__file__).with_name("trl_options.json")
+PEFT_SNAPSHOT = Path(__file__).with_name("peft_options.json")
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -349,6 +352,121 @@ def load_trl_snapshot(path: Path = TRL_SNAPSHOT) -> dict:
     return json.loads(path.read_text())
 
 
+# peft's LoraConfig fields that are not recipe keys, and why. Every other field is a recipe key of the same name
+# (owner "peft"; it needs use_peft_lora and goes to LoraConfig as given). tests/test_schema_and_assets.py fails when
+# a field of the installed peft is in neither group, so a field peft adds is placed on purpose.
+PEFT_NOT_EXPOSED: dict[str, str] = {
+    # the project's own keys, spelled as the PEFT SFT guide's flags
+    "r": "the project's key lora_r",
+    "lora_alpha": "the project's key lora_alpha",
+    "lora_dropout": "the project's key lora_dropout",
+    "target_modules": "the project's key lora_target_modules (expert parameters and the router: lora_target_router)",
+    # set by the project or by peft itself
+    "task_type": "set by the project (CAUSAL_LM)",
+    "peft_type": "LoraConfig's own (LORA)",
+    "auto_mapping": "peft's bookkeeping for custom model classes",
+    "peft_version": "written by peft when it saves the adapter",
+    "base_model_name_or_path": "written by peft from the model loaded (model_name_or_path)",
+    "revision": "the base model's revision is part of model_name_or_path's loading, not of the adapter",
+    "inference_mode": "a training run needs it off; peft turns it on in the saved config",
+    "trainable_token_indices": "set by the project for the tokens a chat template adds (chat_template_format)",
+    "runtime_config": "run-time only (ephemeral GPU offload when loading), never saved",
+    "megatron_config": "Megatron-LM tensor-parallel layers; the project trains transformers models",
+    "megatron_core": "Megatron-LM tensor-parallel layers; the project trains transformers models",
+    # adapters the streaming merge, or the models trained here, cannot take
+    "fan_in_fan_out": "GPT-2 style Conv1D weights; the models here use nn.Linear, where peft turns it off",
+    "lora_bias": "adds a bias to layers that have none in Llama-class models: the merged model would not load as the "
+                 "base architecture (and peft's expert-parameter wrapper refuses it)",
+    "layer_replication": "duplicates decoder layers: the merged model would have more layers than its config",
+    "use_qalora": "QALoRA is for GPTQ-quantized bases; the project quantizes with bitsandbytes",
+    "qalora_group_size": "QALoRA is for GPTQ-quantized bases; the project quantizes with bitsandbytes",
+    "alora_invocation_tokens": "activated LoRA acts only after its invocation tokens, so it cannot be merged into weights",
+    "arrow_config": "Arrow routes among several adapters per token: nothing to merge",
+    "kasa_config": "KaSA truncates the base weights when the adapter is created; the merge reads the original base",
+    "use_bdlora": "block-diagonal LoRA factors for multi-adapter serving; the streaming merge reads plain factors",
+    "monteclora_config": "Monte Carlo sampling around the adapter; the streaming merge reads plain factors",
+    "velora_config": "a memory-saving backward pass configured by an object; not settable from a recipe",
+    "ensure_weight_tying": "ties adapters on tied embeddings; the project trains added-token rows through "
+                           "trainable_token_indices and never targets the tied embeddings",
+    "loftq_config": "configures init_lora_weights: loftq, which rewrites the base weights (refused)",
+    "eva_config": "configures init_lora_weights: eva, which needs a pass over the data before training (refused)",
+    "corda_config": "configures init_lora_weights: corda, which rewrites the base weights from calibration data (refused)",
+    "lora_ga_config": "configures init_lora_weights: lora_ga, which needs gradients before training (refused)",
+}
+
+
+# What the project adds to peft's help of an exposed field (shown in --help and docs/options.md).
+PEFT_NOTES: dict[str, str] = {
+    "init_lora_weights": "sftrecipes: true, false, gaussian and orthogonal train and export; eva, olora, pissa*, corda, "
+                         "loftq and mica are refused when the recipe is read (they need data before training, rewrite the "
+                         "base weights, or leave lora_B out of the adapter).",
+    "exclude_modules": "sftrecipes: a YAML list (or several words after the flag) is names; one string is a regex that "
+                       "must match the whole module name. Also excludes expert parameters.",
+    "layers_to_transform": "sftrecipes: also selects among the expert parameters of mixture-of-experts models.",
+    "target_parameters": "sftrecipes: mixture-of-experts expert tensors need no entry: lora_target_modules (all-linear, "
+                         "gate_up_proj, down_proj, ...) and lora_target_router adapt them. No lora_dropout, no DoRA here.",
+    "use_dora": "sftrecipes: merged by the streaming export; not with expert parameters or target_parameters.",
+}
+
+
+def _peft_kind(tp: Any) -> tuple[str, bool, tuple | None]:
+    """(kind, nullable, choices) of a LoraConfig annotation. Literal choices are kept (bias, init_lora_weights);
+    'list|str' keeps a string a string (peft reads a str as one regex, a list as names), 'int|list' is layer indexes."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Literal:
+        return "str", False, tuple(args)
+    if origin in (typing.Union, types.UnionType):
+        members = [a for a in args if a is not type(None)]
+        nullable = len(members) != len(args)
+        literals = [v for a in members if typing.get_origin(a) is typing.Literal for v in typing.get_args(a)]
+        others = [a for a in members if typing.get_origin(a) is not typing.Literal]
+        if literals:
+            if others == [bool]:
+                return "bool|str", nullable, (True, False, *literals)
+            if not others:
+                return "str", nullable, tuple(literals)
+        if len(members) == 2 and all(typing.get_origin(a) in (list, None) for a in members):
+            inner = {typing.get_args(a)[0] if typing.get_origin(a) is list else a for a in members}
+            if inner == {str}:
+                return "list|str", nullable, None
+            if inner == {int}:
+                return "int|list", nullable, None
+    return _kind(tp)
+
+
+def peft_snapshot() -> list[dict]:
+    """Read LoraConfig's fields from the installed peft (imports torch; used to refresh and to test the copy)."""
+    from peft import LoraConfig  # noqa: PLC0415 - heavy, only here
+
+    hints = typing.get_type_hints(LoraConfig)
+    rows = []
+    for f in dataclasses.fields(LoraConfig):
+        if not f.init:
+            continue
+        kind, nullable, choices = _peft_kind(hints[f.name])
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if isinstance(default, enum.Enum):
+            default = default.value
+        try:
+            json.dumps(default)
+        except TypeError:
+            default = repr(default)
+        rows.append({"name": f.name, "kind": kind, "default": default, "help": " ".join(str(f.metadata.get("help", "")).split()),
+                     "choices": list(choices) if choices else None, "nullable": nullable or default is None})
+    return rows
+
+
+def write_peft_snapshot(path: Path = PEFT_SNAPSHOT) -> None:
+    import peft  # noqa: PLC0415
+
+    data = {"peft_version": peft.__version__, "options": peft_snapshot()}
+    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+
+def load_peft_snapshot(path: Path = PEFT_SNAPSHOT) -> dict:
+    return json.loads(path.read_text())
+
+
 _ALL: dict[str, Option] | None = None
 
 
@@ -360,6 +478,14 @@ def all_options() -> dict[str, Option]:
         for row in load_trl_snapshot()["options"]:
             table[row["name"]] = Option(row["name"], row["kind"], row["default"], row["help"],
                                         tuple(row["choices"]) if row["choices"] else None, row["nullable"], "trl")
+        for row in load_peft_snapshot()["options"]:
+            if row["name"] in PEFT_NOT_EXPOSED:
+                continue
+            if row["name"] in table:
+                raise RuntimeError(f"option {row['name']} declared by both TRL and peft's LoraConfig")
+            help_ = " ".join(filter(None, [row["help"], PEFT_NOTES.get(row["name"])]))
+            table[row["name"]] = Option(row["name"], row["kind"], row["default"], help_,
+                                        tuple(row["choices"]) if row["choices"] else None, row["nullable"], "peft")
         for owner, cls in SECTIONS.items():
             for o in _options_of(cls, owner):
                 if o.name in table:

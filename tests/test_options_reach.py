@@ -166,6 +166,23 @@ def obs_lora_target_modules(tiny_model, tmp_path):
     assert lora("--lora_target_modules", "all-linear").target_modules == "all-linear"
 
 
+def obs_lora_target_router(tiny_model, tmp_path):
+    """The router of an MoE model gets LoRA only with the key (the MoE runs in test_lora.py see it in the adapter)."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from sftrecipes.tiny import ensure_family
+
+    moe = str(ensure_family("qwen3_moe"))
+
+    def router_adapted(*flags):
+        r = load_recipe(["recipes/tiny/lora.yaml", "--model_name_or_path", moe, *flags])
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(moe), models.lora_config(r, [], AutoModelForCausalLM.from_pretrained(moe)))
+        return any(".mlp.gate.lora_A" in n for n, p in model.named_parameters() if p.requires_grad)
+
+    assert router_adapted("--lora_target_router", "true") and not router_adapted()
+
+
 def qc(*flags):
     return models.quantization_config(recipe("--use_peft_lora", "True", "--use_4bit_quantization", "True", *flags))
 
@@ -413,7 +430,7 @@ OBSERVERS["tokenizer_name_or_path"] = OBSERVERS.pop("tokenizer_name")
 
 
 def test_every_project_option_has_an_observer():
-    project = {n for n, o in all_options().items() if o.owner != "trl"}
+    project = {n for n, o in all_options().items() if o.owner not in ("trl", "peft")}  # peft's: test_lora.py EFFECTS
     assert project == set(OBSERVERS)
 
 

@@ -137,6 +137,21 @@ BAD = [
     ("per_device_train_batch_size: 0\n", "per_device_train_batch_size: must be >= 1"),
     ("parallelism_config: {tp: 2}\n", "cannot be set from a recipe"),
     ("use_peft_lora: true\nlora_dropout: 1.5\n", "lora_dropout: must be in"),
+    # peft's LoraConfig keys (schema.PEFT_NOT_EXPOSED lists those that are not keys)
+    ("use_dora: true\n", "use_dora: only applies to LoRA"),
+    ("use_peft_lora: true\ninit_lora_weights: pissa_niter_4\n", "rewrites the base weights"),
+    ("use_peft_lora: true\ninit_lora_weights: eva\n", "needs a pass over the data"),
+    ("use_peft_lora: true\ninit_lora_weights: mica\n", "leaves the frozen lora_B out"),
+    ("use_peft_lora: true\ninit_lora_weights: kaiming\n", "is not true, false or one of"),
+    ("use_peft_lora: true\ninit_lora_weights: orthogonal\nlora_r: 7\n", "needs even ranks"),
+    ("use_peft_lora: true\nbias: some\n", "not one of none, all, lora_only"),
+    ("use_peft_lora: true\nrank_pattern: {q_proj: 0}\n", "must be a whole number >= 1"),
+    ("use_peft_lora: true\nalpha_pattern: {'q_(': 8}\n", "not a valid regex"),
+    ("use_peft_lora: true\nlayers_pattern: layers\n", "only applies with layers_to_transform"),
+    ("use_peft_lora: true\nlayers_to_transform: first\n", "a layer index or a list of them"),
+    ("use_peft_lora: true\nlora_target_router: true\n", "is not a mixture-of-experts model"),
+    ("use_peft_lora: true\nlora_target_modules: q_proj,v_proj\ntarget_parameters: [q_proj.weight]\n", "adapt it one way"),
+    ("use_peft_lora: true\nlora_dropout: 0.1\nlora_target_modules: q_proj\ntarget_parameters: [mlp.down_proj.weight]\n", "lora_dropout: 0.1 cannot apply to target_parameters"),
 ]
 
 

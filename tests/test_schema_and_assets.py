@@ -1,4 +1,4 @@
-"""Checked-in generated files never drift: TRL's option snapshot, the tiny dataset; tiny builds are deterministic."""
+"""Checked-in generated files never drift: TRL's and peft's option snapshots, the tiny dataset; tiny builds are deterministic."""
 
 import hashlib
 import json
@@ -12,6 +12,19 @@ def test_trl_snapshot_matches_installed_trl():
 
     assert stored["trl_version"] == trl.__version__, "run: make schema"
     assert stored["options"] == schema.trl_snapshot(), "sftrecipes/trl_options.json is stale; run: make schema"
+
+
+def test_peft_snapshot_matches_installed_peft():
+    """peft's LoraConfig fields, stored for torch-free validation; each field is a recipe key or has its reason."""
+    import peft
+
+    stored = schema.load_peft_snapshot()
+    assert stored["peft_version"] == peft.__version__, "run: make schema"
+    assert stored["options"] == schema.peft_snapshot(), "sftrecipes/peft_options.json is stale; run: make schema"
+    fields = {row["name"] for row in stored["options"]}
+    assert set(schema.PEFT_NOT_EXPOSED) <= fields, "PEFT_NOT_EXPOSED names a field peft no longer has"
+    exposed = {n for n, o in schema.all_options().items() if o.owner == "peft"}
+    assert exposed == fields - set(schema.PEFT_NOT_EXPOSED)
 
 
 def test_project_options_do_not_shadow_trl():
