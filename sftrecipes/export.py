@@ -690,8 +690,8 @@ def tied_copies(model) -> dict[str, str]:
 class StoredLayout:
     """How a model folder stores the tensors the model holds. transformers 5 converts some checkpoints as it loads
     them and reverts that as it saves (mixture-of-experts experts: one tensor per expert and projection on disk, fused
-    3-D parameters in memory; renamed modules, e.g. Mixtral's block_sparse_moe -> mlp). A folder written in the held
-    names does not load back: from_pretrained leaves those tensors randomly initialised, without an error.
+    3-D parameters in memory; renamed modules, e.g. Mixtral's block_sparse_moe -> mlp). transformers 5.24 loads either
+    layout, but the hub's tools (vLLM, transformers 4, converters) read the stored one, so exports write that.
 
     * held: name -> shape of every tensor the model holds (its state dict, tied copies left out);
     * stored: name -> shape of every tensor save_pretrained writes;
@@ -824,8 +824,9 @@ def folder_tensors(folder: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]
 
 def check_model_folder(folder: Path, dtype: torch.dtype | None = None) -> int:
     """The written tensors must be exactly those the config needs: same names, shapes; floats in `dtype` (if given)."""
+    layout = StoredLayout.of_config(folder)
     have = folder_tensors(folder)
-    want = StoredLayout.of_config(folder).stored  # the held layout would load as random weights (see StoredLayout)
+    want = layout.held if set(have) == set(layout.held) else layout.stored  # transformers 5 loads either layout
     missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
     if missing or extra:
         raise RecipeError(f"export: the tensors do not match config.json: {len(missing)} missing (e.g. {missing[:2]}), {len(extra)} unexpected (e.g. {extra[:2]}); the checkpoint is not of this config's model — check the source folder")
@@ -1019,7 +1020,7 @@ def _export_sharded(source, ckpt: Path, dest, dtype, base, verify: bool, kind: s
     # a sharded checkpoint holds both names of a tied weight (FSDP's state dict has lm_head.weight beside
     # model.embed_tokens.weight); the model folder holds the shared one only, as save_pretrained writes it
     # the checkpoint holds tensors as the model holds them (fused MoE experts; both names of a tied weight): written in
-    # the layout save_pretrained writes, which is the one from_pretrained loads
+    # the layout save_pretrained writes, the one every tool that reads hub checkpoints expects
     stored = HubFormat(source, StoredLayout.of_config(meta_dir))
     out = rewrite_model(meta_dir, dest, {}, dtype, meta_dir, max_shard_bytes, source=stored, reference=reference)
     log.info("export: %s checkpoint %s -> %s", kind, folder, out)
