@@ -420,8 +420,13 @@ def plan_merge(cfg: dict, tensors: dict[str, torch.Tensor], base_names: set[str]
     wrapped = wrapped or {}
     plan: dict[str, dict] = {}
     token_idx = cfg.get("trainable_token_indices") or {}
+    tied_rows: dict[str, torch.Tensor] = {}  # a tied head's token adapter: the embedding's, saved a second time
     for key, t in tensors.items():
         name = key[len(PREFIX):] if key.startswith(PREFIX) else key
+        module = name.split(".token_adapter.", 1)[0]
+        if ".token_adapter." in name and module + ".weight" not in base_names and module.rsplit(".", 1)[-1] == "lm_head":
+            tied_rows[name.split(".token_adapter.", 1)[1]] = t  # the base ties lm_head to the embedding: no tensor of its own
+            continue
         lora = re.fullmatch(r"(.+)\.lora_([AB])\.weight", name)
         if lora or name.endswith(".lora_magnitude_vector"):
             module = lora.group(1) if lora else name[: -len(".lora_magnitude_vector")]
@@ -455,6 +460,12 @@ def plan_merge(cfg: dict, tensors: dict[str, torch.Tensor], base_names: set[str]
             plan.setdefault(name, {})["replace"] = t
         else:
             raise RecipeError(f"adapter: tensor '{key}' matches nothing in the base model; wrong --base for this adapter?")
+    embed = next((k for k in plan if k.endswith("embed_tokens.weight")), None)
+    for part, t in tied_rows.items():  # must repeat the embedding's rows exactly, or the head was trained on its own
+        same = plan.get(embed, {}).get("rows" if part == "trainable_tokens_delta" else "replace")
+        mine = same[1] if isinstance(same, tuple) else same
+        if mine is None or not (t.is_meta or torch.equal(mine, t)):  # meta: a layout check before any data is read
+            raise RecipeError(f"adapter: lm_head.token_adapter.{part} differs from the embedding's, but the base ties lm_head to the embedding; wrong --base for this adapter?")
     for target, entry in plan.items():
         if target not in base_names:
             raise RecipeError(f"adapter: targets '{target}', which the base model does not have; wrong --base for this adapter?")
