@@ -13,11 +13,12 @@ import torch
 from safetensors.torch import load_file
 
 import train
-from conftest import FAMILIES, accelerate_run, run_cli
+from conftest import FAMILIES, run_cli
 from sftrecipes import model as models
 from sftrecipes.export import export, merge_lora
 from sftrecipes.recipe import RecipeError, load_recipe
 from sftrecipes.tiny import FAMILIES as SPECS
+from test_launch import sft
 
 MOE = {"qwen3_moe", "mixtral"}
 TIED = {"qwen2", "qwen3", "gemma2", "gemma3"}
@@ -125,31 +126,43 @@ def test_qlora_4bit(family, family_models, tmp_path):
 # ---------------------------------------------------------------------------------------------- 2 ranks
 
 
-def _launch(recipe: str, family, family_models, out, *flags):
-    return accelerate_run([recipe, "--model_name_or_path", str(family_models[family]), "--sample_max_new_tokens", "0",
-                           *flags], out, timeout=900)
+def _launch(twin: str, family, family_models, out, *flags, edits=()):
+    """The README's "Your own recipe" for a family: cp the twin into the run's folder, edit the copy's model (and any
+    other edit), launch it from there with the one documented command."""
+    folder = out.parent
+    assert sft(["cp", twin, "recipe.yaml"], cwd=folder).returncode == 0
+    with open(folder / "recipe.yaml", "a") as f:
+        f.write("".join(f"{line}\n" for line in (f"model_name_or_path: {family_models[family]}", *edits)))
+    res = sft(["launch", "recipe.yaml", "--output_dir", out.name, "--sample_max_new_tokens", "0", *flags], cwd=folder, timeout=900)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    return json.loads((out / "run_summary.json").read_text())
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_zero3_lora_on_two_ranks_exports_and_merges(family, family_models, tmp_path):
-    """The ZeRO-3 LoRA twin with the model swapped (MoE: with the one-line fix the error names). Its adapter is
+    """The ZeRO-3 LoRA twin, copied and edited to the family's model (MoE: with the one-line fix the error names) and
+    launched as README's "Your own recipe" says. Its adapter is
     partitioned over 2 ranks; the final adapter merges into the base (--verify) and loads with AutoModelForCausalLM,
     and the adapter export of a mid-run checkpoint (ZeRO-3 fp32 masters) verifies too."""
-    flags = ["--max_steps", "2", "--save_strategy", "steps", "--save_steps", "2"]
+    edits = []
     if family in MOE:  # the 70B recipe's lora_dropout 0.1 cannot apply to expert parameters: refused before loading
-        with pytest.raises(RecipeError, match="lora_dropout"):
+        with pytest.raises(RecipeError, match="lora_dropout: 0.1 cannot apply to the expert parameters.*set lora_dropout: 0.0"):
             load_recipe(["recipes/tiny/zero3.yaml", "--model_name_or_path", str(family_models[family])])
-        flags += ["--lora_dropout", "0"]
+        edits.append("lora_dropout: 0.0")  # the fix the error names
     out = tmp_path / "z3"
-    summary = _launch("recipes/tiny/zero3.yaml", family, family_models, out, *flags)
+    summary = _launch("tiny/zero3", family, family_models, out, "--max_steps", "2", "--save_strategy", "steps",
+                      "--save_steps", "2", edits=edits)
     b = summary["backend"]
     assert b["zero_stage"] == 3 and b["param_elements_local"] * 2 == pytest.approx(b["param_elements_full"], rel=0.05), b
     merged = export(out, tmp_path / "merged", verify=True)
     assert torch.isfinite(logits(load(merged), probe_ids(merged))).all()
     adapter = export(out / "checkpoint-2", tmp_path / "ck-adapter", verify=True)
-    # the checkpoint holds what trains (LoRA pairs, new token rows); the resized frozen embeddings ZeRO-3 leaves out of
-    # it are in the final adapter only (the merge grows the base from the rows)
-    trained = lambda names: sorted(n for n in names if not n.endswith(".token_adapter.base_layer.weight"))  # noqa: E731
+    # the checkpoint holds what trains (LoRA pairs, new token rows: a tied head's once, as the embedding's); the resized
+    # frozen embeddings ZeRO-3 leaves out of it are in the final adapter only (the merge grows the base from the rows)
+    def trained(names):
+        return sorted(n for n in names if not n.endswith(".token_adapter.base_layer.weight")
+                      and not (family in TIED and n.endswith("lm_head.token_adapter.trainable_tokens_delta")))
+
     assert trained(load_file(adapter / "adapter_model.safetensors")) == trained(load_file(out / "adapter_model.safetensors"))
 
 
@@ -160,7 +173,7 @@ def test_fsdp2_full_with_ram_efficient_loading_on_two_ranks(family, family_model
     broadcast: tied embeddings included (rank 1 starts on the meta device). The final sharded save exports (--verify)
     to a folder AutoModelForCausalLM loads, and the run trained."""
     out = tmp_path / "fsdp"
-    summary = _launch("recipes/tiny/fsdp.yaml", family, family_models, out, "--max_steps", "3", "--save_steps", "1",
+    summary = _launch("tiny/fsdp", family, family_models, out, "--max_steps", "3", "--save_steps", "1",
                       "--warmup_steps", "1", "--lr_scheduler_type", "linear", "--logging_steps", "1")
     b = summary["backend"]
     assert b["fsdp_version"] == 2 and b["param_elements_local"] * 2 == pytest.approx(b["param_elements_full"], rel=0.05), b
