@@ -29,7 +29,12 @@ TWINS = {
     "fsdp1": dict(distributed_type="FSDP", fsdp_version=1, wrapper="FullyShardedDataParallel", shard="params"),
     "qlora-fsdp": dict(distributed_type="FSDP", fsdp_version=2, wrapper="FSDPPeftModelForCausalLM", shard="params"),
     "qlora-zero3": dict(distributed_type="DEEPSPEED", zero_stage=3, shard="params"),
+    # the recipes for today's models, each twin on a tiny model of its own architecture
+    "llama3-zero3": dict(distributed_type="DEEPSPEED", zero_stage=3, shard="params"),
+    "qwen3-qlora-fsdp": dict(distributed_type="FSDP", fsdp_version=2, wrapper="FSDPPeftModelForCausalLM", shard="params"),
+    "qwen3moe-zero3": dict(distributed_type="DEEPSPEED", zero_stage=3, shard="params"),
 }
+BASE_OF = {"llama3-zero3": "llama3", "qwen3-qlora-fsdp": "qwen3", "qwen3moe-zero3": "qwen3_moe"}  # else tiny-llama
 
 
 def launch(name: str, out, extra=(), env=None, timeout=900):
@@ -41,11 +46,11 @@ def launch(name: str, out, extra=(), env=None, timeout=900):
     return json.loads((out / "run_summary.json").read_text()), log
 
 
-def assert_loadable(out, summary):
+def assert_loadable(out, summary, base_dir=".assets/tiny-llama"):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base = lambda: AutoModelForCausalLM.from_pretrained(".assets/tiny-llama")  # noqa: E731
+    base = lambda: AutoModelForCausalLM.from_pretrained(base_dir)  # noqa: E731
     if summary["adapter"]:
         model = PeftModel.from_pretrained(base(), out)
         assert sum("lora_" in n for n, _ in model.named_parameters()) == summary["saved_tensors"]
@@ -60,7 +65,7 @@ def assert_loadable(out, summary):
 
 
 @pytest.mark.parametrize("name", list(TWINS))
-def test_twin_runs_through_its_launcher(tiny_model, tmp_path, name):
+def test_twin_runs_through_its_launcher(tiny_model, family_models, tmp_path, name):
     want = TWINS[name]
     out = tmp_path / name
     summary, log = launch(name, out)
@@ -78,8 +83,21 @@ def test_twin_runs_through_its_launcher(tiny_model, tmp_path, name):
         assert b["param_elements_local"] == b["param_elements_full"]
     losses = summary["losses"]
     assert len(losses) == 6 and losses[-1] < losses[0] * 0.9, losses
-    assert isinstance(summary["sample"]["reply"], str)  # generation with every rank taking part
-    assert_loadable(out, summary)
+    assert isinstance(summary["sample"]["reply"], str) and summary["sample"]["new_tokens"] > 0  # every rank generates
+    base = family_models[BASE_OF[name]] if name in BASE_OF else ".assets/tiny-llama"
+    if name == "qwen3moe-zero3":  # all-linear adapts attention and experts, not the router (lora_target_router false)
+        assert "router not adapted" in log and ".mlp.gate." not in " ".join(load_file_names(out))
+        assert any(".mlp.experts." in n for n in load_file_names(out))
+    if name == "llama3-zero3":  # the template's end of turn, read as the run's eos and stop token
+        assert "end of turn is <|eot_id|> (added token)" in log
+    assert_loadable(out, summary, base)
+
+
+def load_file_names(out) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(out / "adapter_model.safetensors"), framework="pt") as f:
+        return list(f.keys())
 
 
 def test_fsdp_twin_writes_sharded_checkpoints(tiny_model, tmp_path):
