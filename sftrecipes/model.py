@@ -44,9 +44,13 @@ def load_dtype(recipe: Recipe) -> torch.dtype:
 SDPA_PACKED_PAD = 256
 
 
+def flash_attn_installed() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
 def _flash_missing(recipe: Recipe, hardware: str) -> list[str]:
     missing = []
-    if importlib.util.find_spec("flash_attn") is None:
+    if not flash_attn_installed():
         missing.append("the flash-attn package (pip install -r requirements-gpu.txt)")
     if hardware != "gpu":
         missing.append("a GPU")
@@ -75,10 +79,10 @@ def attention_support(recipe: Recipe) -> tuple[str, dict[str, bool]] | None:
 
             cfg = AutoConfig.for_model(**read_config(name))
         cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]
+        return cls.__name__, {"eager": True, "sdpa": bool(cls._supports_sdpa), "flash_attention_2": bool(cls._supports_flash_attn),
+                              "flex_attention": bool(cls._supports_flex_attn)}
     except Exception:  # noqa: BLE001 - any failure here only means "unknown": loading will say what is wrong
         return None
-    return cls.__name__, {"eager": True, "sdpa": bool(cls._supports_sdpa), "flash_attention_2": bool(cls._supports_flash_attn),
-                          "flex_attention": bool(cls._supports_flex_attn)}
 
 
 def _sixteen_bit(recipe: Recipe) -> bool:
@@ -129,8 +133,9 @@ def packed_under_sdpa_on_gpu(recipe: Recipe, hardware: str) -> bool:
 
 
 def attn_implementation(recipe: Recipe, hardware: str) -> str:
-    """choose_attention, with the warnings a fallback deserves."""
+    """choose_attention, logged (with the warnings a fallback deserves)."""
     impl, why = choose_attention(recipe, hardware)
+    log.info("attention: %s (%s)", impl, why)
     if why.startswith("fallback"):
         key = "use_flash_attn" if recipe.model.use_flash_attn else "attn_implementation"
         log.warning("%s: falling back to %s: %s", key, impl, why.removeprefix("fallback: flash_attention_2 "))
@@ -265,7 +270,6 @@ def load_model(recipe: Recipe, tokenizer, hardware: str):
     if rank:  # not rank 0: build on the meta device, read nothing; FSDP receives rank 0's weights when it wraps
         kwargs["device_map"] = "meta"
     model = AutoModelForCausalLM.from_pretrained(m.model_name_or_path, **kwargs)
-    log.info("attention: %s (%s)", model.config._attn_implementation, choose_attention(recipe, hardware)[1])
     if rank:
         # Real but untouched storage: accelerate maps optimizer params to their shards by data_ptr, which is 0 for
         # every meta tensor. Large torch.empty blocks are lazily mapped pages, so this costs address space, not RAM.

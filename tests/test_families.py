@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 import train
-from conftest import FAMILIES, run_cli
+from conftest import FAMILIES, ROOT, run_cli
 from sftrecipes import model as models
 from sftrecipes.export import export, merge_lora
 from sftrecipes.recipe import RecipeError, load_recipe
@@ -126,16 +126,44 @@ def test_qlora_4bit(family, family_models, tmp_path):
 # ---------------------------------------------------------------------------------------------- 2 ranks
 
 
+def _user_data(folder) -> None:
+    """The data a user brings, in TRL's and ShareGPT's shapes, written from the shipped chat data into the run folder."""
+    rows = [json.loads(line) for line in (ROOT / "data/tiny_chat/train.jsonl").read_text().splitlines()]
+    who = {"system": "system", "user": "human", "assistant": "gpt"}
+    files = {
+        "sharegpt.jsonl": [{"conversations": [{"from": who[m["role"]], "value": m["content"]} for m in r["messages"]]} for r in rows],
+        "pc_chat.jsonl": [{"prompt": r["messages"][:-1], "completion": r["messages"][-1:]} for r in rows],
+        "qa.jsonl": [{"question": " ".join(m["content"] for m in r["messages"][:-1]), "answer": " " + r["messages"][-1]["content"]}
+                     for r in rows],
+    }
+    for name, data in files.items():
+        (folder / name).write_text("".join(json.dumps(r) + "\n" for r in data))
+
+
+# data edits on top of the model swap, one per backend, so the 2-rank runs also prove the formats and a mixture
+DATA_EDITS = {
+    ("zero3", "qwen3"): ["dataset_name: null", 'datasets: [{path: sharegpt.jsonl, weight: 0.5}, {path: pc_chat.jsonl, samples: 96}]'],
+    ("fsdp", "gemma3"): ["dataset_name: null", "datasets: [{path: qa.jsonl, columns: {question: prompt, answer: completion}}]"],
+}
+DATA_FORMATS = {("zero3", "qwen3"): {"conversations": 160, "prompt_completion": 96}, ("fsdp", "gemma3"): {"prompt_completion": 320}}
+
+
 def _launch(twin: str, family, family_models, out, *flags, edits=()):
     """The README's "Your own recipe" for a family: cp the twin into the run's folder, edit the copy's model (and any
     other edit), launch it from there with the one documented command."""
     folder = out.parent
     assert sft(["cp", twin, "recipe.yaml"], cwd=folder).returncode == 0
+    data = DATA_EDITS.get((twin.split("/")[-1], family), [])
+    if data:
+        _user_data(folder)
     with open(folder / "recipe.yaml", "a") as f:
-        f.write("".join(f"{line}\n" for line in (f"model_name_or_path: {family_models[family]}", *edits)))
+        f.write("".join(f"{line}\n" for line in (f"model_name_or_path: {family_models[family]}", *edits, *data)))
     res = sft(["launch", "recipe.yaml", "--output_dir", out.name, "--sample_max_new_tokens", "0", *flags], cwd=folder, timeout=900)
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
-    return json.loads((out / "run_summary.json").read_text())
+    summary = json.loads((out / "run_summary.json").read_text())
+    if data:  # every entry read in its own format, the same mixture on both ranks (main process prepares it)
+        assert summary["data"]["train"]["formats"] == DATA_FORMATS[twin.split("/")[-1], family], summary["data"]
+    return summary
 
 
 @pytest.mark.parametrize("family", FAMILIES)

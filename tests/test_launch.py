@@ -208,7 +208,8 @@ def test_copy_edit_launch_from_its_own_folder(tiny_model, tmp_path):
     summary = json.loads((out / "run_summary.json").read_text())
     assert summary["backend"]["world_size"] == 2 and summary["backend"]["wrapper"] == "DistributedDataParallel"
     assert summary["steps"] == 2 and len(summary["losses"]) == 2
-    assert "data: 64 train / 40 eval samples from my_chat" in log  # the user's 64 rows, not the repository's 320
+    assert summary["data"]["train"]["read"] == 64 and summary["data"]["eval"]["read"] == 40, summary["data"]  # the user's rows
+    assert "my_chat" in log and "data: train split: 64 read" in log
     assert yaml.safe_load((out / "accelerate_config.yaml").read_text())["num_processes"] == 2
     assert (out / "adapter_model.safetensors").is_file()
 

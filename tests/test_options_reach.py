@@ -125,10 +125,9 @@ def obs_use_flash_attn(tiny_model, tmp_path, caplog=None):
     r = recipe("--use_flash_attn", "True")
     assert models.attn_implementation(recipe(), "gpu") == "sdpa"
     assert models.attn_implementation(r, "cpu") == "sdpa"  # asked, but no GPU: the warned fallback
-    import importlib.util
     from unittest import mock
 
-    with mock.patch.object(importlib.util, "find_spec", return_value=object()):
+    with mock.patch.object(models, "flash_attn_installed", return_value=True):
         assert models.attn_implementation(recipe("--use_flash_attn", "True", "--bf16", "True"), "gpu") == "flash_attention_2"
         with pytest.raises(RecipeError, match="flash_attention_2 computes in bf16/fp16 only"):  # fp32 without autocast
             models.attn_implementation(r, "gpu")

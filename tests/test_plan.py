@@ -346,3 +346,15 @@ def test_calibration_plan_vs_measured_peak_on_cpu(tmp_path, family, lora, ckpt):
     print(f"calibration {family} lora={lora} ckpt={ckpt}: measured {mode.peak / 1e6:.1f} MB, predicted {predicted / 1e6:.1f} MB "
           f"({plan.peak_phase}), error {error:+.1%}")
     assert abs(error) <= 0.10
+
+
+@pytest.mark.parametrize("rel", ["recipes/llama3.1-70b/lora.yaml", "recipes/qwen3-32b/qlora-fsdp.yaml", "recipes/qwen3-30b-a3b/lora.yaml"])
+def test_recipes_for_todays_models_plan_offline_and_fit(rel, capsys):
+    """Each recipe for a current model gets its verdict offline (config.json shipped in model_configs/), and fits the
+    hardware it names: the planner is what chose it."""
+    assert main([rel]) == 0
+    out = capsys.readouterr().out
+    verdict = next(line for line in out.splitlines() if line.startswith("VERDICT"))
+    assert verdict.startswith("VERDICT: fits") and verdict.endswith("per node fits"), verdict
+    if "30b-a3b" in rel:
+        assert "3.35B active per token" in out and "router (mlp.gate): not adapted" in out

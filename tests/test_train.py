@@ -269,14 +269,13 @@ def test_trust_remote_code_is_off_unless_set_and_said(tiny_model, tmp_path, capl
 def test_packing_under_the_sdpa_fallback_on_a_gpu_is_warned(caplog):
     """Measured on an H200 (docs/benchmarks.md, GPU): packed rows under sdpa attend through a dense mask, 2-3x slower
     per token; a GPU recipe that asks for flash-attn but falls back is told so, a CPU one is not."""
-    import importlib.util
     from unittest import mock
 
     from sftrecipes import model as models
 
     def warned(*flags, hardware="gpu"):
         caplog.clear()
-        with caplog.at_level("WARNING", logger="sftrecipes"), mock.patch.object(importlib.util, "find_spec", return_value=None):
+        with caplog.at_level("WARNING", logger="sftrecipes"), mock.patch.object(models, "flash_attn_installed", return_value=False):
             assert models.attn_implementation(load_recipe(["recipes/tiny/lora.yaml", "--use_flash_attn", "true", *flags]), hardware) == "sdpa"
         return any("dense block-diagonal mask" in r.message for r in caplog.records)
 
@@ -288,19 +287,18 @@ def test_packing_under_the_sdpa_fallback_on_a_gpu_is_warned(caplog):
 def test_packing_under_sdpa_on_a_gpu_pads_to_a_bounded_set_of_shapes():
     """Measured on an H200: padding the flattened packed batch to a multiple of 256 let cuDNN reuse its attention
     graphs (+44% tokens/s, 1B). Only on a GPU, only with sdpa and packing, never over the recipe's own value."""
-    import importlib.util
     from unittest import mock
 
-    from sftrecipes import backends
+    from sftrecipes import backends, model as models
     from sftrecipes.model import SDPA_PACKED_PAD
 
     def pad(*flags, target="gpu", flash=False):
-        with mock.patch.object(importlib.util, "find_spec", return_value=object() if flash else None):
+        with mock.patch.object(models, "flash_attn_installed", return_value=flash):
             return backends.training_kwargs(load_recipe(["recipes/tiny/lora.yaml", *flags]), target).get("pad_to_multiple_of")
 
     assert pad("--packing", "true") == SDPA_PACKED_PAD == 256
     assert pad("--packing", "true", "--use_flash_attn", "true") == 256  # asked for, but flash-attn is missing
-    assert pad("--packing", "true", "--use_flash_attn", "true", flash=True) is None  # varlen kernels: no mask
+    assert pad("--packing", "true", "--use_flash_attn", "true", "--bf16", "true", flash=True) is None  # varlen kernels: no mask
     assert pad("--packing", "false") is None
     assert pad("--packing", "true", target="cpu") is None
     assert pad("--packing", "true", "--pad_to_multiple_of", "64") == 64
