@@ -299,13 +299,13 @@ def _kind(tp: Any) -> tuple[str, bool, tuple | None]:
     return "object", False, None
 
 
-def _options_of(cls: type, owner: str) -> list[Option]:
+def _options_of(cls: type, owner: str, kind_of=None) -> list[Option]:
     hints = typing.get_type_hints(cls)
     out = []
     for f in dataclasses.fields(cls):
         if not f.init:
             continue
-        kind, nullable, choices = _kind(hints[f.name])
+        kind, nullable, choices = (kind_of or _kind)(hints[f.name])
         kind = f.metadata.get("kind", kind)
         choices = f.metadata.get("choices", choices)
         if isinstance(choices, type({}.keys())):
@@ -325,12 +325,10 @@ def _options_of(cls: type, owner: str) -> list[Option]:
     return out
 
 
-def trl_snapshot() -> list[dict]:
-    """Read SFTConfig's fields from the installed TRL (imports torch; used to refresh and to test the copy)."""
-    from trl import SFTConfig  # noqa: PLC0415 - heavy, only here
-
+def _snapshot_rows(options: list[Option]) -> list[dict]:
+    """Options as stored in a snapshot file (defaults that JSON cannot hold by their repr)."""
     rows = []
-    for o in _options_of(SFTConfig, "trl"):
+    for o in options:
         default = o.default
         try:
             json.dumps(default)
@@ -341,11 +339,20 @@ def trl_snapshot() -> list[dict]:
     return rows
 
 
-def write_trl_snapshot(path: Path = TRL_SNAPSHOT) -> None:
-    import trl  # noqa: PLC0415
+def _write_snapshot(path: Path, package: str, rows: list[dict]) -> None:
+    version = __import__(package).__version__
+    path.write_text(json.dumps({f"{package}_version": version, "options": rows}, indent=1, sort_keys=True) + "\n")
 
-    data = {"trl_version": trl.__version__, "options": trl_snapshot()}
-    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+def trl_snapshot() -> list[dict]:
+    """Read SFTConfig's fields from the installed TRL (imports torch; used to refresh and to test the copy)."""
+    from trl import SFTConfig  # noqa: PLC0415 - heavy, only here
+
+    return _snapshot_rows(_options_of(SFTConfig, "trl"))
+
+
+def write_trl_snapshot(path: Path = TRL_SNAPSHOT) -> None:
+    _write_snapshot(path, "trl", trl_snapshot())
 
 
 def load_trl_snapshot(path: Path = TRL_SNAPSHOT) -> dict:
@@ -438,29 +445,11 @@ def peft_snapshot() -> list[dict]:
     """Read LoraConfig's fields from the installed peft (imports torch; used to refresh and to test the copy)."""
     from peft import LoraConfig  # noqa: PLC0415 - heavy, only here
 
-    hints = typing.get_type_hints(LoraConfig)
-    rows = []
-    for f in dataclasses.fields(LoraConfig):
-        if not f.init:
-            continue
-        kind, nullable, choices = _peft_kind(hints[f.name])
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        if isinstance(default, enum.Enum):
-            default = default.value
-        try:
-            json.dumps(default)
-        except TypeError:
-            default = repr(default)
-        rows.append({"name": f.name, "kind": kind, "default": default, "help": " ".join(str(f.metadata.get("help", "")).split()),
-                     "choices": list(choices) if choices else None, "nullable": nullable or default is None})
-    return rows
+    return _snapshot_rows(_options_of(LoraConfig, "peft", _peft_kind))
 
 
 def write_peft_snapshot(path: Path = PEFT_SNAPSHOT) -> None:
-    import peft  # noqa: PLC0415
-
-    data = {"peft_version": peft.__version__, "options": peft_snapshot()}
-    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    _write_snapshot(path, "peft", peft_snapshot())
 
 
 def load_peft_snapshot(path: Path = PEFT_SNAPSHOT) -> dict:
