@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import time
 from pathlib import Path
 
 from .recipe import RecipeError
@@ -12,6 +14,7 @@ from .recipe import RecipeError
 log = logging.getLogger("sftrecipes")
 
 MARKER = "checkpoint.complete.json"  # written last, after every rank finished writing the checkpoint
+FINAL = "final.complete.json"  # in output_dir, written last by a run whose final save was checked: the run is finished
 
 
 def write_marker(ckpt: Path) -> None:
@@ -22,15 +25,15 @@ def write_marker(ckpt: Path) -> None:
     tmp.replace(ckpt / MARKER)
 
 
-def torn(ckpt: Path) -> str | None:
+def torn(ckpt: Path, name: str = MARKER) -> str | None:
     """Why a checkpoint cannot be trusted (no marker, a file missing or of another size), or None if complete."""
-    marker = ckpt / MARKER
+    marker = Path(ckpt) / name
     if not marker.is_file():
-        return f"no {MARKER} (the save did not finish)"
+        return f"no {name} (the save did not finish)"
     try:
         files = json.loads(marker.read_text())["files"]
     except (json.JSONDecodeError, KeyError):
-        return f"{MARKER} is unreadable"
+        return f"{name} is unreadable"
     for rel, size in files.items():
         f = ckpt / rel
         if not f.is_file():
@@ -77,6 +80,47 @@ def resolve_resume(value: str | None, output_dir: str) -> str | None:
     if why is not None:
         raise RecipeError(f"resume_from_checkpoint: '{value}' is not a complete checkpoint ({why}); pick another or use auto")
     return value
+
+
+def _final_files(out: Path) -> dict[str, int]:
+    """What a finished run leaves in output_dir (final save, summary, metrics) with sizes: not the checkpoints, hidden
+    files (lock, heartbeats), TensorBoard logs, nor what every launch rewrites."""
+    skip = {FINAL, "accelerate_config.yaml", "runs"}
+    files = {}
+    for root, dirs, names in os.walk(out):
+        rel_root = Path(root).relative_to(out)
+        if rel_root == Path("."):
+            dirs[:] = [d for d in dirs if not (d.startswith(".") or d in skip or re.fullmatch(r"checkpoint-\d+", d))]
+            names = [n for n in names if not (n.startswith(".") or n in skip)]
+        for n in names:
+            files[str(rel_root / n)] = (Path(root) / n).stat().st_size
+    return dict(sorted(files.items()))
+
+
+def mark_finished(output_dir: str | Path, step: int) -> None:
+    """The run is finished: its final save was checked. Written atomically, last."""
+    out = Path(output_dir)
+    tmp = out / (FINAL + ".tmp")
+    tmp.write_text(json.dumps({"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": _final_files(out)}, indent=1))
+    tmp.replace(out / FINAL)
+
+
+def forget_finished(output_dir: str | Path) -> None:
+    """A run that trains in output_dir again changes what the marker lists: it no longer holds a finished run."""
+    (Path(output_dir) / FINAL).unlink(missing_ok=True)
+
+
+def finished_run(recipe) -> str | None:
+    """resume_from_checkpoint: auto on an output_dir whose run finished (final save complete, every file it listed
+    still of its size) has nothing to do (a SLURM requeue of a finished job): the line that says so, else None."""
+    if recipe.trl.get("resume_from_checkpoint") != "auto":
+        return None
+    out = Path(recipe.trl.get("output_dir") or "trainer_output")
+    if torn(out, FINAL) is not None:
+        return None
+    done = json.loads((out / FINAL).read_text())
+    return (f"resume: {out} holds a finished run ({done['step']} steps, final save complete, {done['time']}); nothing to "
+            "do — to train again, set another output_dir or --resume_from_checkpoint none")
 
 
 def rotate(output_dir: Path, limit: int | None, keep: Path | None = None) -> list[Path]:
