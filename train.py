@@ -7,7 +7,8 @@
     python train.py --help                                      # every option, its default and help
 
 Flow: parse -> hardware target -> tokenizer -> datasets -> model -> SFTTrainer -> train (resume) -> save + check.
-The logic lives in the `sftrecipes` package; this file only wires it up.
+Around it (sftrecipes/lifecycle.py): the output_dir lock, preemption signals (SIGTERM/SIGUSR1: save, exit 75), death
+with the launcher, heartbeats. The logic lives in the `sftrecipes` package; this file only wires it up.
 """
 
 from __future__ import annotations
@@ -18,14 +19,20 @@ import os
 import sys
 import time
 
-from sftrecipes.checkpoints import TrainingStopped
-from sftrecipes.recipe import RecipeError, help_text, load_recipe
+from sftrecipes import lifecycle
+
+if __name__ == "__main__":  # first thing: a SIGTERM/SIGUSR1 while this process starts waits for RunLife (no sudden death)
+    lifecycle.hold_signals()
+
+from sftrecipes.checkpoints import TrainingStopped  # noqa: E402
+from sftrecipes.recipe import RecipeError, help_text, load_recipe  # noqa: E402
 
 log = logging.getLogger("sftrecipes")
 
 
-def run(recipe):
-    """Train as the recipe says. Returns (trainer, summary); the summary is also written to output_dir."""
+def run(recipe, life=None):
+    """Train as the recipe says. Returns (trainer, summary); the summary is also written to output_dir. `life`: the
+    process's lifecycle.RunLife (main() enters it: lock, signals, heartbeats); callers without one get a plain run."""
     from trl import SFTTrainer
 
     from sftrecipes import backends, checkpoints, data, metrics, model as models, plan
@@ -36,6 +43,8 @@ def run(recipe):
     target = backends.hardware(recipe)
     backends.apply_process_env(recipe, target)
     args = backends.training_args(recipe, target)
+    life = life or lifecycle.RunLife(recipe)
+    life.started(args)  # every rank up (the lock is this run's), heartbeats on
     resume = checkpoints.resolve_resume(recipe.trl.get("resume_from_checkpoint"), args.output_dir)
     push_later = backends.prepare_hub(args)  # token out of saved files; no push attempt when the hub is unreachable
     if args.process_index == 0:
@@ -63,7 +72,7 @@ def run(recipe):
         peft_config=models.lora_config(recipe, added_tokens, model),
         callbacks=[load_probe := backends.load_memory_probe(), precision := backends.precision_probe(recipe),
                    throughput := metrics.ThroughputCallback(peak_tflops=recipe.launch.peak_tflops),
-                   guard := checkpoints.nonfinite_guard(recipe.run.nan_patience)],
+                   guard := checkpoints.nonfinite_guard(recipe.run.nan_patience), life.callback()],
     )
     precision.trainer = trainer
     if recipe.model.use_peft_lora and args.process_index == 0:
@@ -71,9 +80,10 @@ def run(recipe):
     checkpoints.make_checkpoints_atomic(trainer)  # a marker written last; rotation never drops the last complete one
     backends.apply_precision_policy(trainer, recipe)  # trainable params fp32 under mixed precision (logged)
 
-    # 4. train, resuming from the checkpoint chosen above ('auto' = the latest complete one in output_dir)
+    # 4. train, resuming from the checkpoint chosen above ('auto' = the latest complete one in output_dir); a
+    #    preemption signal stops every rank after the same step with a complete checkpoint
     start = time.time()
-    trainer.train(resume_from_checkpoint=resume)
+    life.train(trainer, resume)
     seconds = time.time() - start
     if guard.stopped:  # nothing trained after this point is trustworthy: no final save
         last = checkpoints.latest_checkpoint(args.output_dir)
@@ -81,6 +91,7 @@ def run(recipe):
             f"training stopped: {guard.stopped}; the last good checkpoint is {last or 'none (no checkpoint was saved)'}; "
             "lower learning_rate or check the data, then resume_from_checkpoint: auto"
         )
+    life.stop_if_preempted(trainer)  # rank 0 writes preempted.json; main() exits 75
     backend = backends.describe_backend(trainer)  # before save/generate, which gather shards
     load_memory = backends.gather_load_memory(trainer.accelerator, rss_before, load_probe.at_first_step or rss_before)
 
@@ -131,10 +142,11 @@ def run(recipe):
             log.info("sample: %r -> %r (%s)", prompt[-1]["content"] if isinstance(prompt, list) else prompt, sample["reply"], stop)
         log.info("done: %d steps in %.1fs, loss %s -> %s, %d tensors saved to %s", summary["steps"], seconds,
                  summary["first_loss"], summary["last_loss"], n_tensors, args.output_dir)
+    life.finish(trainer.state.global_step)  # final.complete.json: resume 'auto' on this folder has nothing to do
     return trainer, summary
 
 
-def leave_process_group() -> None:
+def leave_process_group(code: int = 0) -> int:
     """Ranks that exit with the process group alive can abort in teardown ("terminate called without an active
     exception", seen on a QLoRA+FSDP twin), failing a run that had finished. Called by main(), not run(): callers of
     run() may still need the group (an in-run merge under ZeRO-3)."""
@@ -147,7 +159,8 @@ def leave_process_group() -> None:
         # is written and closed by now, so a distributed rank ends without running those destructors
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(code)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,15 +170,22 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     try:
-        run(load_recipe(argv))
-        leave_process_group()
+        recipe = load_recipe(argv)
+        with lifecycle.RunLife(recipe) as life:  # dies with its launcher; main process: lock, or a finished run's no-op
+            if life.finished:
+                return 0
+            run(recipe, life)
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except TrainingStopped as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    return 0
+    except lifecycle.Preempted as e:
+        if os.environ.get("RANK", "0") == "0":
+            log.warning("%s", e)
+        return leave_process_group(lifecycle.preempted_exit_code())
+    return leave_process_group(0)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import logging
 import os
 
 from .recipe import Recipe, RecipeError
+from .schema import TRL_DEFAULTS
 
 log = logging.getLogger("sftrecipes")
 
@@ -92,6 +93,8 @@ def check_launcher_matches(recipe: Recipe) -> None:
 def training_kwargs(recipe: Recipe, target: str) -> dict:
     """The SFTConfig keyword arguments: the recipe's explicit TRL keys plus what the project derives."""
     kw = {k: v for k, v in recipe.trl.items() if k not in CONSUMED_BY_PIPELINE}
+    for key in TRL_DEFAULTS:  # the project's own defaults for a few TRL keys (schema.TRL_DEFAULTS)
+        kw.setdefault(key, recipe.trl_value(key))
     # transformers 5 renamed gradient_checkpointing* to activation_checkpointing*; pass the new names only.
     kw.pop("gradient_checkpointing", None)
     kw["activation_checkpointing"] = recipe.gradient_checkpointing

@@ -591,9 +591,14 @@ def validate(r: Recipe) -> None:
     for key in ("per_device_train_batch_size", "gradient_accumulation_steps"):
         if r.trl_value(key) < 1:
             raise RecipeError(f"{key}: must be >= 1, got {r.trl_value(key)}")
-    for key in ("sample_max_new_tokens", "nan_patience"):
+    for key in ("sample_max_new_tokens", "nan_patience", "heartbeat_timeout"):
         if getattr(r.run, key) < 0:
             raise RecipeError(f"{key}: must be >= 0, got {getattr(r.run, key)}")
+    if r.run.preempt_timeout < 1:
+        raise RecipeError(f"preempt_timeout: must be >= 1 (seconds a preempted run may take to save), got {r.run.preempt_timeout}")
+    if r.trl.get("enable_jit_checkpoint"):
+        raise RecipeError("enable_jit_checkpoint: the run handles SIGTERM/SIGUSR1 itself (every rank stops after the same "
+                          "step and saves a complete checkpoint; docs/reliability.md); remove the key")
     for key in ("num_machines", "gpus_per_node", "cpu_threads"):
         if getattr(L, key) < 1:
             raise RecipeError(f"launch.{key}: must be >= 1, got {getattr(L, key)}")

@@ -188,6 +188,24 @@ class RunOptions:
         "Stop when the logged loss or gradient norm has been NaN/inf this many times in a row beyond the first (0: at "
         "the first). The final model is then not saved; the last good checkpoint stays, and the run exits 1 naming it.",
     )
+    preempt_timeout: int = opt(
+        1800,
+        "Seconds a preempted run (SIGTERM or SIGUSR1 to `launch`) may take to finish its optimizer step and save a "
+        "checkpoint before `launch` kills it (exit 1); also torch's TORCH_ELASTIC_SHUTDOWN_TIMEOUT, so its agent does not "
+        "SIGKILL the ranks mid-save. Leave room for the slowest save: a 70B full fine-tune writes ~1 TB of optimizer state.",
+    )
+    heartbeat_timeout: int = opt(
+        120,
+        "Multi-process runs: every rank rewrites <output_dir>/.sftrecipes/heartbeat/rank-N.json from a thread every "
+        "heartbeat_timeout/10 s (0.5 to 5 s); a rank whose file has not changed for this many seconds (stopped, dead, "
+        "its host cut off) ends the run with exit 1 and a line naming its rank, host and pid, within heartbeat_timeout + "
+        "2 beats instead of the collective timeout (ddp_timeout). 0 turns it off.",
+    )
+    force_lock: bool = opt(
+        False,
+        "Take over the output_dir lock (.sftrecipes.lock) held by a run on another host (a shared filesystem), e.g. one "
+        "that crashed there. A holder alive on this host is never overridden; a dead one is taken over without this.",
+    )
 
 
 @dataclass
@@ -241,6 +259,13 @@ class LaunchOptions:
 
 SECTIONS: dict[str, type] = {"model": ModelOptions, "data": DataOptions, "run": RunOptions}
 NESTED: dict[str, type] = {"launch": LaunchOptions}
+
+# TRL/transformers keys whose default the project sets (key -> (default, why)); shown in --help and docs/options.md.
+TRL_DEFAULTS: dict[str, tuple[Any, str]] = {
+    "ddp_timeout": (900, "sftrecipes' default: 15 minutes, not transformers' 30, so that a rank stuck outside a "
+                    "collective ends the run sooner (a stopped or dead rank: heartbeat_timeout). Raise it when rank 0 "
+                    "alone prepares a large dataset or reads a 70B checkpoint from slow storage for longer."),
+}
 
 # Keys renamed upstream or spelled differently by the PEFT guide / older TRL. They are accepted and mapped;
 # `Recipe.renamed` lists them so the run can say so.
@@ -465,7 +490,8 @@ def all_options() -> dict[str, Option]:
     if _ALL is None:
         table: dict[str, Option] = {}
         for row in load_trl_snapshot()["options"]:
-            table[row["name"]] = Option(row["name"], row["kind"], row["default"], row["help"],
+            default, help_ = TRL_DEFAULTS.get(row["name"], (row["default"], None))
+            table[row["name"]] = Option(row["name"], row["kind"], default, " ".join(filter(None, [row["help"], help_])),
                                         tuple(row["choices"]) if row["choices"] else None, row["nullable"], "trl")
         for row in load_peft_snapshot()["options"]:
             if row["name"] in PEFT_NOT_EXPOSED:

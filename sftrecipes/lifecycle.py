@@ -1,0 +1,569 @@
+"""The life of a run's processes around training: one run per output_dir (its lock), preemption signals, death with
+the launcher, heartbeats that end a run whose rank froze.
+
+    RunLife(recipe)      one process of a run, from start to exit (train.py: `with RunLife(recipe) as life`)
+    take_lock/check_lock <output_dir>/.sftrecipes.lock: host, pid, start time of the run that holds the folder
+    die_with_parent()    a rank (or launch's agent) is SIGKILLed by Linux when the process that started it dies
+    Watch                reads the ranks' heartbeat files; who has not beaten for heartbeat_timeout seconds
+
+The exit codes of a run: 0 done, 1 training failed, 2 bad input, 75 preempted (a complete checkpoint was saved; resume
+with resume_from_checkpoint: auto). See docs/reliability.md for what each piece guarantees and the test that shows it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+
+from .recipe import Recipe, RecipeError
+
+log = logging.getLogger("sftrecipes")
+
+LOCK = ".sftrecipes.lock"
+LOCK_ENV = "SFTRECIPES_LOCK"  # the token of the lock `launch` took for the ranks it starts
+SUPERVISED_ENV = "SFTRECIPES_SUPERVISED"  # set by `launch` for its ranks: it turns their preemption into exit 75 itself
+PREEMPTED = "preempted.json"
+EXIT_PREEMPTED = 75
+HEARTBEATS = ".sftrecipes/heartbeat"
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+_RECORD = 256  # bytes of one heartbeat record, rewritten in place
+
+
+class LockHeld(RecipeError):
+    """Another run holds the output_dir (one line naming it; exit 2)."""
+
+
+class Preempted(Exception):
+    """The run stopped on a preemption signal after saving a complete checkpoint (exit 75)."""
+
+
+class AlreadyTrained(Exception):
+    """The checkpoint resumed from is at max_steps: only the final save is left to do."""
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).astimezone().isoformat(timespec="seconds")
+
+
+def output_dir(recipe: Recipe) -> Path:
+    return Path(recipe.trl.get("output_dir") or "trainer_output")  # transformers' default when unset
+
+
+def _stat(pid: int) -> list[str] | None:
+    """Fields of /proc/<pid>/stat after the command name (state first), None when there is no such process."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def proc_start(pid: int) -> int | None:
+    """When the process started (clock ticks since boot): a pid and its start time name one process, even after the
+    pid is reused. None when there is no such process."""
+    fields = _stat(pid)
+    return int(fields[19]) if fields else None
+
+
+def proc_state(pid: int) -> str:
+    """'stopped', 'gone' or 'running' (a zombie is gone: it runs nothing)."""
+    fields = _stat(pid)
+    if not fields or fields[0] in ("Z", "X"):
+        return "gone"
+    return "stopped" if fields[0] in ("T", "t") else "running"
+
+
+# ----------------------------------------------------------------------------------------------- the lock
+
+
+def read_lock(out: Path) -> dict | None:
+    """The holder recorded in <out>/.sftrecipes.lock; None when there is no lock, {} when it is unreadable."""
+    try:
+        held = json.loads((out / LOCK).read_text())
+        return held if isinstance(held, dict) else {}
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}
+
+
+def describe(held: dict) -> str:
+    return f"host {held.get('host')}, pid {held.get('pid')}, since {held.get('since')}"
+
+
+def _holder_state(held: dict) -> str:
+    """'live' or 'dead' for a holder on this host, 'elsewhere' for another host, 'unreadable'."""
+    if not held.get("host") or not isinstance(held.get("pid"), int):
+        return "unreadable"
+    if held["host"] != socket.gethostname():
+        return "elsewhere"
+    start = proc_start(held["pid"])
+    if start is None or proc_state(held["pid"]) == "gone" or (held.get("pid_start") not in (None, start)):
+        return "dead"
+    return "live"
+
+
+def _refuse_or_reason(out: Path, held: dict, force: bool) -> str:
+    """Why a lock may be taken over ('its process is gone', 'force_lock'), or LockHeld naming its holder."""
+    state = _holder_state(held)
+    if state == "dead":
+        return "its process is gone"
+    if state == "live":
+        raise LockHeld(f"output_dir: {out} is in use by another run ({describe(held)}); wait for it to end, or set "
+                       "another output_dir")
+    if force:
+        return "force_lock: true"
+    if state == "elsewhere":
+        raise LockHeld(f"output_dir: {out} is locked by a run on another host ({describe(held)}); if that run is over "
+                       "(a crash leaves its lock), set force_lock: true, else wait for it or set another output_dir")
+    raise LockHeld(f"output_dir: {out / LOCK} is unreadable; if no run uses {out}, set force_lock: true (or delete the file)")
+
+
+class Lock:
+    """The lock this process took on an output_dir (`created`: the folders taking it created, deepest first)."""
+
+    def __init__(self, path: Path, token: str, created: list[Path] | None = None):
+        self.path, self.token, self.created = path, token, created or []
+
+    def release(self) -> None:
+        """Remove the lock file if it is still ours (a run that took it over after a crash keeps its own), and the
+        folders taking it created if they are empty again: a run that failed before writing leaves nothing."""
+        if (read_lock(self.path.parent) or {}).get("token") == self.token:
+            self.path.unlink(missing_ok=True)
+        for folder in self.created:
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+
+
+def check_lock(out: Path, force: bool = False, token: str | None = None) -> None:
+    """Read-only: LockHeld unless output_dir is free, held by the run `token` names, or held by a dead run."""
+    held = read_lock(out)
+    if held is not None and not (token and held.get("token") == token):
+        _refuse_or_reason(out, held, force)
+
+
+def take_lock(out: Path, force: bool = False) -> Lock:
+    """Take <out>/.sftrecipes.lock for this process (host, pid, its start time, since). Atomic: the record is written
+    to a file of its own and hard-linked into place, which fails when the lock exists. A stale lock (holder dead on
+    this host; another host's with force) is moved aside and taken over, with a log line."""
+    created, p = [], out.absolute()
+    while not p.exists():
+        created.append(p)
+        p = p.parent
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RecipeError(f"output_dir: cannot create '{out}' ({e.strerror}); set output_dir to a writable folder") from None
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": proc_start(os.getpid()), "since": now_iso(),
+          "token": uuid.uuid4().hex, "command": " ".join(sys.argv[:4])}
+    path, tmp, aside = out / LOCK, out / f"{LOCK}.{me['token']}", out / f"{LOCK}.{me['token']}.stale"
+    tmp.write_text(json.dumps(me))
+    try:
+        for _ in range(10):
+            try:
+                os.link(tmp, path)
+                return Lock(path, me["token"], created)
+            except FileExistsError:
+                pass
+            except OSError:  # a filesystem without hard links: exclusive create (a reader may see it empty briefly)
+                try:
+                    with open(path, "x") as f:
+                        f.write(json.dumps(me))
+                    return Lock(path, me["token"], created)
+                except FileExistsError:
+                    pass
+            held = read_lock(out)
+            if held is None:
+                continue  # released meanwhile
+            why = _refuse_or_reason(out, held, force)
+            try:
+                os.rename(path, aside)  # one taker wins the rename
+            except FileNotFoundError:
+                continue
+            if read_lock_file(aside) != held:  # another run took it over first: we moved its live lock, put it back
+                try:
+                    os.link(aside, path)
+                except FileExistsError:
+                    pass
+                aside.unlink(missing_ok=True)
+                continue
+            aside.unlink(missing_ok=True)
+            log.warning("lock: taking over %s from %s (%s)", path, describe(held), why)
+        raise RecipeError(f"output_dir: could not take the lock {path}: other runs keep taking it; start one run per output_dir")
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def read_lock_file(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+# ----------------------------------------------------------------------------------------------- processes
+
+
+def die_with_parent(parent: int | None = None) -> None:
+    """Ask Linux to SIGKILL this process when the thread that started it ends (prctl PR_SET_PDEATHSIG), then make
+    sure that parent was still there when asked (`parent`: its pid, read before). Nothing elsewhere than Linux."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes  # noqa: PLC0415
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    if parent is not None and os.getppid() != parent:
+        os._exit(1)
+
+
+def preempted_exit_code() -> int:
+    """75, or 0 for a rank `launch` supervises (it reports 75 itself; torch's agent would print a failure for 75)."""
+    return 0 if os.environ.get(SUPERVISED_ENV) else EXIT_PREEMPTED
+
+
+def write_preempted(out: Path, step: int, signame: str, checkpoint: str | None) -> None:
+    record = {"step": step, "signal": signame, "checkpoint": checkpoint, "time": now_iso()}
+    tmp = out / (PREEMPTED + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(out / PREEMPTED)
+
+
+def read_preempted(out: Path, since: float | None = None) -> dict | None:
+    """<out>/preempted.json, if written at or after `since` (a Unix time; whole seconds)."""
+    record = read_lock_file(out / PREEMPTED)
+    if not record:
+        return None
+    if since is not None:
+        try:
+            if datetime.fromisoformat(record["time"]).timestamp() < int(since):
+                return None
+        except (KeyError, TypeError, ValueError):
+            return None
+    return record
+
+
+# ----------------------------------------------------------------------------------------------- heartbeats
+
+
+class Heartbeat:
+    """This rank's heartbeat file, rewritten in place (same inode, closed after each write: readers on a shared
+    filesystem see it at their next open) with a counter that changes at every beat."""
+
+    def __init__(self, folder: Path, rank: int):
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path, self.rank, self.count = folder / f"rank-{rank}.json", rank, 0
+        self.path.write_bytes(self._record(0))
+
+    def _record(self, step: int) -> bytes:
+        rec = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "beat": self.count, "step": step,
+               "time": round(time.time(), 1)}
+        return json.dumps(rec).ljust(_RECORD).encode()
+
+    def beat(self, step: int) -> None:
+        self.count += 1
+        with open(self.path, "r+b") as f:
+            f.write(self._record(step))
+
+
+class Watch:
+    """Who has stopped beating. A rank is judged only after its counter was seen to change once (a file left by an
+    earlier run never changes and is never judged), then when it has not changed for `timeout` seconds of the
+    watcher's own clock (no comparison of clocks across hosts)."""
+
+    def __init__(self, folder: Path, timeout: float, own_rank: int | None = None):
+        self.folder, self.timeout, self.own = folder, timeout, own_rank
+        self.seen: dict[int, dict] = {}  # rank -> pid, beat, when it last changed, whether it ever changed
+
+    def stale(self, now: float | None = None) -> list[dict]:
+        now = time.monotonic() if now is None else now
+        out = []
+        for f in sorted(self.folder.glob("rank-*.json")) if self.folder.is_dir() else []:
+            try:
+                rec = json.loads(f.read_bytes())
+                rank, pid, beat = int(rec["rank"]), int(rec["pid"]), int(rec["beat"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # vanished, or read half-written
+            if rank == self.own:
+                continue
+            s = self.seen.get(rank)
+            if s is None or s["pid"] != pid:
+                self.seen[rank] = {"pid": pid, "beat": beat, "changed": now, "alive": False}
+            elif s["beat"] != beat:
+                s.update(beat=beat, changed=now, alive=True)
+            elif s["alive"] and now - s["changed"] >= self.timeout:
+                out.append({**rec, "silent": now - s["changed"]})
+        return out
+
+
+def describe_silent(rec: dict, timeout: float) -> str:
+    here = rec.get("host") == socket.gethostname()
+    state = {"stopped": "its process is stopped", "gone": "its process is gone", "running": "its process is stuck"}[
+        proc_state(int(rec["pid"]))] if here else "no news from its host"
+    return (f"heartbeat: rank {rec['rank']} (host {rec['host']}, pid {rec['pid']}) has not beaten for {rec['silent']:.0f}s "
+            f"({state}; last at step {rec.get('step')}); ending the run (heartbeat_timeout {timeout:g}s)")
+
+
+def beat_interval(timeout: float) -> float:
+    return min(max(timeout / 10, 0.5), 5.0)
+
+
+# ----------------------------------------------------------------------------------------------- one process of a run
+
+_PIPE: list[int] = []  # read and write end of the pipe Python's C signal handler writes signal numbers into
+
+
+def hold_signals() -> None:
+    """From now on SIGTERM/SIGUSR1 do not end this process: their numbers queue in a pipe (signal.set_wakeup_fd,
+    written by the C handler, so nothing waits for the main thread) until a RunLife thread reads them. train.py calls
+    it first thing, so a rank signalled while it starts does not die of SIGTERM's default action nor miss SIGUSR1
+    (ignored by torch's agent under `launch`, and inherited so)."""
+    if _PIPE:
+        return
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    os.set_blocking(w, False)
+    _PIPE[:] = [r, w]
+    for s in PREEMPT_SIGNALS:
+        signal.signal(s, lambda *_: None)
+    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+
+
+def release_signals() -> None:
+    if _PIPE:
+        signal.set_wakeup_fd(-1)
+        for s in PREEMPT_SIGNALS:
+            signal.signal(s, signal.SIG_DFL)
+        for fd in _PIPE:
+            os.close(fd)
+        _PIPE.clear()
+
+
+
+class RunLife:
+    """One process of a run, from start to exit (a context manager around train.py's work).
+
+    On entry: a rank started by a launcher dies with it (die_with_parent); SIGTERM/SIGUSR1 are taken over by a thread
+    (signal.set_wakeup_fd: it acts even while the main thread is blocked in C++, e.g. a collective); the main process
+    checks the lock (another live run: LockHeld, exit 2), sees whether resume 'auto' finds a finished run (then
+    `finished` holds the line to print, and nothing is written), else takes the lock (or finds the one `launch` took
+    for it). A preemption signal before training ends the process at once (exit 75; nothing to save), during training
+    it stops every rank after the same optimizer step with a checkpoint (callback()), during the final save it is
+    noted and the save goes on. started() begins the heartbeats once every rank is up. On exit: the lock is released.
+    """
+
+    def __init__(self, recipe: Recipe):
+        self.recipe, self.out = recipe, output_dir(recipe)
+        self.rank, self.world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        self.timeout = recipe.run.heartbeat_timeout
+        self.finished: str | None = None
+        self.lock: Lock | None = None
+        self.owns = False  # the main process, once the output_dir is this run's
+        self.phase = "setup"  # setup -> training -> finishing
+        self.signal = 0  # the first preemption signal this process received
+        self.stopped_by = 0  # the signal every rank agreed to stop on (callback)
+        self.step = 0
+        self._parent = None
+        self._heart: Heartbeat | None = None
+        self._watch: Watch | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # --- entry / exit
+
+    def __enter__(self) -> RunLife:
+        if "LOCAL_RANK" in os.environ:  # started by a launcher (torch's agent): end with it, whatever kills it
+            self._parent = os.getppid()
+            die_with_parent(self._parent)
+        hold_signals()
+        try:
+            if self.rank == 0:
+                inherited = os.environ.get(LOCK_ENV)
+                check_lock(self.out, self.recipe.run.force_lock, inherited)
+            from .checkpoints import finished_run  # noqa: PLC0415
+
+            self.finished = finished_run(self.recipe)
+            if self.finished:
+                log.info("%s", self.finished)
+                return self
+            if self.rank == 0:
+                if not (inherited and (read_lock(self.out) or {}).get("token") == inherited):
+                    self.lock = take_lock(self.out, self.recipe.run.force_lock)
+                self.owns = True
+        except BaseException:
+            self._shutdown()
+            raise
+        self._thread = threading.Thread(target=self._loop, name="sftrecipes-life", daemon=True)
+        self._thread.start()  # (a signal received so far waits in the pipe: it is handled now, the lock known)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+        release_signals()
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def _exit(self, code: int) -> None:
+        """End this process now, from the watcher thread: the lock released, the log flushed."""
+        if self.lock is not None:
+            self.lock.release()
+        for h in logging.getLogger().handlers + log.handlers:
+            h.flush()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    # --- the watcher thread: signals, parent, heartbeats
+
+    def _loop(self) -> None:
+        r = _PIPE[0]
+        while not self._stop.is_set():
+            interval = beat_interval(self.timeout) if self._heart else 1.0
+            ready, _, _ = select.select([r], [], [], interval)
+            if ready:
+                try:
+                    data = os.read(r, 64)
+                except BlockingIOError:
+                    data = b""
+                for signum in data:
+                    if signum in PREEMPT_SIGNALS:
+                        self._on_signal(signal.Signals(signum))
+            if self._parent is not None and os.getppid() != self._parent:
+                log.error("the launcher that started this rank is gone (parent %d); exiting", self._parent)
+                self._exit(1)
+            if self._heart is not None and not self._stop.is_set():
+                try:
+                    self._heart.beat(self.step)
+                except OSError as e:
+                    log.warning("heartbeat: cannot write %s (%s)", self._heart.path, e.strerror)
+                stale = self._watch.stale()
+                if stale and not self._stop.is_set():
+                    for rec in stale:
+                        log.error("%s", describe_silent(rec, self.timeout))
+                    for rec in stale:  # a frozen rank on this host ends too (SIGKILL reaches a stopped process)
+                        if rec["host"] == socket.gethostname():
+                            try:
+                                os.kill(int(rec["pid"]), signal.SIGKILL)
+                            except OSError:
+                                pass
+                    self._exit(1)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        if self.phase == "setup":
+            from .checkpoints import latest_checkpoint  # noqa: PLC0415
+
+            if self.owns:
+                last = latest_checkpoint(self.out)
+                write_preempted(self.out, int(last.name.rsplit("-", 1)[-1]) if last else 0, sig.name, str(last) if last else None)
+            log.warning("preemption: %s before training started: nothing to save; exiting (resume_from_checkpoint: auto "
+                        "starts again from the latest complete checkpoint)", sig.name)
+            self._exit(preempted_exit_code())
+        elif self.phase == "training":
+            if not self.signal:
+                self.signal = int(sig)
+                log.warning("preemption: %s: every rank finishes its current optimizer step, saves a checkpoint, exits",
+                            sig.name)
+        else:
+            log.warning("preemption: %s during the final save: finishing it", sig.name)
+
+    # --- during the run
+
+    def started(self, args) -> None:
+        """Once the process group is up: a barrier (past it, every rank knows the main process holds the lock, so
+        nothing is written into another run's folder), the heartbeats, and a finished run's marker forgotten (this
+        run changes the folder)."""
+        if self.world > 1:
+            import torch.distributed as dist  # noqa: PLC0415
+
+            if args.world_size > 1:
+                dist.barrier()
+            if self.timeout > 0 and self._thread is not None:  # (a RunLife that was not entered has no thread)
+                self._heart = Heartbeat(self.out / HEARTBEATS, self.rank)
+                self._watch = Watch(self.out / HEARTBEATS, self.timeout, own_rank=self.rank)
+        if self.owns:
+            from .checkpoints import forget_finished  # noqa: PLC0415
+
+            forget_finished(self.out)
+
+    def callback(self):
+        """TrainerCallback: at each optimizer step's end the ranks agree (all-reduce of the signal number) whether to
+        stop; if so they save checkpoint-<step> (with its marker) and the loop ends. At train begin, a checkpoint
+        already at max_steps raises AlreadyTrained (transformers would train one step more)."""
+        from transformers import TrainerCallback  # noqa: PLC0415
+
+        life = self
+
+        class Preemption(TrainerCallback):
+            def on_train_begin(self, args, state, control, **kwargs):
+                if state.max_steps > 0 and state.global_step >= state.max_steps:
+                    life.phase = "finishing"
+                    raise AlreadyTrained(state.global_step)
+                life.phase = "training"
+
+            def on_step_end(self, args, state, control, **kwargs):
+                life.step = state.global_step
+                sig = life.signal
+                if life.world > 1:
+                    import torch  # noqa: PLC0415
+                    import torch.distributed as dist  # noqa: PLC0415
+
+                    flag = torch.tensor([sig], dtype=torch.int64, device=args.device)
+                    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                    sig = int(flag.item())
+                if sig and state.global_step < state.max_steps:
+                    life.stopped_by = sig
+                    control.should_save = True
+                    control.should_training_stop = True
+
+            def on_train_end(self, args, state, control, **kwargs):
+                life.phase = "finishing"
+
+        return Preemption()
+
+    def train(self, trainer, resume: str | None) -> None:
+        """trainer.train, resuming; a run whose checkpoint is already at max_steps goes straight to its final save."""
+        try:
+            trainer.train(resume_from_checkpoint=resume)
+        except AlreadyTrained as e:
+            log.info("resume: %s is at max_steps (step %s): training is complete; only the final save is left", resume, e)
+
+    def stop_if_preempted(self, trainer) -> None:
+        """After a preemption stop: rank 0 records preempted.json (the checkpoint is complete by now), then every
+        rank raises Preempted."""
+        if not self.stopped_by:
+            return
+        from .checkpoints import is_complete  # noqa: PLC0415
+
+        step = trainer.state.global_step
+        ckpt = self.out / f"checkpoint-{step}"
+        name = signal.Signals(self.stopped_by).name
+        if not is_complete(ckpt):
+            raise RuntimeError(f"preemption: {name} at step {step}, but {ckpt} is not complete; the latest complete checkpoint stays")
+        if self.owns:
+            write_preempted(self.out, step, name, str(ckpt))
+        trainer.accelerator.wait_for_everyone()
+        raise Preempted(f"preempted by {name} at step {step}: {ckpt} is complete; resume with resume_from_checkpoint: auto")
+
+    def finish(self, step: int) -> None:
+        """The run is complete (final save checked, summary written): mark it finished, drop a preemption record."""
+        if self.owns:
+            from .checkpoints import mark_finished  # noqa: PLC0415
+
+            (self.out / PREEMPTED).unlink(missing_ok=True)
+            mark_finished(self.out, step)
