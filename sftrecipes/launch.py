@@ -1,5 +1,6 @@
-"""Starting any recipe: `launch` (its accelerate config rendered from the recipe + flags, pre-flight, exec), `cp` (a
-copy that works outside the repository) and `emit` (checked-in files that call `launch` for the shipped recipes).
+"""Starting any recipe: `launch` (its accelerate config rendered from the recipe + flags, pre-flight, the run's
+processes supervised), `cp` (a copy that works outside the repository) and `emit` (checked-in files that call
+`launch` for the shipped recipes).
 
     python -m sftrecipes launch RECIPE [--key value ...] [--dry-run] [--force]   start it on the processes it names
     python -m sftrecipes cp tiny/ddp my-ddp.yaml [--force]                          copy a recipe to edit and launch
@@ -26,16 +27,20 @@ import difflib
 import os
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
+from . import lifecycle
 from .backends import accelerate_config, launcher_env, preflight
+from .checkpoints import finished_run
 from .recipe import ALIASES, PATH_OPTIONS, Recipe, RecipeError, from_repo_root, is_shipped, load_recipe, parse_argv
 from .tiny import ROOT
 
@@ -267,6 +272,7 @@ class Launch:
     config: dict | None = None
     config_path: Path | None = None
     topology: str = "1 process"
+    machine_rank: int = 0
 
 
 def self_command() -> list[str]:
@@ -361,7 +367,7 @@ def launch_command(args: list[str], environ: Mapping[str, str] | None = None) ->
     where = (f"{L.backend}, {world} process(es) on {L.num_machines} machine(s); this is machine {rank}, main process at "
              f"{address}:{port}")
     config = {**accelerate_config(recipe), "main_process_port": port}  # the port this run really uses
-    return Launch(argv, env, recipe, config, config_path, where)
+    return Launch(argv, env, recipe, config, config_path, where, rank)
 
 
 def write_launch_config(run: Launch) -> Path:
@@ -381,8 +387,11 @@ def write_launch_config(run: Launch) -> Path:
 
 
 def launch_main(argv: list[str]) -> int:
-    """`launch RECIPE [--key value ...] [--dry-run] [--force]`: pre-flight, config, then exec the command (so signals
-    reach accelerate directly). --dry-run prints the environment and the command (stdout) and starts nothing."""
+    """`launch RECIPE [--key value ...] [--dry-run] [--force]`: the output_dir's lock (another run: exit 2), a finished
+    run's no-op (resume 'auto': exit 0, nothing written), pre-flight, config, then the run: one plain process is exec'd
+    (it is the run: signals reach it, its exit code is the command's); accelerate runs as a child that `supervise`
+    stands guard over. Exit codes: 0 done, 1 training failed, 2 bad input, 75 preempted (resumable). --dry-run prints
+    the environment and the command (stdout) and starts nothing."""
     dry_run, force = "--dry-run" in argv, "--force" in argv
     run = launch_command([a for a in argv if a not in ("--dry-run", "--force")])
     if dry_run:
@@ -394,14 +403,141 @@ def launch_main(argv: list[str]) -> int:
                   f"{run.config_path}:", file=sys.stderr)
             print("\n".join("#   " + line for line in yaml.safe_dump(run.config, sort_keys=True).splitlines()), file=sys.stderr)
         return 0
+    out, main_machine = lifecycle.output_dir(run.recipe), run.machine_rank == 0
+    if main_machine:  # (other machines cannot tell their own job's lock from another's: machine 0 guards the folder)
+        lifecycle.check_lock(out, run.recipe.run.force_lock)
+    done = finished_run(run.recipe)
+    if done:
+        print(done, file=sys.stderr)
+        return 0
     print(preflight(run.recipe, force=force))  # exit 2 with the reason (memory plan, GPUs)
-    if run.config is not None:
+    if run.config is None:  # one plain process: train.py takes the lock itself (same pid after exec)
+        print(f"launch: {run.topology}: {shlex.join(run.argv)}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(run.argv[0], run.argv, {**os.environ, **run.env})
+    lock = lifecycle.take_lock(out, run.recipe.run.force_lock) if main_machine else None  # before anything is written
+    try:
         write_launch_config(run)
-    print(f"launch: {run.topology}: {shlex.join(run.argv)}", file=sys.stderr)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(run.argv[0], run.argv, {**os.environ, **run.env})
-    return 1  # not reached
+        print(f"launch: {run.topology}: {shlex.join(run.argv)}", file=sys.stderr)
+        return supervise(run, lock)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _ranks(agent: int) -> list:
+    """The processes torch's agent started (the ranks), each in a session of its own."""
+    import psutil  # noqa: PLC0415
+
+    try:
+        return psutil.Process(agent).children()
+    except psutil.Error:
+        return []
+
+
+def _started(proc) -> float:
+    try:
+        return proc.create_time()
+    except Exception:  # noqa: BLE001 - gone meanwhile
+        return 0.0
+
+
+def _signal_all(procs: list, sig: int) -> None:
+    for p in procs:
+        try:
+            p.send_signal(sig)
+        except Exception:  # noqa: BLE001 - gone meanwhile (psutil.NoSuchProcess) or not ours
+            pass
+
+
+def _kill_run(agent: subprocess.Popen, why: str, code: int = 1) -> int:
+    print(f"launch: {why}", file=sys.stderr, flush=True)
+    _signal_all(_ranks(agent.pid), signal.SIGKILL)
+    agent.kill()
+    agent.wait()
+    return code
+
+
+def _agent_setup(parent: int):
+    """Runs in the agent's process before exec: SIGKILL when `launch` dies (its ranks follow: they ask the same of the
+    agent), and SIGUSR1 ignored (torch's agent would die on it and orphan the ranks; `launch` translates it)."""
+    def setup():
+        lifecycle.die_with_parent(parent)
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    return setup
+
+
+def supervise(run: Launch, lock: lifecycle.Lock | None = None) -> int:
+    """Run accelerate's launcher (torch's elastic agent) as a child in a session of its own and stand between it and
+    the signals a user or scheduler sends this command:
+
+    - SIGTERM, SIGUSR1, SIGINT, SIGHUP: the ranks are asked to stop (SIGTERM/SIGUSR1 as received, the others as
+      SIGTERM): each finishes its optimizer step, they save a complete checkpoint together and exit; rank 0 writes
+      preempted.json; this command exits 75. If they have not ended within preempt_timeout, or at a second Ctrl-C,
+      everything is killed (exit 1, 130).
+    - SIGKILL of this command: Linux kills the agent (die_with_parent), whose ranks die with it the same way.
+    - A rank whose heartbeat stopped (heartbeat_timeout; any host: the files are in output_dir) ends this node's part
+      of the run with a line naming it (exit 1); the ranks also watch each other, for launchers other than this one.
+    Returns the exit code: 75 when preempted.json was written during this run, else the agent's 0, else 1."""
+    recipe = run.recipe
+    out, timeout = lifecycle.output_dir(recipe), recipe.run.preempt_timeout
+    env = {**os.environ, **run.env, lifecycle.SUPERVISED_ENV: "1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(timeout)}
+    if lock is not None:
+        env[lifecycle.LOCK_ENV] = lock.token
+    asked: list[int] = []
+    handlers = {s: signal.signal(s, lambda sig, _frame: asked.append(sig))
+                for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)}
+    started = time.time()
+    try:
+        agent = subprocess.Popen(run.argv, env=env, start_new_session=True, preexec_fn=_agent_setup(os.getpid()))
+    except BaseException:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+        raise
+    watch = lifecycle.Watch(out / lifecycle.HEARTBEATS, recipe.run.heartbeat_timeout) if recipe.run.heartbeat_timeout else None
+    handled, deadline, code, asked_ranks = 0, None, None, set()
+    try:
+        while True:
+            try:
+                code = agent.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            for sig in asked[handled:]:
+                handled += 1
+                if deadline is None:
+                    deadline = time.time() + timeout
+                    print(f"launch: {signal.Signals(sig).name}: asking the ranks to finish their step, save a checkpoint and "
+                          f"exit (up to preempt_timeout {timeout}s)", file=sys.stderr, flush=True)
+                elif sig == signal.SIGINT:
+                    return _kill_run(agent, "second SIGINT: killing the run now (no checkpoint)", 130)
+            if deadline is not None:  # every rank once, also one the agent starts later (once its handlers are set)
+                forward = asked[0] if asked[0] in (signal.SIGTERM, signal.SIGUSR1) else signal.SIGTERM
+                young = time.time() - 2.0
+                ranks = [p for p in _ranks(agent.pid) if p.pid not in asked_ranks and _started(p) < young]
+                _signal_all(ranks, forward)
+                asked_ranks.update(p.pid for p in ranks)
+                if time.time() > deadline:
+                    return _kill_run(agent, f"the ranks did not save and exit within preempt_timeout {timeout}s; killing "
+                                     "them (the latest complete checkpoint stays; raise preempt_timeout if saves take longer)")
+            stale = watch.stale() if watch else []
+            if stale:  # a rank stopped beating: collectives cannot complete; end this node's part now
+                return _kill_run(agent, "\nlaunch: ".join(lifecycle.describe_silent(r, recipe.run.heartbeat_timeout) for r in stale))
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    record = lifecycle.read_preempted(out, since=started)
+    if record:
+        print(f"launch: preempted by {record['signal']} at step {record['step']}: {record['checkpoint']} is complete; "
+              "resume with resume_from_checkpoint: auto (exit 75)", file=sys.stderr, flush=True)
+        return lifecycle.EXIT_PREEMPTED
+    if code == 0:
+        return 0
+    if asked:
+        print("launch: the ranks ended without saving a preemption checkpoint; the latest complete checkpoint stays",
+              file=sys.stderr, flush=True)
+    return 1
 
 
 # ----------------------------------------------------------------------------------------------- cp
