@@ -56,7 +56,10 @@ def probe_value(o):
     return make[o.kind]()
 
 
-TRL_KEYS = sorted(n for n, o in all_options().items() if o.owner == "trl" and n not in PIPELINE and o.kind != "object")
+# Refused with a one-line error (test_recipe.py), so they cannot be silently ignored either.
+REFUSED = {"enable_jit_checkpoint": "the run handles SIGTERM/SIGUSR1 itself (lifecycle.py); test_recipe.py::test_bad_recipe_is_one_line_error"}
+TRL_KEYS = sorted(n for n, o in all_options().items()
+                  if o.owner == "trl" and n not in PIPELINE and n not in REFUSED and o.kind != "object")
 
 
 @pytest.mark.parametrize("key", TRL_KEYS)
@@ -421,6 +424,35 @@ def obs_nan_patience(tiny_model, tmp_path):
         assert not control.should_training_stop
         guard.on_log(None, state, control, logs={"loss": 1.0, "grad_norm": float("nan")})
     assert control.should_training_stop and "nan_patience 2" in guard.stopped
+
+
+def obs_preempt_timeout(tiny_model, tmp_path):
+    from test_lifecycle import fake_agent_preemption
+
+    code, waited, agent_sees = fake_agent_preemption(tmp_path, preempt_timeout=2)  # a save that never comes
+    assert code == 1 and 2 <= waited < 4 and agent_sees == "2"
+
+
+def obs_heartbeat_timeout(tiny_model, tmp_path):
+    from sftrecipes import lifecycle
+
+    beat = lifecycle.Heartbeat(tmp_path, rank=1)
+    watch = lifecycle.Watch(tmp_path, recipe("--heartbeat_timeout", 5).run.heartbeat_timeout)
+    watch.stale(now=0)
+    beat.beat(step=1)
+    assert watch.stale(now=1) == [] and watch.stale(now=5.9) == [] and watch.stale(now=6)[0]["rank"] == 1
+
+
+def obs_force_lock(tiny_model, tmp_path):
+    import json
+
+    from sftrecipes import lifecycle
+
+    (tmp_path / lifecycle.LOCK).write_text(json.dumps({"host": "another-host", "pid": 1, "since": "then", "token": "t"}))
+    with pytest.raises(RecipeError, match="another host"):
+        lifecycle.take_lock(tmp_path, recipe().run.force_lock)
+    lifecycle.take_lock(tmp_path, recipe("--force_lock", True).run.force_lock)
+    assert json.loads((tmp_path / lifecycle.LOCK).read_text())["host"] != "another-host"
 
 
 OBSERVERS = {name[4:].replace("launch_", "launch."): fn for name, fn in globals().items() if name.startswith("obs_")}

@@ -1,52 +1,104 @@
-"""Exact resume: a run SIGKILLed at a random moment after a checkpoint, restarted with resume_from_checkpoint: auto,
-ends with the weights of an uninterrupted run — single process, DDP, ZeRO-3 and FSDP, on 2 CPU ranks.
+"""Exact resume through the command a user runs (`python -m sftrecipes launch RECIPE`), on a single process, DDP, ZeRO-3
+and FSDP with 2 CPU ranks. One chain per backend:
+
+1. straight: an uninterrupted run (the reference weights);
+2. killed: the launcher is SIGKILLed (its pid, as a user or scheduler kills it) at a random moment after a checkpoint;
+   every rank it started must be gone within seconds (they used to keep training into the same folder);
+3. resumed with resume_from_checkpoint: auto (the killed run's stale lock is taken over), then preempted with SIGTERM
+   or SIGUSR1 after a new checkpoint: every rank finishes its step, they save a complete checkpoint, exit 75,
+   preempted.json names it;
+4. resumed again: it ends with exactly the straight run's weights, and preempted.json is gone;
+5. started again: a finished run is a no-op (exit 0, every file in the folder untouched; it used to train a step more);
+6. (single process) the final save lost: resuming from the checkpoint at max_steps only saves, the same weights.
 
 Deterministic settings: fp32 (no autocast), fixed seed. Data order (the sampler's epoch/skip), RNG states (dropout:
 the LoRA twins keep lora_dropout > 0 on purpose), scheduler (linear decay) and optimizer are what resuming must
 restore; any of them missing changes the weights. The kill moment is random; its seed is printed.
 """
 
+import hashlib
+import json
 import os
 import random
 import signal
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, accelerate_command
+from conftest import ROOT
 
-CASES = {
-    "single": ["recipes/tiny/lora.yaml", "--lora_dropout", "0.1"],
-    "ddp": ["recipes/tiny/ddp.yaml"],
-    "zero3": ["recipes/tiny/zero3.yaml"],
-    "fsdp": ["recipes/tiny/fsdp.yaml"],
+CASES = {  # recipe + flags, the preemption signal
+    "single": (["recipes/tiny/lora.yaml", "--lora_dropout", "0.1"], signal.SIGTERM),
+    "ddp": (["recipes/tiny/ddp.yaml"], signal.SIGUSR1),
+    "zero3": (["recipes/tiny/zero3.yaml"], signal.SIGTERM),
+    "fsdp": (["recipes/tiny/fsdp.yaml"], signal.SIGUSR1),
 }
-COMMON = ["--max_steps", "12", "--save_strategy", "steps", "--save_steps", "2", "--logging_steps", "1",
+STEPS = 20  # (steps take ~0.1-0.3 s: a killed run may be several checkpoints further than asked)
+COMMON = ["--max_steps", str(STEPS), "--save_strategy", "steps", "--save_steps", "2", "--logging_steps", "1",
           "--lr_scheduler_type", "linear", "--learning_rate", "5e-3", "--bf16", "false", "--sample_max_new_tokens", "0"]
 
 
-def run(argv, out, kill_after_checkpoint: int | None = None, delay: float = 0.0) -> str:
-    cmd, env = accelerate_command(argv, out)
+def processes_of(out: Path) -> dict[int, list[str]]:
+    """pid -> command line of every live process whose command line names this output_dir: launch, torch's agent,
+    the ranks (zombies run nothing and are left out)."""
+    found = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = [a.decode() for a in (d / "cmdline").read_bytes().split(b"\0")]
+            state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if str(out) in cmd and state not in ("Z", "X"):
+            found[int(d.name)] = cmd
+    return found
+
+
+def ranks_of(out: Path) -> list[int]:
+    """The ranks: train.py run as a script (launch and torch's agent are `python -m ...` with train.py an argument)."""
+    return [pid for pid, cmd in processes_of(out).items() if "-m" not in cmd and any(a.endswith("train.py") for a in cmd)]
+
+
+def complete_checkpoints(out: Path) -> set[str]:
+    return {p.parent.name for p in out.glob("checkpoint-*/checkpoint.complete.json")}
+
+
+def start(argv, out) -> subprocess.Popen:
+    """`python -m sftrecipes launch RECIPE ... --output_dir OUT` as a user types it (in the test's process group)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     log = open(out.parent / f"{out.name}.log", "a")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)  # its own process group: SIGKILL reaches every rank
-    if kill_after_checkpoint is None:
-        assert proc.wait(timeout=600) == 0, (out.parent / f"{out.name}.log").read_text()[-3000:]
-        return "finished"
-    marker = out / f"checkpoint-{kill_after_checkpoint}" / "checkpoint.complete.json"
-    deadline = time.time() + 300
-    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+    log.write(f"\n===== launch {' '.join(argv)}\n")
+    log.flush()
+    return subprocess.Popen([sys.executable, "-m", "sftrecipes", "launch", *argv, "--output_dir", str(out)], cwd=ROOT,
+                            stdout=log, stderr=subprocess.STDOUT)
+
+
+def log_of(out: Path) -> str:
+    return (out.parent / f"{out.name}.log").read_text()
+
+
+def finish(proc, out, expect: int = 0) -> None:
+    code = proc.wait(timeout=600)
+    assert code == expect, (code, log_of(out)[-4000:])
+
+
+def wait_for(cond, proc, out, what: str, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before {what}:\n{log_of(out)[-3000:]}"
+        assert time.time() < deadline, f"no {what} within {timeout}s"
         time.sleep(0.05)
-    time.sleep(delay)
-    if proc.poll() is not None:
-        return "finished before the kill"
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=60)
-    return "killed"
+
+
+def snapshot(out: Path) -> dict[str, tuple]:
+    return {str(p.relative_to(out)): (p.stat().st_size, p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+            for p in sorted(out.rglob("*")) if p.is_file()}
 
 
 def final_weights(out) -> dict[str, torch.Tensor]:
@@ -58,23 +110,73 @@ def final_weights(out) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_sigkill_then_resume_auto_gives_the_uninterrupted_weights(tiny_model, tmp_path, case):
+def test_kill_preempt_resume_gives_the_uninterrupted_weights(tiny_model, tmp_path, case):
     seed = int(os.environ.get("RESUME_TEST_SEED", time.time_ns() % 10_000))
     rng = random.Random(seed)
-    after, delay = rng.choice([2, 4]), rng.uniform(0.0, 0.6)  # at least 8 of 12 steps (>2 s) still to go
-    print(f"{case}: seed {seed}: SIGKILL {delay:.2f}s after checkpoint-{after} is complete")
-    argv = CASES[case] + COMMON
-    run(argv, tmp_path / "straight")
-    killed = tmp_path / "killed"
-    what = run(argv, killed, kill_after_checkpoint=after, delay=delay)
-    assert what == "killed", what
-    assert not (killed / "run_summary.json").exists()  # it really died mid-run
-    run(argv + ["--resume_from_checkpoint", "auto"], killed)
-    import json
+    after, delay = rng.choice([2, 4]), rng.uniform(0.0, 0.6)
+    recipe, preempt = CASES[case]
+    print(f"{case}: seed {seed}: SIGKILL {delay:.2f}s after checkpoint-{after} is complete; then {preempt.name}")
+    argv = recipe + COMMON
+    world = 1 if case == "single" else 2
 
-    resumed_from = json.loads((killed / "run_summary.json").read_text())["resumed_from"]
-    assert resumed_from is not None and int(resumed_from.rsplit("-", 1)[-1]) >= after
-    a, b = final_weights(tmp_path / "straight"), final_weights(killed)
+    finish(start(argv, tmp_path / "straight"), tmp_path / "straight")
+
+    # 2. SIGKILL of the launcher: its ranks end with it
+    out = tmp_path / "killed"
+    proc = start(argv, out)
+    wait_for(lambda: (out / f"checkpoint-{after}" / "checkpoint.complete.json").exists(), proc, out, f"checkpoint-{after}")
+    time.sleep(delay)
+    assert proc.poll() is None, "finished before the kill"
+    assert len(ranks_of(out)) == world, processes_of(out)  # the ranks are found where they run
+    proc.kill()
+    proc.wait(timeout=60)
+    killed_at = time.time()
+    while processes_of(out) and time.time() - killed_at < 10:
+        time.sleep(0.1)
+    assert not processes_of(out), f"still running 10 s after the launcher was killed: {processes_of(out)}"
+    assert not (out / "run_summary.json").exists()  # it really died mid-run
+
+    # 3. resume (the dead launcher's lock is taken over), then a preemption signal after a new checkpoint
+    resume = argv + ["--resume_from_checkpoint", "auto"]
+    before = complete_checkpoints(out)
+    proc = start(resume, out)
+    wait_for(lambda: complete_checkpoints(out) - before, proc, out, "a new checkpoint")
+    time.sleep(rng.uniform(0.0, 0.3))
+    assert proc.poll() is None, "finished before the preemption"
+    proc.send_signal(preempt)
+    finish(proc, out, expect=75)
+    record = json.loads((out / "preempted.json").read_text())
+    ckpt = Path(record["checkpoint"])
+    assert record["signal"] == preempt.name and ckpt == out / f"checkpoint-{record['step']}", record
+    assert max(int(c.rsplit("-", 1)[1]) for c in complete_checkpoints(out) - before) <= record["step"] < STEPS, record
+    assert (ckpt / "checkpoint.complete.json").is_file()
+    log = log_of(out)
+    assert "lock: taking over" in log and "its process is gone" in log  # the SIGKILLed run's lock
+    assert "finishes its current optimizer step" in log  # stopped during training, not before it
+    assert not processes_of(out)
+
+    # 4. resume again: the uninterrupted run's weights
+    finish(start(resume, out), out)
+    summary = json.loads((out / "run_summary.json").read_text())
+    assert summary["resumed_from"] == str(ckpt) and summary["steps"] == STEPS
+    assert not (out / "preempted.json").exists() and not (out / ".sftrecipes.lock").exists()
+    a, b = final_weights(tmp_path / "straight"), final_weights(out)
     assert a.keys() == b.keys() and len(a) > 0
     worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
     assert worst <= 1e-6, (case, worst)
+
+    # 5. a finished run started again: nothing to do, nothing touched
+    files = snapshot(out)
+    finish(start(resume, out), out)
+    assert f"holds a finished run ({STEPS} steps" in log_of(out).rsplit("===== launch", 1)[1]
+    assert snapshot(out) == files
+
+    # 6. (single process) a run that died after its last checkpoint, before its final save was marked complete: it
+    #    resumes from checkpoint-STEPS and only saves (transformers would train a step more: STEPS is no multiple of
+    #    the steps per epoch here)
+    if case == "single":
+        (out / "final.complete.json").unlink()
+        (out / "adapter_model.safetensors").unlink()
+        finish(start(resume, out), out)
+        assert json.loads((out / "run_summary.json").read_text())["steps"] == STEPS
+        assert all(torch.equal(a[k], v) for k, v in final_weights(out).items())
