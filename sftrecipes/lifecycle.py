@@ -265,15 +265,17 @@ class Heartbeat:
         self.path, self.rank, self.count = folder / f"rank-{rank}.json", rank, 0
         self.path.write_bytes(self._record(0))
 
-    def _record(self, step: int) -> bytes:
+    def _record(self, step: int, done: bool = False) -> bytes:
         rec = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "beat": self.count, "step": step,
-               "time": round(time.time(), 1)}
+               "time": round(time.time(), 1), "done": done}
         return json.dumps(rec).ljust(_RECORD).encode()
 
-    def beat(self, step: int) -> None:
+    def beat(self, step: int, done: bool = False) -> None:
+        """One beat; `done`: the last, from a rank leaving its run on purpose (a peer still busy, e.g. rank 0 pushing
+        to the hub, must not take its silence for a hang)."""
         self.count += 1
         with open(self.path, "r+b") as f:
-            f.write(self._record(step))
+            f.write(self._record(step, done))
 
 
 class Watch:
@@ -294,7 +296,7 @@ class Watch:
                 rank, pid, beat = int(rec["rank"]), int(rec["pid"]), int(rec["beat"])
             except (OSError, ValueError, KeyError, TypeError):
                 continue  # vanished, or read half-written
-            if rank == self.own:
+            if rank == self.own or rec.get("done"):
                 continue
             s = self.seen.get(rank)
             if s is None or s["pid"] != pid:
@@ -414,6 +416,12 @@ class RunLife:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
+        if self._heart is not None:
+            try:
+                self._heart.beat(self.step, done=True)
+            except OSError:
+                pass
+            self._heart = None
         release_signals()
         if self.lock is not None:
             self.lock.release()

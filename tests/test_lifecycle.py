@@ -78,6 +78,8 @@ def test_heartbeat_watch_judges_a_rank_only_after_it_was_seen_beating(tmp_path):
     assert (silent["rank"], silent["pid"], silent["step"], silent["silent"]) == (1, os.getpid(), 3, 8)
     beat.beat(step=4)
     assert watch.stale(now=30) == []  # beats again: fine
+    beat.beat(step=5, done=True)  # leaves its run on purpose (a peer may still push to the hub): never judged
+    assert watch.stale(now=31) == [] and watch.stale(now=100) == []
     assert leftover.count == 0 and all(s["rank"] != 5 for s in watch.stale(now=1000) + watch.stale(now=2000))
 
 
