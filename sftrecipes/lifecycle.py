@@ -106,6 +106,14 @@ def _holder_state(held: dict) -> str:
         return "unreadable"
     if held["host"] != socket.gethostname():
         return "elsewhere"
+    if not Path("/proc/self/stat").exists():  # no procfs (not Linux): the pid alone
+        try:
+            os.kill(held["pid"], 0)
+        except ProcessLookupError:
+            return "dead"
+        except PermissionError:
+            pass
+        return "live"
     start = proc_start(held["pid"])
     if start is None or proc_state(held["pid"]) == "gone" or (held.get("pid_start") not in (None, start)):
         return "dead"
@@ -191,7 +199,7 @@ def take_lock(out: Path, force: bool = False) -> Lock:
                 os.rename(path, aside)  # one taker wins the rename
             except FileNotFoundError:
                 continue
-            if read_lock_file(aside) != held:  # another run took it over first: we moved its live lock, put it back
+            if _read_json(aside) != held:  # another run took it over first: we moved its live lock, put it back
                 try:
                     os.link(aside, path)
                 except FileExistsError:
@@ -205,7 +213,7 @@ def take_lock(out: Path, force: bool = False) -> Lock:
         tmp.unlink(missing_ok=True)
 
 
-def read_lock_file(path: Path) -> dict | None:
+def _read_json(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
@@ -241,7 +249,7 @@ def write_preempted(out: Path, step: int, signame: str, checkpoint: str | None) 
 
 def read_preempted(out: Path, since: float | None = None) -> dict | None:
     """<out>/preempted.json, if written at or after `since` (a Unix time; whole seconds)."""
-    record = read_lock_file(out / PREEMPTED)
+    record = _read_json(out / PREEMPTED)
     if not record:
         return None
     if since is not None:
