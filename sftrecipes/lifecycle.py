@@ -12,6 +12,7 @@ with resume_from_checkpoint: auto). See docs/reliability.md for what each piece 
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
@@ -25,6 +26,7 @@ import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 
+from .checkpoints import finished_run, forget_finished, is_complete, latest_checkpoint, mark_finished
 from .recipe import Recipe, RecipeError
 
 log = logging.getLogger("sftrecipes")
@@ -228,8 +230,6 @@ def die_with_parent(parent: int | None = None) -> None:
     sure that parent was still there when asked (`parent`: its pid, read before). Nothing elsewhere than Linux."""
     if not sys.platform.startswith("linux"):
         return
-    import ctypes  # noqa: PLC0415
-
     ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
     if parent is not None and os.getppid() != parent:
         os._exit(1)
@@ -359,7 +359,6 @@ def release_signals() -> None:
         _PIPE.clear()
 
 
-
 class RunLife:
     """One process of a run, from start to exit (a context manager around train.py's work).
 
@@ -400,8 +399,6 @@ class RunLife:
             if self.rank == 0:
                 inherited = os.environ.get(LOCK_ENV)
                 check_lock(self.out, self.recipe.run.force_lock, inherited)
-            from .checkpoints import finished_run  # noqa: PLC0415
-
             self.finished = finished_run(self.recipe)
             if self.finished:
                 log.info("%s", self.finished)
@@ -482,8 +479,6 @@ class RunLife:
 
     def _on_signal(self, sig: signal.Signals) -> None:
         if self.phase == "setup":
-            from .checkpoints import latest_checkpoint  # noqa: PLC0415
-
             if self.owns:
                 last = latest_checkpoint(self.out)
                 write_preempted(self.out, int(last.name.rsplit("-", 1)[-1]) if last else 0, sig.name, str(last) if last else None)
@@ -513,8 +508,6 @@ class RunLife:
                 self._heart = Heartbeat(self.out / HEARTBEATS, self.rank)
                 self._watch = Watch(self.out / HEARTBEATS, self.timeout, own_rank=self.rank)
         if self.owns:
-            from .checkpoints import forget_finished  # noqa: PLC0415
-
             forget_finished(self.out)
 
     def callback(self):
@@ -564,8 +557,6 @@ class RunLife:
         rank raises Preempted."""
         if not self.stopped_by:
             return
-        from .checkpoints import is_complete  # noqa: PLC0415
-
         step = trainer.state.global_step
         ckpt = self.out / f"checkpoint-{step}"
         name = signal.Signals(self.stopped_by).name
@@ -579,7 +570,5 @@ class RunLife:
     def finish(self, step: int) -> None:
         """The run is complete (final save checked, summary written): mark it finished, drop a preemption record."""
         if self.owns:
-            from .checkpoints import mark_finished  # noqa: PLC0415
-
             (self.out / PREEMPTED).unlink(missing_ok=True)
             mark_finished(self.out, step)
