@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from .dcpio import DCPSource, read_exactly
+from .model import pattern_value
 from .recipe import RecipeError
 
 log = logging.getLogger("sftrecipes")
@@ -386,16 +387,6 @@ def read_adapter(adapter: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return cfg, {k: reader.get(weights, k) for k in reader.header(weights)}
 
 
-def _pattern_value(pattern: dict | None, key: str, default: int) -> int:
-    """peft's rank_pattern/alpha_pattern lookup (peft.utils.other.get_pattern_key): the first key, in order, that as a
-    regex matches the end of `key` at a dot boundary. `key` is the module's name in the base model (a targeted
-    parameter's own name for peft's parameter targets)."""
-    for k, v in (pattern or {}).items():
-        if re.match(rf"(.*\.)?({k})$", key):
-            return v
-    return default
-
-
 def param_wrappers(config_dir: Path, target_parameters: list[str]) -> dict[str, tuple[str, bool]]:
     """Where peft keeps the LoRA of each parameter it adapts as a parameter (target_parameters: MoE experts, a router):
     module path in the adapter -> (the parameter's name in the base model, whether it is stored [E, in, out]).
@@ -437,8 +428,8 @@ def plan_merge(cfg: dict, tensors: dict[str, torch.Tensor], base_names: set[str]
                 continue
             entry[lora.group(2)] = t
             pattern_key = target if module in wrapped else module  # peft matches a parameter target by its own name
-            r_m = _pattern_value(cfg.get("rank_pattern"), pattern_key, r)
-            a_m = _pattern_value(cfg.get("alpha_pattern"), pattern_key, alpha)
+            r_m = pattern_value(cfg.get("rank_pattern"), pattern_key, r)
+            a_m = pattern_value(cfg.get("alpha_pattern"), pattern_key, alpha)
             entry["scale"] = a_m / math.sqrt(r_m) if cfg.get("use_rslora") else a_m / r_m
             entry["transposed"] = transposed
         elif name.endswith(".token_adapter.trainable_tokens_delta"):

@@ -369,10 +369,11 @@ def moe_layout(model) -> tuple[dict[str, tuple[int, ...]], dict[str, bool]]:
     return experts, routers
 
 
-def _pattern_value(pattern: dict, key: str, default: int) -> int:
+def pattern_value(pattern: dict | None, key: str, default: int) -> int:
     """peft's rank_pattern/alpha_pattern lookup (peft.utils.other.get_pattern_key): the first key, in order, that
-    matches the end of `key` at a dot boundary, as a regex."""
-    for k, v in pattern.items():
+    matches the end of `key` at a dot boundary, as a regex. `key` is the module's name in the base model (a targeted
+    parameter's own name for peft's parameter targets)."""
+    for k, v in (pattern or {}).items():
         if re.match(rf"(.*\.)?({k})$", key):
             return v
     return default
@@ -479,7 +480,7 @@ def lora_targets(recipe: Recipe, model) -> dict:
 
     # ranks and alphas: the fused gate/up tensor gets twice the rank and alpha that apply to it (its own pattern, or r)
     rank_pattern, alpha_pattern = dict(p.get("rank_pattern") or {}), dict(p.get("alpha_pattern") or {})
-    fused = {n: (2 * _pattern_value(rank_pattern, n, m.lora_r), 2 * _pattern_value(alpha_pattern, n, m.lora_alpha))
+    fused = {n: (2 * pattern_value(rank_pattern, n, m.lora_r), 2 * pattern_value(alpha_pattern, n, m.lora_alpha))
              for n in selected if n.rsplit(".", 1)[-1] in FUSED_FROM}
     if fused:
         keys = ({r".*\.gate_up_proj": next(iter(fused.values()))} if len(set(fused.values())) == 1
