@@ -214,6 +214,20 @@ def match_resume(ckpt: str | None, recipe, args) -> None:
                       f"misplace the data position: {fix}, or resume with {_n(sw)}")
 
 
+def check_resume(recipe) -> None:
+    """The launcher's look before any rank starts (torch-free): the checkpoint this run would resume, checked as
+    match_resume checks it at the process count the recipe launches, so a run that cannot continue it stops with one
+    line and exit 2 from the launcher, not in every rank behind a launcher traceback. The ranks check again (and
+    adjust gradient accumulation) themselves."""
+    import types  # noqa: PLC0415
+
+    ckpt = resolve_resume(recipe.trl.get("resume_from_checkpoint"), recipe.trl["output_dir"])
+    world = recipe.launch.num_machines * recipe.launch.gpus_per_node
+    match_resume(ckpt, recipe, types.SimpleNamespace(  # process_index 1: quiet, rank 0 logs what it adjusts
+        world_size=world, process_index=1, per_device_train_batch_size=recipe.trl_value("per_device_train_batch_size"),
+        gradient_accumulation_steps=recipe.trl_value("gradient_accumulation_steps")))
+
+
 def rotate(output_dir: Path, limit: int | None, keep: Path | None = None) -> list[Path]:
     """save_total_limit, safely: delete complete checkpoints beyond the newest `limit` complete ones, never the
     newest complete one, never an incomplete one (it is evidence), never `keep` (the best model)."""

@@ -113,6 +113,11 @@ def test_zero3_resume_on_another_process_count_is_refused_before_loading(tiny_mo
         "checkpoints (ds_to_universal) are not wired into resume"], log[-3000:]
     assert "LoRA adapts" not in log and "chat template:" not in log  # neither the model nor the tokenizer was loaded
     assert not out.exists()
+    # the launch verb (what scripts/run_*.sh run) says it once, exit 2, before starting any rank
+    res = run_cli(["-m", "sftrecipes", "launch", RECIPES["zero3"], *STEPS, "--launch.gpus_per_node", str(resumed),
+                   "--max_steps", "2", "--resume_from_checkpoint", str(tmp_path / "run" / "checkpoint-1"), "--output_dir", str(out)])
+    assert res.returncode == 2 and res.stderr.strip().splitlines() == errors, res.stderr[-3000:]
+    assert not out.exists()
 
 
 # ----------------------------------------------------------------------------------- a full disk while saving
