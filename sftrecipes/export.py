@@ -17,6 +17,7 @@ a crash, a full disk or a torn input never leaves a folder that looks finished. 
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import json
 import logging
@@ -593,6 +594,7 @@ class _Staging:
         out.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
         self.hashes: dict[str, str] = {}
+        self.needed = 0  # bytes the tensors take, when known (for the message on a full disk)
 
     def write_safetensors(self, fname: str, layout: list, get) -> None:
         writer = SafetensorsStreamWriter(self.tmp / fname, layout)
@@ -615,9 +617,15 @@ class _Staging:
     def __enter__(self):
         return self
 
-    def __exit__(self, exc_type, *_):
+    def __exit__(self, exc_type, exc, _tb):
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):  # one line, not a traceback
+                size = lambda n: f"{n / 1e6:,.1f} MB" if n < 1e9 else f"{n / 1e9:,.2f} GB"  # noqa: E731
+                need = f", the export needs about {size(self.needed)}" if self.needed else ""
+                raise RecipeError(f"export: {exc.strerror.lower()} writing {exc.filename or self.out} "
+                                  f"({size(shutil.disk_usage(self.out.parent).free)} free there{need}); free space "
+                                  "or give another destination (nothing was left behind)") from None
 
 
 def rewrite_model(base_dir: Path, out_dir: str | Path, plan: dict[str, dict], dtype: str | None, tok_src: Path,
@@ -650,6 +658,7 @@ def rewrite_model(base_dir: Path, out_dir: str | Path, plan: dict[str, dict], dt
         return _apply(w, todo[name][0], name, todo[name][1]) if name in todo else w
 
     with _Staging(Path(out_dir)) as st:
+        st.needed = sum(_nbytes(d, shape) for _, d, shape in layout)
         fnames = _shard_files(shards)
         for fname, shard in zip(fnames, shards):
             st.write_safetensors(fname, shard, get)

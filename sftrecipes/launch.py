@@ -36,6 +36,7 @@ from pathlib import Path
 import yaml
 
 from .backends import accelerate_config, launcher_env, preflight
+from .checkpoints import check_resume
 from .recipe import ALIASES, PATH_OPTIONS, Recipe, RecipeError, from_repo_root, is_shipped, load_recipe, parse_argv
 from .tiny import ROOT
 
@@ -395,6 +396,7 @@ def launch_main(argv: list[str]) -> int:
             print("\n".join("#   " + line for line in yaml.safe_dump(run.config, sort_keys=True).splitlines()), file=sys.stderr)
         return 0
     print(preflight(run.recipe, force=force))  # exit 2 with the reason (memory plan, GPUs)
+    check_resume(run.recipe)  # exit 2 if the checkpoint to resume cannot continue at this process count or backend
     if run.config is not None:
         write_launch_config(run)
     print(f"launch: {run.topology}: {shlex.join(run.argv)}", file=sys.stderr)
