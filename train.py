@@ -44,8 +44,10 @@ def run(recipe, life=None):
     backends.apply_process_env(recipe, target)
     args = backends.training_args(recipe, target)
     life = life or lifecycle.RunLife(recipe)
-    life.started(args)  # every rank up (the lock is this run's), heartbeats on
+    life.started(args)  # every rank up: the lock is this run's
     resume = checkpoints.resolve_resume(recipe.trl.get("resume_from_checkpoint"), args.output_dir)
+    checkpoints.match_resume(resume, recipe, args)  # its backend and global batch at this process count, or one line why not
+    models.check_model_files(recipe)  # tokenizer files present, safetensors whole: named here, not deep in a loader
     push_later = backends.prepare_hub(args)  # token out of saved files; no push attempt when the hub is unreachable
     if args.process_index == 0:
         for line in plan.pitfalls(recipe):  # the global batch first, then any warning
@@ -88,8 +90,7 @@ def run(recipe, life=None):
     if guard.stopped:  # nothing trained after this point is trustworthy: no final save
         last = checkpoints.latest_checkpoint(args.output_dir)
         raise checkpoints.TrainingStopped(
-            f"training stopped: {guard.stopped}; the last good checkpoint is {last or 'none (no checkpoint was saved)'}; "
-            "lower learning_rate or check the data, then resume_from_checkpoint: auto"
+            f"training stopped: {guard.stopped}; the last good checkpoint is {last or 'none (no checkpoint was saved)'}; {guard.advice}"
         )
     life.stop_if_preempted(trainer)  # rank 0 writes preempted.json; main() exits 75
     backend = backends.describe_backend(trainer)  # before save/generate, which gather shards

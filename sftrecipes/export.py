@@ -17,6 +17,7 @@ a crash, a full disk or a torn input never leaves a folder that looks finished. 
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import json
 import logging
@@ -33,6 +34,7 @@ from pathlib import Path
 import torch
 
 from .dcpio import DCPSource, read_exactly
+from .model import pattern_value
 from .recipe import RecipeError
 
 log = logging.getLogger("sftrecipes")
@@ -386,16 +388,6 @@ def read_adapter(adapter: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return cfg, {k: reader.get(weights, k) for k in reader.header(weights)}
 
 
-def _pattern_value(pattern: dict | None, key: str, default: int) -> int:
-    """peft's rank_pattern/alpha_pattern lookup (peft.utils.other.get_pattern_key): the first key, in order, that as a
-    regex matches the end of `key` at a dot boundary. `key` is the module's name in the base model (a targeted
-    parameter's own name for peft's parameter targets)."""
-    for k, v in (pattern or {}).items():
-        if re.match(rf"(.*\.)?({k})$", key):
-            return v
-    return default
-
-
 def param_wrappers(config_dir: Path, target_parameters: list[str]) -> dict[str, tuple[str, bool]]:
     """Where peft keeps the LoRA of each parameter it adapts as a parameter (target_parameters: MoE experts, a router):
     module path in the adapter -> (the parameter's name in the base model, whether it is stored [E, in, out]).
@@ -437,8 +429,8 @@ def plan_merge(cfg: dict, tensors: dict[str, torch.Tensor], base_names: set[str]
                 continue
             entry[lora.group(2)] = t
             pattern_key = target if module in wrapped else module  # peft matches a parameter target by its own name
-            r_m = _pattern_value(cfg.get("rank_pattern"), pattern_key, r)
-            a_m = _pattern_value(cfg.get("alpha_pattern"), pattern_key, alpha)
+            r_m = pattern_value(cfg.get("rank_pattern"), pattern_key, r)
+            a_m = pattern_value(cfg.get("alpha_pattern"), pattern_key, alpha)
             entry["scale"] = a_m / math.sqrt(r_m) if cfg.get("use_rslora") else a_m / r_m
             entry["transposed"] = transposed
         elif name.endswith(".token_adapter.trainable_tokens_delta"):
@@ -602,6 +594,7 @@ class _Staging:
         out.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
         self.hashes: dict[str, str] = {}
+        self.needed = 0  # bytes the tensors take, when known (for the message on a full disk)
 
     def write_safetensors(self, fname: str, layout: list, get) -> None:
         writer = SafetensorsStreamWriter(self.tmp / fname, layout)
@@ -624,9 +617,15 @@ class _Staging:
     def __enter__(self):
         return self
 
-    def __exit__(self, exc_type, *_):
+    def __exit__(self, exc_type, exc, _tb):
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):  # one line, not a traceback
+                size = lambda n: f"{n / 1e6:,.1f} MB" if n < 1e9 else f"{n / 1e9:,.2f} GB"  # noqa: E731
+                need = f", the export needs about {size(self.needed)}" if self.needed else ""
+                raise RecipeError(f"export: {exc.strerror.lower()} writing {exc.filename or self.out} "
+                                  f"({size(shutil.disk_usage(self.out.parent).free)} free there{need}); free space "
+                                  "or give another destination (nothing was left behind)") from None
 
 
 def rewrite_model(base_dir: Path, out_dir: str | Path, plan: dict[str, dict], dtype: str | None, tok_src: Path,
@@ -659,6 +658,7 @@ def rewrite_model(base_dir: Path, out_dir: str | Path, plan: dict[str, dict], dt
         return _apply(w, todo[name][0], name, todo[name][1]) if name in todo else w
 
     with _Staging(Path(out_dir)) as st:
+        st.needed = sum(_nbytes(d, shape) for _, d, shape in layout)
         fnames = _shard_files(shards)
         for fname, shard in zip(fnames, shards):
             st.write_safetensors(fname, shard, get)

@@ -40,7 +40,7 @@ import yaml
 
 from . import lifecycle
 from .backends import accelerate_config, launcher_env, preflight
-from .checkpoints import finished_run
+from .checkpoints import check_resume, finished_run
 from .recipe import ALIASES, PATH_OPTIONS, Recipe, RecipeError, from_repo_root, is_shipped, load_recipe, parse_argv
 from .tiny import ROOT
 
@@ -411,6 +411,7 @@ def launch_main(argv: list[str]) -> int:
         print(done, file=sys.stderr)
         return 0
     print(preflight(run.recipe, force=force))  # exit 2 with the reason (memory plan, GPUs)
+    check_resume(run.recipe)  # exit 2 if the checkpoint to resume cannot continue at this process count or backend
     if run.config is None:  # one plain process: train.py takes the lock itself (same pid after exec)
         print(f"launch: {run.topology}: {shlex.join(run.argv)}", file=sys.stderr)
         sys.stdout.flush()

@@ -368,7 +368,7 @@ class RunLife:
     `finished` holds the line to print, and nothing is written), else takes the lock (or finds the one `launch` took
     for it). A preemption signal before training ends the process at once (exit 75; nothing to save), during training
     it stops every rank after the same optimizer step with a checkpoint (callback()), during the final save it is
-    noted and the save goes on. started() begins the heartbeats once every rank is up. On exit: the lock is released.
+    noted and the save goes on. Heartbeats run from training's start to exit. On exit: the lock is released.
     """
 
     def __init__(self, recipe: Recipe):
@@ -496,17 +496,20 @@ class RunLife:
     # --- during the run
 
     def started(self, args) -> None:
-        """Once the process group is up: a barrier (past it, every rank knows the main process holds the lock, so
-        nothing is written into another run's folder), the heartbeats, and a finished run's marker forgotten (this
-        run changes the folder)."""
-        if self.world > 1:
+        """Once the process group is up: a barrier. Past it every rank knows that the main process holds the lock
+        (had it been refused, it would have exited), so nothing is written into another run's folder."""
+        if self.world > 1 and args.world_size > 1:
             import torch.distributed as dist  # noqa: PLC0415
 
-            if args.world_size > 1:
-                dist.barrier()
-            if self.timeout > 0 and self._thread is not None:  # (a RunLife that was not entered has no thread)
-                self._heart = Heartbeat(self.out / HEARTBEATS, self.rank)
-                self._watch = Watch(self.out / HEARTBEATS, self.timeout, own_rank=self.rank)
+            dist.barrier()
+
+    def _training_begins(self) -> None:
+        """The first write of this run into output_dir that is not a checkpoint, once inputs are checked and everything
+        loaded (so bad input still writes nothing): heartbeats begin, and a finished run's marker goes (this run
+        changes the folder)."""
+        if self.world > 1 and self.timeout > 0 and self._thread is not None and self._heart is None:
+            self._heart = Heartbeat(self.out / HEARTBEATS, self.rank)  # (a RunLife not entered has no thread)
+            self._watch = Watch(self.out / HEARTBEATS, self.timeout, own_rank=self.rank)
         if self.owns:
             forget_finished(self.out)
 
@@ -520,6 +523,7 @@ class RunLife:
 
         class Preemption(TrainerCallback):
             def on_train_begin(self, args, state, control, **kwargs):
+                life._training_begins()
                 if state.max_steps > 0 and state.global_step >= state.max_steps:
                     life.phase = "finishing"
                     raise AlreadyTrained(state.global_step)

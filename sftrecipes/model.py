@@ -145,6 +145,68 @@ def attn_implementation(recipe: Recipe, hardware: str) -> str:
     return impl
 
 
+# Files a tokenizer can load from (a fast tokenizer's tokenizer.json, a SentencePiece/tiktoken model, BPE or WordPiece
+# vocabularies); a folder with none of them makes transformers suggest installing sentencepiece.
+TOKENIZER_SOURCES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "*.tiktoken", "sentencepiece*.model")
+
+
+def check_model_files(recipe: Recipe) -> None:
+    """Before anything is prepared: a local tokenizer folder holds tokenizer files, and a local model folder's
+    safetensors files are whole (as long as their headers say; listed shards present). A RecipeError names the folder
+    or file and what is missing, where the loaders would say "install sentencepiece" or "incomplete metadata"."""
+    import json  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    m = recipe.model
+    key = "tokenizer_name_or_path" if m.tokenizer_name_or_path else "model_name_or_path"
+    tok = Path(m.tokenizer_name_or_path or m.model_name_or_path).expanduser()
+    if tok.is_dir() and not any(any(tok.glob(pattern)) for pattern in TOKENIZER_SOURCES):
+        raise RecipeError(f"{key}: {tok} has no tokenizer files (none of tokenizer.json, tokenizer.model, vocab.json + "
+                          "merges.txt); copy them from the model it came from (checkpoints and some exports lack them), or set "
+                          "tokenizer_name_or_path to a folder or hub id that has them")
+    folder = Path(m.model_name_or_path).expanduser()
+    if not folder.is_dir():
+        return
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = [folder / n for n in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        except (ValueError, KeyError, TypeError):
+            raise RecipeError(f"model_name_or_path: {index} is unreadable (no weight_map); copy it again from the model") from None
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    for f in files:
+        if not f.is_file():
+            raise RecipeError(f"model_name_or_path: {f.name} is listed in {index.name} but missing from {folder}; copy it there")
+        size, want = f.stat().st_size, safetensors_length(f)
+        if want is None:
+            raise RecipeError(f"model_name_or_path: {f} is not a readable safetensors file ({size:,} bytes; its header is cut "
+                              "or damaged); copy it again")
+        if size != want:
+            what = "truncated" if size < want else "longer than its header describes"
+            raise RecipeError(f"model_name_or_path: {f} is {what}: {size:,} bytes, its header says {want:,}; copy it again "
+                              "(a download or copy did not finish)")
+
+
+def safetensors_length(path) -> int | None:
+    """The length a safetensors file must have (8 + header + the end of its last tensor), from its header; None when
+    the header itself cannot be read."""
+    import json  # noqa: PLC0415
+
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return None
+        n = int.from_bytes(head, "little")
+        if n > 100 * 2**20:  # no real header is that large: the file is not safetensors
+            return None
+        try:
+            header = json.loads(f.read(n))
+            return 8 + n + max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return None
+
+
 PAD_CANDIDATES = ("<pad>", "<|finetune_right_pad_id|>", "<|pad|>")  # existing pad-like tokens (Llama-3.1 ships the 2nd)
 
 
@@ -369,10 +431,11 @@ def moe_layout(model) -> tuple[dict[str, tuple[int, ...]], dict[str, bool]]:
     return experts, routers
 
 
-def _pattern_value(pattern: dict, key: str, default: int) -> int:
+def pattern_value(pattern: dict | None, key: str, default: int) -> int:
     """peft's rank_pattern/alpha_pattern lookup (peft.utils.other.get_pattern_key): the first key, in order, that
-    matches the end of `key` at a dot boundary, as a regex."""
-    for k, v in pattern.items():
+    matches the end of `key` at a dot boundary, as a regex. `key` is the module's name in the base model (a targeted
+    parameter's own name for peft's parameter targets)."""
+    for k, v in (pattern or {}).items():
         if re.match(rf"(.*\.)?({k})$", key):
             return v
     return default
@@ -479,7 +542,7 @@ def lora_targets(recipe: Recipe, model) -> dict:
 
     # ranks and alphas: the fused gate/up tensor gets twice the rank and alpha that apply to it (its own pattern, or r)
     rank_pattern, alpha_pattern = dict(p.get("rank_pattern") or {}), dict(p.get("alpha_pattern") or {})
-    fused = {n: (2 * _pattern_value(rank_pattern, n, m.lora_r), 2 * _pattern_value(alpha_pattern, n, m.lora_alpha))
+    fused = {n: (2 * pattern_value(rank_pattern, n, m.lora_r), 2 * pattern_value(alpha_pattern, n, m.lora_alpha))
              for n in selected if n.rsplit(".", 1)[-1] in FUSED_FROM}
     if fused:
         keys = ({r".*\.gate_up_proj": next(iter(fused.values()))} if len(set(fused.values())) == 1

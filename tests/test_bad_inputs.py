@@ -113,7 +113,21 @@ def _run_with_checkpoint_only(tmp: Path, tiny: Path) -> None:
     (tmp / "run" / "checkpoint-3").mkdir(parents=True)
 
 
+def _model_without_tokenizer(tmp: Path, tiny: Path) -> None:
+    """The tiny model as a checkpoint or export folder often is: weights and config, no tokenizer files."""
+    shutil.copytree(tiny, tmp / "model", ignore=shutil.ignore_patterns("tokenizer*", "chat_template.jinja"))
+
+
+def _truncated_safetensors(tmp: Path, tiny: Path) -> None:
+    """The tiny model with its model.safetensors cut short, as an interrupted copy leaves it."""
+    shutil.copytree(tiny, tmp / "model")
+    with open(tmp / "model" / "model.safetensors", "r+b") as f:
+        f.truncate(f.seek(0, 2) // 2)
+
+
 SETUPS = {
+    "model_without_tokenizer": _model_without_tokenizer,
+    "truncated_safetensors": _truncated_safetensors,
     "text_jsonl": _text_jsonl,
     "text_txt": _text_txt,
     "tokenizer_without_template": _tokenizer_without_template,

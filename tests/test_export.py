@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT
+from conftest import ROOT, free_port
 from test_twins import launch
 
 from sftrecipes import export as ex
@@ -24,8 +24,8 @@ STEPS = ["--max_steps", "3", "--save_strategy", "steps", "--save_steps", "3", "-
 IDS = torch.tensor([[1, 20, 30, 40, 50, 60, 70, 80]])
 
 
-def accelerate_launch(recipe: str, out, script: str, extra=(), accelerate_config=None, port=29761):
-    """Launch `script` on 2 processes as the twin launchers do (accelerate config + the recipe's env)."""
+def accelerate_launch(recipe: str, out, script: str, extra=(), accelerate_config=None):
+    """Launch `script` on 2 processes as the twin launchers do (accelerate config + the recipe's env), on a free port."""
     import yaml
 
     from sftrecipes.backends import accelerate_config as acc_cfg, launcher_env
@@ -37,7 +37,7 @@ def accelerate_launch(recipe: str, out, script: str, extra=(), accelerate_config
         accelerate_config = out.parent / (out.name + "-accelerate.yaml")
         accelerate_config.write_text(yaml.safe_dump(acc_cfg(r)))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accelerate_config), "--num_machines", "1",
-           "--num_processes", "2", "--machine_rank", "0", "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), script, *args]
+           "--num_processes", "2", "--machine_rank", "0", "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port()), script, *args]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, **launcher_env(r)})
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
 
@@ -66,9 +66,9 @@ def runs(tiny_model, tmp_path_factory):
 
             train.run(load_recipe(["recipes/tiny/qlora.yaml", "--output_dir", str(out), "--max_steps", "5", "--sample_max_new_tokens", "0"]))
         elif name.endswith("+tokens"):  # the zephyr template adds 3 tokens the tiny tokenizer lacks (as ChatML does to Llama-2)
-            launch(name.removesuffix("+tokens"), out, STEPS + ["--chat_template_format", "zephyr"], env={"MAIN_PROCESS_PORT": "29773"})
+            launch(name.removesuffix("+tokens"), out, STEPS + ["--chat_template_format", "zephyr"], env={"MAIN_PROCESS_PORT": str(free_port())})
         else:
-            launch(name, out, STEPS, env={"MAIN_PROCESS_PORT": "29771"})
+            launch(name, out, STEPS, env={"MAIN_PROCESS_PORT": str(free_port())})
         done[name] = out
         return out
 

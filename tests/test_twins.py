@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, accelerate_run
+from conftest import ROOT, accelerate_run, free_port
 
 TWINS = {
     # name: expectations on run_summary["backend"]
@@ -128,12 +128,25 @@ def test_data_is_prepared_once(tiny_model, tmp_path):
 
 
 def test_multinode_launcher_two_machines(tiny_model, tmp_path):
-    """The multi-node launcher as two machines (machine rank 0 and 1, one process each) meeting on 127.0.0.1."""
+    """The multi-node launcher as two machines (machine rank 0 and 1, one process each) meeting on 127.0.0.1, on a
+    free port (MAIN_PROCESS_PORT): the recipe's own port is held by another socket meanwhile, as another run on the
+    same host once held it and failed this test."""
+    import socket
+
+    from sftrecipes.recipe import load_recipe
+
     out = tmp_path / "mn"
-    procs = [subprocess.Popen(["scripts/run_tiny-multinode.sh", "--output_dir", str(out), "--sample_max_new_tokens", "0"],
-                              cwd=ROOT, env={**os.environ, "MACHINE_RANK": str(rank), "MAIN_PROCESS_IP": "127.0.0.1"},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
-    logs = [p.communicate(timeout=600)[0] for p in procs]
+    env = {**os.environ, "MAIN_PROCESS_IP": "127.0.0.1", "MAIN_PROCESS_PORT": str(free_port())}
+    with socket.socket() as taken:
+        try:
+            taken.bind(("127.0.0.1", load_recipe(["recipes/tiny/multinode.yaml"]).launch.main_process_port))
+            taken.listen()
+        except OSError:
+            pass  # someone else holds it already: the same situation
+        procs = [subprocess.Popen(["scripts/run_tiny-multinode.sh", "--output_dir", str(out), "--sample_max_new_tokens", "0"],
+                                  cwd=ROOT, env={**env, "MACHINE_RANK": str(rank)},
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+        logs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
     b = json.loads((out / "run_summary.json").read_text())["backend"]
     assert b["world_size"] == 2 and b["distributed_type"] == "FSDP"
