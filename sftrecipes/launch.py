@@ -478,8 +478,8 @@ def supervise(run: Launch, lock: lifecycle.Lock | None = None) -> int:
       preempted.json; this command exits 75. If they have not ended within preempt_timeout, or at a second Ctrl-C,
       everything is killed (exit 1, 130).
     - SIGKILL of this command: Linux kills the agent (die_with_parent), whose ranks die with it the same way.
-    - A rank whose heartbeat stopped (heartbeat_timeout; any host: the files are in output_dir) ends this node's part
-      of the run with a line naming it (exit 1); the ranks also watch each other, for launchers other than this one.
+    - A rank of this node whose heartbeat stopped (heartbeat_timeout) ends this node's part of the run with a line
+      naming it (exit 1); the ranks watch each other across nodes (and under launchers other than this one).
     Returns the exit code: 75 when preempted.json was written during this run, else the agent's 0, else 1."""
     recipe = run.recipe
     out, timeout = lifecycle.output_dir(recipe), recipe.run.preempt_timeout
@@ -496,7 +496,8 @@ def supervise(run: Launch, lock: lifecycle.Lock | None = None) -> int:
         for s, h in handlers.items():
             signal.signal(s, h)
         raise
-    watch = lifecycle.Watch(out / lifecycle.HEARTBEATS, recipe.run.heartbeat_timeout) if recipe.run.heartbeat_timeout else None
+    watch = (lifecycle.Watch(out / lifecycle.HEARTBEATS, recipe.run.heartbeat_timeout, pids=lambda: {p.pid for p in _ranks(agent.pid)})
+             if recipe.run.heartbeat_timeout else None)  # this node's ranks (the ranks watch the others)
     handled, deadline, code, asked_ranks = 0, None, None, set()
     try:
         while True:

@@ -287,16 +287,19 @@ class Heartbeat:
 
 
 class Watch:
-    """Who has stopped beating. A rank is judged only after its counter was seen to change once (a file left by an
-    earlier run never changes and is never judged), then when it has not changed for `timeout` seconds of the
-    watcher's own clock (no comparison of clocks across hosts)."""
+    """Who has stopped beating: a rank of this run whose counter has not changed for `timeout` seconds of the
+    watcher's own clock since it was first seen or last changed (no comparison of clocks across hosts). This run's
+    ranks: below `world` (a larger earlier run's files are not), and, for `launch`, among `pids()` (its own ranks: a
+    file left by an earlier run names a process that is not). A new process in a rank's file starts it afresh (each
+    rank rewrites its file as training starts), so does a beat; a rank that left on purpose (done) is not judged."""
 
-    def __init__(self, folder: Path, timeout: float, own_rank: int | None = None):
-        self.folder, self.timeout, self.own = folder, timeout, own_rank
-        self.seen: dict[int, dict] = {}  # rank -> pid, beat, when it last changed, whether it ever changed
+    def __init__(self, folder: Path, timeout: float, own_rank: int | None = None, world: int | None = None, pids=None):
+        self.folder, self.timeout, self.own, self.world, self.pids = folder, timeout, own_rank, world, pids
+        self.seen: dict[int, dict] = {}  # rank -> pid, beat, when it was first seen or last changed
 
     def stale(self, now: float | None = None) -> list[dict]:
         now = time.monotonic() if now is None else now
+        mine = self.pids() if self.pids is not None else None
         out = []
         for f in sorted(self.folder.glob("rank-*.json")) if self.folder.is_dir() else []:
             try:
@@ -304,14 +307,14 @@ class Watch:
                 rank, pid, beat = int(rec["rank"]), int(rec["pid"]), int(rec["beat"])
             except (OSError, ValueError, KeyError, TypeError):
                 continue  # vanished, or read half-written
-            if rank == self.own or rec.get("done"):
+            if rank == self.own or rec.get("done") or (self.world is not None and rank >= self.world):
+                continue
+            if mine is not None and (pid not in mine or rec.get("host") != socket.gethostname()):
                 continue
             s = self.seen.get(rank)
-            if s is None or s["pid"] != pid:
-                self.seen[rank] = {"pid": pid, "beat": beat, "changed": now, "alive": False}
-            elif s["beat"] != beat:
-                s.update(beat=beat, changed=now, alive=True)
-            elif s["alive"] and now - s["changed"] >= self.timeout:
+            if s is None or s["pid"] != pid or s["beat"] != beat:
+                self.seen[rank] = {"pid": pid, "beat": beat, "changed": now}
+            elif now - s["changed"] >= self.timeout:
                 out.append({**rec, "silent": now - s["changed"]})
         return out
 
@@ -509,7 +512,7 @@ class RunLife:
         changes the folder)."""
         if self.world > 1 and self.timeout > 0 and self._thread is not None and self._heart is None:
             self._heart = Heartbeat(self.out / HEARTBEATS, self.rank)  # (a RunLife not entered has no thread)
-            self._watch = Watch(self.out / HEARTBEATS, self.timeout, own_rank=self.rank)
+            self._watch = Watch(self.out / HEARTBEATS, self.timeout, own_rank=self.rank, world=self.world)
         if self.owns:
             forget_finished(self.out)
 

@@ -65,22 +65,23 @@ def test_lock_refuses_a_live_run_takes_over_a_dead_one_and_respects_other_hosts(
         lifecycle.check_lock(out)
 
 
-def test_heartbeat_watch_judges_a_rank_only_after_it_was_seen_beating(tmp_path):
+def test_heartbeat_watch_judges_this_runs_ranks_by_their_own_silence(tmp_path):
     folder = tmp_path / "hb"
     beat = lifecycle.Heartbeat(folder, rank=1)
-    leftover = lifecycle.Heartbeat(folder, rank=5)  # a file an earlier run left: it never changes
-    watch = lifecycle.Watch(folder, timeout=8, own_rank=0)
+    leftover = lifecycle.Heartbeat(folder, rank=5)  # an earlier run on more processes left it: it never changes
+    watch = lifecycle.Watch(folder, timeout=8, own_rank=0, world=2)
     assert watch.stale(now=0) == []
+    assert watch.stale(now=7.9) == []  # silent since first seen for 7.9 s < 8
+    (silent,) = watch.stale(now=8)  # frozen before its first beat: judged all the same
+    assert (silent["rank"], silent["pid"], silent["step"], silent["silent"]) == (1, os.getpid(), 0, 8)
     beat.beat(step=3)
-    assert watch.stale(now=1) == []  # beating
-    assert watch.stale(now=8.9) == []  # silent for 7.9 s < 8
-    (silent,) = watch.stale(now=9)
-    assert (silent["rank"], silent["pid"], silent["step"], silent["silent"]) == (1, os.getpid(), 3, 8)
-    beat.beat(step=4)
-    assert watch.stale(now=30) == []  # beats again: fine
-    beat.beat(step=5, done=True)  # leaves its run on purpose (a peer may still push to the hub): never judged
-    assert watch.stale(now=31) == [] and watch.stale(now=100) == []
-    assert leftover.count == 0 and all(s["rank"] != 5 for s in watch.stale(now=1000) + watch.stale(now=2000))
+    assert watch.stale(now=9) == [] and watch.stale(now=16.9) == []  # beats again: silent from its last beat on
+    assert watch.stale(now=17)[0]["step"] == 3
+    beat.beat(step=4, done=True)  # left its run on purpose (a peer may still push to the hub): never judged
+    assert watch.stale(now=18) == [] and watch.stale(now=100) == []
+    assert leftover.count == 0  # rank 5 >= world: never judged
+    launch_side = lifecycle.Watch(folder, timeout=8, pids=lambda: {123})  # launch: its own ranks only (pid 123)
+    assert launch_side.stale(now=0) == [] and launch_side.stale(now=100) == []
 
 
 def fake_agent_preemption(tmp_path, preempt_timeout: int) -> tuple[int, float, str]:
