@@ -414,6 +414,8 @@ def obs_precision(tiny_model, tmp_path):
 
 
 def obs_nan_patience(tiny_model, tmp_path):
+    from types import SimpleNamespace
+
     from transformers import TrainerControl, TrainerState
 
     from sftrecipes import checkpoints
@@ -422,7 +424,7 @@ def obs_nan_patience(tiny_model, tmp_path):
     control, state = TrainerControl(), TrainerState()
     for i in range(3):
         assert not control.should_training_stop
-        guard.on_log(None, state, control, logs={"loss": 1.0, "grad_norm": float("nan")})
+        guard.on_log(SimpleNamespace(logging_steps=1), state, control, logs={"loss": 1.0, "grad_norm": float("nan")})
     assert control.should_training_stop and "nan_patience 2" in guard.stopped
 
 
