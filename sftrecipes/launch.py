@@ -437,8 +437,9 @@ def launch_command(args: list[str], environ: Mapping[str, str] | None = None) ->
     if L.num_machines > 1 and job:
         # static rendezvous admits any launcher that reaches the address and port (on a shared host another job's
         # node joined as this job's machine 1); c10d keyed by the job id (torch reads PET_RDZV_ID) admits only this
-        # job's. Machine 0 hosts the store: on one host both launchers would otherwise race for it.
-        rdzv = ["--rdzv_backend", "c10d", "--rdzv_conf", f"is_host={int(rank == 0)}"]
+        # job's. Machine 0 hosts the store: on one host both launchers would otherwise race for it. The others wait
+        # up to 5 minutes for it to appear (torch's 60 s is short when machine 0 imports from a cold shared disk).
+        rdzv = ["--rdzv_backend", "c10d", "--rdzv_conf", f"is_host={int(rank == 0)},read_timeout=300"]
         env = {**env, "PET_RDZV_ID": f"slurm-{job}"}
         config.update(rdzv_backend="c10d", same_network=False)  # same_network would skip the endpoint c10d needs
     argv = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_path),
