@@ -16,8 +16,8 @@
 # Resources: 1 rank(s) x launch.cpu_threads 1 CPU(s) per node; --mem is the memory planner's CPU RAM peak per node
 # (python -m sftrecipes plan recipes/tiny/multinode.yaml).
 # One `python -m sftrecipes launch` per node (scripts/run_<name>.sh): machine rank = SLURM_NODEID, main address
-# = the allocation's first host; launch meets the other nodes by c10d rendezvous keyed by SLURM_JOB_ID on a port
-# derived from it, so two jobs sharing a host never join each other (MAIN_PROCESS_PORT overrides the port).
+# = the allocation's first host; launch meets the other nodes in a rendezvous keyed by SLURM_JOB_ID (its id) on a
+# port derived from it, so two jobs sharing a host never join each other (MAIN_PROCESS_PORT overrides the port).
 # srun --kill-on-bad-exit=1: a node that fails (before rendezvous too) ends the whole job at once.
 # Preemption: 10 minutes before the time limit SLURM sends USR1 to this script, which passes TERM to
 # every node's launch: the ranks finish their step, save a complete checkpoint and exit 75. A run that exits 75

@@ -97,7 +97,7 @@ SLURM_SIGNAL_S = 600  # USR1 to the batch shell this long before the time limit:
 def slurm_script(recipe: Recipe, rel: str, name: str) -> str:
     """sbatch script: one `launch` per node (scripts/run_<name>.sh) under srun, with the cluster hygiene of the
     anchors put together (alignment-handbook's launch.slurm, torchtune's multi-node script): submittable from any
-    directory, c10d rendezvous keyed by the job id on a port derived from it, a failed node ends the job, whole nodes
+    directory, a rendezvous keyed by the job id on a port derived from it, a failed node ends the job, whole nodes
     (GPU) or exact CPUs (cpu target), memory from the planner, logs appended per job, and preemption that saves and
     requeues the job, which resumes from its last complete checkpoint."""
     from .plan import plan_recipe  # noqa: PLC0415
@@ -126,8 +126,8 @@ def slurm_script(recipe: Recipe, rel: str, name: str) -> str:
         f"# Resources: {where}; --mem is the memory planner's CPU RAM peak per node",
         f"# (python -m sftrecipes plan {rel}).",
         "# One `python -m sftrecipes launch` per node (scripts/run_<name>.sh): machine rank = SLURM_NODEID, main address",
-        "# = the allocation's first host; launch meets the other nodes by c10d rendezvous keyed by SLURM_JOB_ID on a port",
-        "# derived from it, so two jobs sharing a host never join each other (MAIN_PROCESS_PORT overrides the port).",
+        "# = the allocation's first host; launch meets the other nodes in a rendezvous keyed by SLURM_JOB_ID (its id) on a",
+        "# port derived from it, so two jobs sharing a host never join each other (MAIN_PROCESS_PORT overrides the port).",
         "# srun --kill-on-bad-exit=1: a node that fails (before rendezvous too) ends the whole job at once.",
         f"# Preemption: {SLURM_SIGNAL_S // 60} minutes before the time limit SLURM sends USR1 to this script, which passes TERM to",
         "# every node's launch: the ranks finish their step, save a complete checkpoint and exit 75. A run that exits 75",
@@ -432,21 +432,19 @@ def launch_command(args: list[str], environ: Mapping[str, str] | None = None) ->
     world = L.num_machines * L.gpus_per_node
     rank, address, port = topology(recipe, environ)
     config_path = Path(recipe.trl["output_dir"]) / LAUNCH_CONFIG
-    config = {**accelerate_config(recipe), "main_process_port": port}  # the port this run really uses
-    rdzv, job = [], environ.get("SLURM_JOB_ID", "")
-    if L.num_machines > 1 and job:
-        # static rendezvous admits any launcher that reaches the address and port (on a shared host another job's
-        # node joined as this job's machine 1); c10d keyed by the job id (torch reads PET_RDZV_ID) admits only this
-        # job's. Machine 0 hosts the store: on one host both launchers would otherwise race for it. The others wait
-        # up to 5 minutes for it to appear (torch's 60 s is short when machine 0 imports from a cold shared disk).
-        rdzv = ["--rdzv_backend", "c10d", "--rdzv_conf", f"is_host={int(rank == 0)},read_timeout=300"]
+    job = environ.get("SLURM_JOB_ID", "") if L.num_machines > 1 else ""
+    if job:
+        # the rendezvous id (torch reads PET_RDZV_ID; its default is "none" for every job) prefixes every rendezvous
+        # key in the store: another job's launcher that reaches this address and port (on a shared host one joined
+        # as this job's machine 1) registers under its own id and never joins this job. Static rendezvous keeps
+        # machine rank = node rank, so global rank 0 is on machine 0 (c10d orders nodes by host name and pid).
         env = {**env, "PET_RDZV_ID": f"slurm-{job}"}
-        config.update(rdzv_backend="c10d", same_network=False)  # same_network would skip the endpoint c10d needs
     argv = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_path),
             "--num_machines", str(L.num_machines), "--num_processes", str(world), "--machine_rank", str(rank),
-            "--main_process_ip", address, "--main_process_port", str(port), *rdzv, train, *args]
+            "--main_process_ip", address, "--main_process_port", str(port), train, *args]
     where = (f"{L.backend}, {world} process(es) on {L.num_machines} machine(s); this is machine {rank}, main process at "
-             f"{address}:{port}" + (f", c10d rendezvous slurm-{job}" if rdzv else ""))
+             f"{address}:{port}" + (f", rendezvous id slurm-{job}" if job else ""))
+    config = {**accelerate_config(recipe), "main_process_port": port}  # the port this run really uses
     return Launch(argv, env, recipe, config, config_path, where)
 
 

@@ -292,7 +292,7 @@ def test_requeue_resumes_to_the_uninterrupted_weights(slurm, reference, tmp_path
     text = log.read_text()
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0" and info["Restarts"] == "2", \
         (info, text[-3000:], slurm.log_tail())
-    assert text.count(f"c10d rendezvous slurm-{job_id}") == 2 * 3  # both nodes' launch, in each attempt's log
+    assert text.count(f"rendezvous id slurm-{job_id}") == 2 * 3  # both nodes' launch, in each attempt's log
     resumes = [int(n) for n in re.findall(r"resume: from \S*checkpoint-(\d+)", text)]  # logged by every node/rank
     assert [n for n, _ in itertools.groupby(resumes)] == [first, second] and second > first, resumes
     assert json.loads((out / "run_summary.json").read_text())["resumed_from"].endswith(f"checkpoint-{second}")
