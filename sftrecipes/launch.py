@@ -13,7 +13,7 @@ written in the shipped recipes under recipes/, which are relative to the reposit
 For a recipe recipes/<dir>/<file>.yaml, named <dir>-<file>, `emit` writes:
     configs/<name>.yaml        standard accelerate config (usable by `accelerate launch` without this project)
     scripts/run_<name>.sh      `python -m sftrecipes launch <recipe> "$@"` from the repository root
-    scripts/slurm_<name>.sh    multi-node recipes: sbatch script, one launcher per node (rank/address from SLURM)
+    scripts/slurm_<name>.sh    multi-node recipes: sbatch script (from any directory), one `launch` per node, requeue+resume
     scripts/export_<name>.sh   turns the run's output into a folder transformers loads
     docs/setups/<name>.md      shipped (non-tiny) recipes: the command, what it runs, the memory plan, the limits
 
@@ -24,6 +24,7 @@ arguments as quoted words, and every value taken from a recipe is quoted with sh
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
 import shlex
@@ -95,26 +96,102 @@ def run_script(recipe: Recipe, rel: str, name: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+SLURM_SIGNAL_S = 600  # USR1 to the batch shell this long before the time limit: the last step and its checkpoint must fit
+
+
 def slurm_script(recipe: Recipe, rel: str, name: str) -> str:
+    """sbatch script: one `launch` per node (scripts/run_<name>.sh) under srun, with the cluster hygiene of the
+    anchors put together (alignment-handbook's launch.slurm, torchtune's multi-node script): submittable from any
+    directory, a rendezvous keyed by the job id on a port derived from it, a failed node ends the job, whole nodes
+    (GPU) or exact CPUs (cpu target), memory from the planner, logs appended per job, and preemption that saves and
+    requeues the job, which resumes from its last complete checkpoint."""
+    from .plan import plan_recipe  # noqa: PLC0415
+
     L = recipe.launch
-    sb = [f"#SBATCH --job-name={_q(name)}", f"#SBATCH --nodes={L.num_machines}", "#SBATCH --ntasks-per-node=1",
-          f"#SBATCH --time={_q(L.slurm_time)}"]
-    if L.hardware != "cpu":
-        sb.append(f"#SBATCH --gres=gpu:{L.gpus_per_node}")
+    mem_gb = max(1, math.ceil(plan_recipe(recipe, _alternatives=False).cpu_total_gb))
+    span = max(1, min(1000, 65536 - L.main_process_port))
+    sb = [f"--job-name={_q(name)}", f"--nodes={L.num_machines}", "--ntasks-per-node=1"]
+    if L.hardware == "cpu":
+        sb.append(f"--cpus-per-task={L.gpus_per_node * L.cpu_threads}")
+    else:
+        sb += ["--exclusive", f"--gres=gpu:{L.gpus_per_node}"]
+    sb += [f"--mem={mem_gb}G", f"--time={_q(L.slurm_time)}", f"--signal=B:USR1@{SLURM_SIGNAL_S}", "--requeue",
+           "--output=%x-%j.out", "--open-mode=append"]
     if L.slurm_partition:
-        sb.append(f"#SBATCH --partition={_q(L.slurm_partition)}")
+        sb.append(f"--partition={_q(L.slurm_partition)}")
+    where = ("whole nodes (--exclusive) with their GPUs" if L.hardware != "cpu" else
+             f"{L.gpus_per_node} rank(s) x launch.cpu_threads {L.cpu_threads} CPU(s) per node")
     lines = [
         "#!/usr/bin/env bash",
-        *sb,
+        *(f"#SBATCH {s}" for s in sb),
         HEADER.format(recipe=rel),
-        f"#   sbatch scripts/slurm_{name}.sh [--key value ...]",
-        "# One launcher per node: machine rank from SLURM_NODEID, main address = first host of the allocation.",
+        f"#   sbatch /path/to/scripts/slurm_{name}.sh [--key value ...]   (SFTRECIPES_REPO=/path/to/repo sbatch ... also)",
+        "# From any directory; the log is %x-%j.out (<job name>-<job id>.out) in the directory sbatch ran in, appended",
+        "# across requeues. Extra flags override the recipe; their paths are relative to the repository root.",
+        f"# Resources: {where}; --mem is the memory planner's CPU RAM peak per node",
+        f"# (python -m sftrecipes plan {rel}).",
+        "# One `python -m sftrecipes launch` per node (scripts/run_<name>.sh): machine rank = SLURM_NODEID, main address",
+        "# = the allocation's first host; launch meets the other nodes in a rendezvous keyed by SLURM_JOB_ID (its id) on a",
+        "# port derived from it, so two jobs sharing a host never join each other (MAIN_PROCESS_PORT overrides the port).",
+        "# srun --kill-on-bad-exit=1: a node that fails (before rendezvous too) ends the whole job at once.",
+        f"# Preemption: {SLURM_SIGNAL_S // 60} minutes before the time limit SLURM sends USR1 to this script, which passes TERM to",
+        "# every node's launch: the ranks finish their step, save a complete checkpoint and exit 75. A run that exits 75",
+        "# (or dies after that signal) requeues this job; a requeued job (SLURM_RESTART_COUNT > 0, also after a node",
+        "# failure or `scontrol requeue`) runs with --resume_from_checkpoint auto: it continues from the last complete",
+        "# checkpoint, or does nothing if the run had finished.",
+    ]
+    if L.hardware != "cpu":
+        lines += [
+            "# NCCL, where the cluster needs it (export before sbatch; the job inherits the environment):",
+            "#   NCCL_DEBUG=WARN (INFO: the transport each link uses); NCCL_SOCKET_IFNAME=<interface the nodes reach",
+            "#   each other on, e.g. ib0>; NCCL_IB_HCA=<mlx5_0,...> to pick InfiniBand adapters; NCCL_IB_DISABLE=1 only",
+            "#   without InfiniBand (falls back to TCP sockets, much slower across nodes).",
+        ]
+    lines += [
         "set -euo pipefail",
-        'cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"',
+        f"RECIPE={_q(rel)}",
+        "# The repository: SFTRECIPES_REPO; else this script's folder's parent when run in place (bash scripts/...);",
+        "# under sbatch, which runs a spool copy, the path it was submitted as (scontrol's Command=), then the submit dir.",
+        'if [ -n "${SFTRECIPES_REPO:-}" ]; then',
+        '  REPO="$SFTRECIPES_REPO"',
+        "else",
+        '  SUBMITTED="$( [ -n "${SLURM_JOB_ID:-}" ] && scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n "s/^ *Command=//p" || true)"',
+        '  SUBMITTED="${SUBMITTED%" $*"}"  # Command= is the script\'s path, a space, the arguments',
+        '  REPO=""',
+        '  for c in "$(dirname "$0")/.." "$(dirname "${SUBMITTED:-.}")/.." "${SLURM_SUBMIT_DIR:-.}"; do',
+        '    if [ -f "$c/$RECIPE" ] && [ -d "$c/sftrecipes" ]; then REPO="$c"; break; fi',
+        "  done",
+        "fi",
+        'if [ ! -f "$REPO/$RECIPE" ]; then',
+        f'  echo "slurm_{name}.sh: no repository holding $RECIPE found (SFTRECIPES_REPO, the script\'s folder, the path it was '
+        'submitted as, the submit folder); submit with: SFTRECIPES_REPO=/path/to/repo sbatch ..." >&2',
+        "  exit 2",
+        "fi",
+        'cd "$REPO"',
+        'if [ -z "${SLURM_JOB_NODELIST:-}" ]; then',
+        f'  echo "slurm_{name}.sh: not under SLURM; submit it with sbatch, or run scripts/run_{name}.sh on every node with '
+        'MACHINE_RANK and MAIN_PROCESS_IP set" >&2',
+        "  exit 2",
+        "fi",
         'export MAIN_PROCESS_IP="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
-        f'export MAIN_PROCESS_PORT="${{MAIN_PROCESS_PORT:-{int(L.main_process_port)}}}"',
-        f"srun --nodes={L.num_machines} --ntasks-per-node=1 bash -c "
-        "'MACHINE_RANK=\"$SLURM_NODEID\" exec scripts/run_{0}.sh \"$@\"' _ \"$@\"".format(name),
+        f'export MAIN_PROCESS_PORT="${{MAIN_PROCESS_PORT:-$(( {L.main_process_port} + SLURM_JOB_ID % {span} ))}}"',
+        'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then set -- "$@" --resume_from_checkpoint auto; fi',
+        "PREEMPTED=0",
+        "trap 'PREEMPTED=1; echo \"slurm: USR1 (time limit near): every node saves and stops\" >&2; "
+        "scancel --signal=TERM \"$SLURM_JOB_ID\" || true' USR1",
+        f"srun --nodes={L.num_machines} --ntasks-per-node=1 --whole --kill-on-bad-exit=1 bash -c "
+        f"'MACHINE_RANK=\"$SLURM_NODEID\" exec scripts/run_{name}.sh \"$@\"' _ \"$@\" &",
+        "SRUN=$!",
+        "while :; do  # wait returns early when the trap runs; wait again until srun has ended",
+        '  RC=0; wait "$SRUN" || RC=$?',
+        '  kill -0 "$SRUN" 2>/dev/null || break',
+        "done",
+        'if [ "$RC" -eq 75 ] || { [ "$PREEMPTED" = 1 ] && [ "$RC" -ne 0 ]; }; then',
+        '  echo "slurm: preempted (exit $RC): requeueing job $SLURM_JOB_ID; it resumes from its last complete checkpoint" >&2',
+        '  # SLURM ends this script as it requeues the job (exiting at once let sbatch --wait report the job failed)',
+        '  if scontrol requeue "$SLURM_JOB_ID"; then sleep 600; fi',
+        "fi",
+        'exit "$RC"',
     ]
     return "\n".join(lines) + "\n"
 
@@ -361,11 +438,18 @@ def launch_command(args: list[str], environ: Mapping[str, str] | None = None) ->
     world = L.num_machines * L.gpus_per_node
     rank, address, port = topology(recipe, environ)
     config_path = Path(recipe.trl["output_dir"]) / LAUNCH_CONFIG
+    job = environ.get("SLURM_JOB_ID", "") if L.num_machines > 1 else ""
+    if job:
+        # the rendezvous id (torch reads PET_RDZV_ID; its default is "none" for every job) prefixes every rendezvous
+        # key in the store: another job's launcher that reaches this address and port (on a shared host one joined
+        # as this job's machine 1) registers under its own id and never joins this job. Static rendezvous keeps
+        # machine rank = node rank, so global rank 0 is on machine 0 (c10d orders nodes by host name and pid).
+        env = {**env, "PET_RDZV_ID": f"slurm-{job}"}
     argv = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_path),
             "--num_machines", str(L.num_machines), "--num_processes", str(world), "--machine_rank", str(rank),
             "--main_process_ip", address, "--main_process_port", str(port), train, *args]
     where = (f"{L.backend}, {world} process(es) on {L.num_machines} machine(s); this is machine {rank}, main process at "
-             f"{address}:{port}")
+             f"{address}:{port}" + (f", rendezvous id slurm-{job}" if job else ""))
     config = {**accelerate_config(recipe), "main_process_port": port}  # the port this run really uses
     return Launch(argv, env, recipe, config, config_path, where, rank)
 

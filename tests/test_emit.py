@@ -2,6 +2,7 @@
 
 import os
 import shlex
+import shutil
 import stat
 import subprocess
 import textwrap
@@ -57,33 +58,88 @@ def test_gpu_recipe_on_cpu_machine_stops_at_once_and_dry_run_shows_command():
     assert argv[argv.index("--num_processes") + 1] == "8" and argv[-2:] == ["train.py", "recipes/llama2-70b/lora.yaml"]
 
 
-def test_slurm_script_gives_each_node_its_rank_and_the_main_address(tmp_path):
-    """Run the SLURM batch script with SLURM's variables and stand-in srun/scontrol that start one task per node,
-    as SLURM does, and check what each node's launcher would run (--dry-run)."""
+def _slurm_stand_ins(tmp_path, submitted: str = "") -> dict:
+    """Stand-in srun and scontrol: srun runs the task once per node with the node's SLURM_NODEID, as srun
+    --ntasks-per-node=1 does; scontrol answers the node list and the job's submitted command (Command=)."""
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text("#!/bin/sh\n[ \"$1 $2\" = 'show hostnames' ] && printf 'gpu-node-17\\ngpu-node-18\\n'\n")
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "scontrol").write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        [ "$1 $2" = 'show hostnames' ] && printf 'gpu-node-17\\ngpu-node-18\\n' && exit 0
+        [ "$1 $2" = 'show job' ] && [ -n '{submitted}' ] && printf '   JobId=4242\\n   Command={submitted}\\n' && exit 0
+        exit 1
+        """))
     (bin_dir / "srun").write_text(textwrap.dedent("""\
         #!/bin/bash
-        # stand-in: run the task once per node with the node's SLURM_NODEID, like srun --ntasks-per-node=1
         while [[ "$1" == --* ]]; do shift; done
         for node in 0 1; do SLURM_NODEID=$node "$@"; done
         """))
     for f in bin_dir.iterdir():
         f.chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu-node-[17-18]",
-           "SLURM_SUBMIT_DIR": str(ROOT), "SLURM_JOB_ID": "4242"}
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, "PATH": f"{bin_dir}:{os.environ['PATH']}",
+            "SLURM_JOB_NODELIST": "gpu-node-[17-18]", "SLURM_SUBMIT_DIR": str(tmp_path), "SLURM_JOB_ID": "4242"}
+
+
+def _node_commands(stdout: str) -> list[tuple[dict, list[str]]]:
+    """Each node's --dry-run output: (its exports, its command)."""
+    nodes, env = [], {}
+    for line in stdout.splitlines():
+        if line.startswith("export "):
+            k, v = line[len("export "):].split("=", 1)
+            env[k] = v
+        elif "accelerate.commands.launch" in line:
+            nodes.append((env, shlex.split(line)))
+            env = {}
+    return nodes
+
+
+def test_slurm_script_gives_each_node_its_rank_and_the_main_address(tmp_path):
+    """Run the SLURM batch script with SLURM's variables and the stand-ins, and check what each node's launcher
+    would run (--dry-run): its machine rank, the first host as address, a rendezvous keyed by the job id on a port
+    derived from it (machine 0 hosting the store); a requeued job (SLURM_RESTART_COUNT) resumes."""
+    env = _slurm_stand_ins(tmp_path)
     res = subprocess.run(["bash", "scripts/slurm_llama2-70b-fsdp.sh", "--dry-run"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
-    cmds = [shlex.split(l) for l in res.stdout.splitlines() if "accelerate.commands.launch" in l]
-    assert len(cmds) == 2
-    for rank, argv in enumerate(cmds):
+    nodes = _node_commands(res.stdout)
+    assert len(nodes) == 2
+    for rank, (exports, argv) in enumerate(nodes):
         assert argv[argv.index("--machine_rank") + 1] == str(rank)
         assert argv[argv.index("--main_process_ip") + 1] == "gpu-node-17"
         assert argv[argv.index("--num_machines") + 1] == "2" and argv[argv.index("--num_processes") + 1] == "16"
+        assert argv[argv.index("--main_process_port") + 1] == str(29500 + 4242 % 1000)
+        assert exports["PET_RDZV_ID"] == "slurm-4242"  # torch's rendezvous id (the default, "none", is every job's)
+        assert "--resume_from_checkpoint" not in argv
+    res = subprocess.run(["bash", "scripts/slurm_llama2-70b-fsdp.sh", "--dry-run"], cwd=ROOT,
+                         env={**env, "SLURM_RESTART_COUNT": "1"}, capture_output=True, text=True, timeout=120)
+    assert [argv[-2:] for _, argv in _node_commands(res.stdout)] == [["--resume_from_checkpoint", "auto"]] * 2, res.stderr
     head = (ROOT / "scripts/slurm_llama2-70b-fsdp.sh").read_text()
-    assert "#SBATCH --nodes=2" in head and "#SBATCH --gres=gpu:8" in head
+    for directive in ("--nodes=2", "--gres=gpu:8", "--exclusive", "--mem=292G", "--requeue", "--signal=B:USR1@600",
+                      "--output=%x-%j.out", "--open-mode=append"):
+        assert f"#SBATCH {directive}\n" in head
+    assert "srun --nodes=2 --ntasks-per-node=1 --whole --kill-on-bad-exit=1 " in head
+
+
+def test_slurm_script_finds_the_repository_from_its_spool_copy(tmp_path):
+    """sbatch runs a copy of the script in its spool folder, from the submit directory: the repository is found from
+    the path it was submitted as (scontrol's Command=); with none found, one line names SFTRECIPES_REPO, exit 2."""
+    spool, elsewhere = tmp_path / "spool" / "job04242", tmp_path / "elsewhere"
+    spool.mkdir(parents=True)
+    elsewhere.mkdir()
+    copy = spool / "slurm_script"
+    shutil.copy(ROOT / "scripts/slurm_llama2-70b-fsdp.sh", copy)
+    env = _slurm_stand_ins(tmp_path, submitted=f"{ROOT}/scripts/slurm_llama2-70b-fsdp.sh --dry-run")
+    res = subprocess.run(["bash", str(copy), "--dry-run"], cwd=elsewhere, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert [argv[argv.index("train.py") + 1] for _, argv in _node_commands(res.stdout)] == ["recipes/llama2-70b/fsdp.yaml"] * 2
+    env = {**_slurm_stand_ins(tmp_path), "SLURM_SUBMIT_DIR": str(elsewhere)}
+    res = subprocess.run(["bash", str(copy), "--dry-run"], cwd=elsewhere, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 2 and "SFTRECIPES_REPO=/path/to/repo sbatch" in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    res = subprocess.run(["bash", str(copy), "--dry-run"], cwd=elsewhere, env={**env, "SFTRECIPES_REPO": str(ROOT)},
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and len(_node_commands(res.stdout)) == 2, res.stderr
 
 
 HOSTILE = ["a b", "it's", 'say "hi"', "$(touch PWNED)", "`touch PWNED`", "x; touch PWNED", "line1\nline2", "*", "--no"]
