@@ -6,7 +6,7 @@
 #SBATCH --gres=gpu:8
 #SBATCH --mem=292G
 #SBATCH --time=48:00:00
-#SBATCH --signal=B:USR1@600
+#SBATCH --signal=B:USR1@1860
 #SBATCH --requeue
 #SBATCH --output=%x-%j.out
 #SBATCH --open-mode=append
@@ -20,7 +20,7 @@
 # = the allocation's first host; launch meets the other nodes in a rendezvous keyed by SLURM_JOB_ID (its id) on a
 # port derived from it, so two jobs sharing a host never join each other (MAIN_PROCESS_PORT overrides the port).
 # srun --kill-on-bad-exit=1: a node that fails (before rendezvous too) ends the whole job at once.
-# Preemption: 10 minutes before the time limit SLURM sends USR1 to this script, which passes TERM to
+# Preemption: 31 minutes before the time limit (run.preempt_timeout + 1 min) SLURM sends USR1 to this script, which passes TERM to
 # every node's launch: the ranks finish their step, save a complete checkpoint and exit 75. A run that exits 75
 # (or dies after that signal) requeues this job; a requeued job (SLURM_RESTART_COUNT > 0, also after a node
 # failure or `scontrol requeue`) runs with --resume_from_checkpoint auto: it continues from the last complete

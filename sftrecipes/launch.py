@@ -96,7 +96,25 @@ def run_script(recipe: Recipe, rel: str, name: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-SLURM_SIGNAL_S = 600  # USR1 to the batch shell this long before the time limit: the last step and its checkpoint must fit
+SLURM_SIGNAL_S = 600  # at least this long before the time limit, USR1 to the batch shell: the last step and its save must fit
+
+
+def slurm_seconds(limit: str) -> int:
+    """A SLURM time limit (MM, MM:SS, HH:MM:SS, D-HH[:MM[:SS]]) in seconds."""
+    days, _, rest = limit.rpartition("-")
+    parts = [int(x) for x in rest.split(":")]
+    if days:
+        h, m, sec = (parts + [0, 0])[:3]
+    else:
+        h, m, sec = [0] * (3 - len(parts)) + parts if len(parts) > 1 else (0, parts[0], 0)
+    return int(days or 0) * 86400 + h * 3600 + m * 60 + sec
+
+
+def slurm_signal_lead(recipe: Recipe) -> int:
+    """Seconds before the time limit that SLURM warns the job: room for run.preempt_timeout (the save launch waits for)
+    and a minute, at least SLURM_SIGNAL_S, at most half the time limit."""
+    want = max(SLURM_SIGNAL_S, recipe.run.preempt_timeout + 60)
+    return max(1, min(want, slurm_seconds(recipe.launch.slurm_time) // 2, 65535))
 
 
 def slurm_script(recipe: Recipe, rel: str, name: str) -> str:
@@ -115,7 +133,8 @@ def slurm_script(recipe: Recipe, rel: str, name: str) -> str:
         sb.append(f"--cpus-per-task={L.gpus_per_node * L.cpu_threads}")
     else:
         sb += ["--exclusive", f"--gres=gpu:{L.gpus_per_node}"]
-    sb += [f"--mem={mem_gb}G", f"--time={_q(L.slurm_time)}", f"--signal=B:USR1@{SLURM_SIGNAL_S}", "--requeue",
+    lead = slurm_signal_lead(recipe)
+    sb += [f"--mem={mem_gb}G", f"--time={_q(L.slurm_time)}", f"--signal=B:USR1@{lead}", "--requeue",
            "--output=%x-%j.out", "--open-mode=append"]
     if L.slurm_partition:
         sb.append(f"--partition={_q(L.slurm_partition)}")
@@ -134,7 +153,7 @@ def slurm_script(recipe: Recipe, rel: str, name: str) -> str:
         "# = the allocation's first host; launch meets the other nodes in a rendezvous keyed by SLURM_JOB_ID (its id) on a",
         "# port derived from it, so two jobs sharing a host never join each other (MAIN_PROCESS_PORT overrides the port).",
         "# srun --kill-on-bad-exit=1: a node that fails (before rendezvous too) ends the whole job at once.",
-        f"# Preemption: {SLURM_SIGNAL_S // 60} minutes before the time limit SLURM sends USR1 to this script, which passes TERM to",
+        f"# Preemption: {lead // 60} minutes before the time limit (run.preempt_timeout + 1 min) SLURM sends USR1 to this script, which passes TERM to",
         "# every node's launch: the ranks finish their step, save a complete checkpoint and exit 75. A run that exits 75",
         "# (or dies after that signal) requeues this job; a requeued job (SLURM_RESTART_COUNT > 0, also after a node",
         "# failure or `scontrol requeue`) runs with --resume_from_checkpoint auto: it continues from the last complete",

@@ -122,8 +122,18 @@ def _holder_state(held: dict) -> str:
     return "live"
 
 
+def slurm_attempt() -> dict:
+    """This process's SLURM job and attempt ({} outside SLURM), recorded in the lock."""
+    job = os.environ.get("SLURM_JOB_ID")
+    return {"slurm_job": job, "slurm_restart": int(os.environ.get("SLURM_RESTART_COUNT") or 0)} if job else {}
+
+
 def _refuse_or_reason(out: Path, held: dict, force: bool) -> str:
     """Why a lock may be taken over ('its process is gone', 'force_lock'), or LockHeld naming its holder."""
+    mine = slurm_attempt()
+    if mine and held.get("slurm_job") == mine["slurm_job"] and int(held.get("slurm_restart", 0)) < mine["slurm_restart"]:
+        # a requeued job may start on another node; SLURM ended the earlier attempt's processes before restarting it
+        return f"an earlier attempt of SLURM job {mine['slurm_job']} held it (requeued)"
     state = _holder_state(held)
     if state == "dead":
         return "its process is gone"
@@ -176,7 +186,7 @@ def take_lock(out: Path, force: bool = False) -> Lock:
     except OSError as e:
         raise RecipeError(f"output_dir: cannot create '{out}' ({e.strerror}); set output_dir to a writable folder") from None
     me = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": proc_start(os.getpid()), "since": now_iso(),
-          "token": uuid.uuid4().hex, "command": " ".join(sys.argv[:4])}
+          "token": uuid.uuid4().hex, "command": " ".join(sys.argv[:4]), **slurm_attempt()}
     path, tmp, aside = out / LOCK, out / f"{LOCK}.{me['token']}", out / f"{LOCK}.{me['token']}.stale"
     tmp.write_text(json.dumps(me))
     try:

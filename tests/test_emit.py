@@ -12,6 +12,7 @@ import yaml
 
 from conftest import ROOT, run_cli
 from sftrecipes import launch
+from sftrecipes.recipe import load_recipe
 from sftrecipes.recipe import RecipeError
 
 
@@ -114,7 +115,7 @@ def test_slurm_script_gives_each_node_its_rank_and_the_main_address(tmp_path):
                          env={**env, "SLURM_RESTART_COUNT": "1"}, capture_output=True, text=True, timeout=120)
     assert [argv[-2:] for _, argv in _node_commands(res.stdout)] == [["--resume_from_checkpoint", "auto"]] * 2, res.stderr
     head = (ROOT / "scripts/slurm_llama2-70b-fsdp.sh").read_text()
-    for directive in ("--nodes=2", "--gres=gpu:8", "--exclusive", "--mem=292G", "--requeue", "--signal=B:USR1@600",
+    for directive in ("--nodes=2", "--gres=gpu:8", "--exclusive", "--mem=292G", "--requeue", "--signal=B:USR1@1860",
                       "--output=%x-%j.out", "--open-mode=append"):
         assert f"#SBATCH {directive}\n" in head
     assert "srun --nodes=2 --ntasks-per-node=1 --whole --kill-on-bad-exit=1 " in head
@@ -202,3 +203,19 @@ def test_launcher_refuses_a_recipe_that_does_not_fit():
     forced = subprocess.run(["scripts/run_llama2-70b-lora.sh", "--launch.gpu_memory_gb", "40", "--force"], cwd=ROOT,
                             capture_output=True, text=True, timeout=120)
     assert forced.returncode == 2 and "needs 8 GPU(s) of 40 GB" in forced.stderr  # past the plan, stopped by the GPU check
+
+
+def test_slurm_warns_in_time_for_the_save_launch_waits_for():
+    """The time-limit signal leaves run.preempt_timeout (+ a minute) for the last step and its checkpoint, never less
+    than 10 minutes, never more than half the time limit (a short job would be told to stop as it starts)."""
+    from sftrecipes.launch import slurm_script
+
+    def lead(*flags):
+        r = load_recipe(["recipes/tiny/multinode.yaml", *flags])
+        line = next(l for l in slurm_script(r, "recipes/tiny/multinode.yaml", "x").splitlines() if "--signal=" in l)
+        return int(line.rsplit("@", 1)[1])
+
+    assert lead() == 1800 + 60
+    assert lead("--preempt_timeout", "3600") == 3660
+    assert lead("--preempt_timeout", "60") == 600
+    assert lead("--launch.slurm_time", "00:40:00") == 1200

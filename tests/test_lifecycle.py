@@ -65,6 +65,26 @@ def test_lock_refuses_a_live_run_takes_over_a_dead_one_and_respects_other_hosts(
         lifecycle.check_lock(out)
 
 
+def test_a_requeued_slurm_job_takes_over_its_earlier_attempts_lock(tmp_path, monkeypatch, caplog):
+    """A requeued job may start on another node, where the lock its killed first attempt left is "another host's":
+    the same job's later attempt takes it over; another job, or the same attempt, is still refused."""
+    caplog.set_level(logging.INFO, logger="sftrecipes")
+    out = tmp_path / "run"
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    lock_record(out, host="node-a", slurm_job="4242", slurm_restart=1)  # this very attempt, elsewhere: refused
+    with pytest.raises(lifecycle.LockHeld, match="another host"):
+        lifecycle.take_lock(out)
+    lock_record(out, host="node-a", slurm_job="4241", slurm_restart=0)  # another job: refused
+    with pytest.raises(lifecycle.LockHeld, match="another host"):
+        lifecycle.take_lock(out)
+    lock_record(out, host="node-a", slurm_job="4242", slurm_restart=0)  # the first attempt: taken over
+    mine = lifecycle.take_lock(out)
+    held = json.loads((out / lifecycle.LOCK).read_text())
+    assert held["token"] == mine.token and (held["slurm_job"], held["slurm_restart"]) == ("4242", 1)
+    assert "earlier attempt of SLURM job 4242" in caplog.text
+
+
 def test_heartbeat_watch_judges_this_runs_ranks_by_their_own_silence(tmp_path):
     folder = tmp_path / "hb"
     beat = lifecycle.Heartbeat(folder, rank=1)
