@@ -296,6 +296,6 @@ def test_requeue_resumes_to_the_uninterrupted_weights(slurm, reference, tmp_path
     resumes = [int(n) for n in re.findall(r"resume: from \S*checkpoint-(\d+)", text)]  # logged by every node/rank
     assert [n for n, _ in itertools.groupby(resumes)] == [first, second] and second > first, resumes
     assert json.loads((out / "run_summary.json").read_text())["resumed_from"].endswith(f"checkpoint-{second}")
-    assert "slurm: preempted" in text and "requeueing job " + job_id in text
+    assert "slurm: preempted (exit 75)" in text and "requeueing job " + job_id in text  # the ranks saved, then left
     assert text.count("done: 24 steps") == 1
     assert_same_weights(final_weights(reference[0][0]), final_weights(out))
