@@ -42,6 +42,7 @@ def load_dtype(recipe: Recipe) -> torch.dtype:
 # Padding the flattened batch to a multiple of this bounds the number of shapes (docs/benchmarks.md, GPU: +44%
 # tokens/s on a 1B full fine-tune on an H200, at most 255 padded tokens per step).
 SDPA_PACKED_PAD = 256
+VARLEN = "sft_varlen"  # attention.NAME: the project's varlen kernel (attention.py registers it when a model loads)
 
 
 def flash_attn_installed() -> bool:
@@ -65,8 +66,8 @@ def requested_attention(recipe: Recipe) -> str:
 
 
 def attention_support(recipe: Recipe) -> tuple[str, dict[str, bool]] | None:
-    """(model class name, {kernel: supported}) from the model's config class, without loading weights; None when the
-    class is unknown here (remote code, or no config reachable): transformers then decides at load time."""
+    """(model class name, {kernel: supported, "softcap": the config soft-caps attention logits}) from the model's config
+    class, without loading weights; None when the class is unknown here (remote code, or no config reachable): transformers then decides at load time."""
     try:
         from transformers import AutoConfig  # noqa: PLC0415
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING  # noqa: PLC0415
@@ -79,8 +80,12 @@ def attention_support(recipe: Recipe) -> tuple[str, dict[str, bool]] | None:
 
             cfg = AutoConfig.for_model(**read_config(name))
         cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]
+        softcap = getattr(cfg.get_text_config(), "attn_logit_softcapping", None)
         return cls.__name__, {"eager": True, "sdpa": bool(cls._supports_sdpa), "flash_attention_2": bool(cls._supports_flash_attn),
-                              "flex_attention": bool(cls._supports_flex_attn)}
+                              "flex_attention": bool(cls._supports_flex_attn),
+                              # attention.py's kernel: any model whose attention goes through transformers' interface,
+                              # but no logit soft-capping (Gemma-2)
+                              VARLEN: bool(cls._supports_attention_backend) and softcap is None, "softcap": softcap is not None}
     except Exception:  # noqa: BLE001 - any failure here only means "unknown": loading will say what is wrong
         return None
 
@@ -89,12 +94,19 @@ def _sixteen_bit(recipe: Recipe) -> bool:
     return load_dtype(recipe) != torch.float32 or bool(recipe.trl_value("bf16") or recipe.trl_value("fp16"))
 
 
+def packed(recipe: Recipe) -> bool:
+    """Whether batches reach the model as packed rows (TRL's padding-free packing)."""
+    return bool(recipe.trl_value("packing") or recipe.trl_value("padding_free"))
+
+
 def choose_attention(recipe: Recipe, hardware: str, support=None) -> tuple[str, str]:
     """(attention kernel, why) for this recipe on this hardware; RecipeError for a choice the model or device cannot run.
 
-    auto: flash_attention_2 where the flash-attn package, a GPU, 16-bit compute and the model allow it; else sdpa
-    where the model supports it; else eager (Gemma-2: its soft-capping has no sdpa path). An explicit
-    flash_attention_2 (or use_flash_attn) without the package or a GPU falls back to the auto choice (the caller warns)."""
+    auto: flash_attention_2 where the flash-attn package, a GPU, 16-bit compute and the model allow it; else, for
+    packed batches, sft_varlen (attention.py: each sample attends within itself, no dense mask); else sdpa where the
+    model supports it; else eager (Gemma-2: its soft-capping has neither an sdpa nor an sft_varlen path). An explicit
+    flash_attention_2 (or use_flash_attn) without the package or a GPU, or an explicit sft_varlen on a soft-capping
+    model, falls back to the auto choice (the caller warns)."""
     want = requested_attention(recipe)
     cls, sup = support or attention_support(recipe) or ("the model", None)
 
@@ -104,11 +116,18 @@ def choose_attention(recipe: Recipe, hardware: str, support=None) -> tuple[str, 
     def auto() -> tuple[str, str]:
         if ok("flash_attention_2") and sup is not None and not _flash_missing(recipe, hardware) and _sixteen_bit(recipe):
             return "flash_attention_2", "auto: flash-attn, a GPU and 16-bit compute are present"
+        if packed(recipe) and ok(VARLEN):
+            return VARLEN, "auto: packed batches attend per sample; flash_attention_2 does not run here"
         if ok("sdpa"):
             return "sdpa", "auto"
+        if packed(recipe) and sup is not None and sup.get("softcap"):
+            return "eager", f"auto: {cls}'s attention logit soft-capping (attn_logit_softcapping) has no sdpa or {VARLEN} path"
         return "eager", f"auto: {cls} has no sdpa support"
 
-    alternatives = ", ".join(k for k in ("sdpa", "eager", "flash_attention_2", "flex_attention") if ok(k) and k != want)
+    alternatives = ", ".join(k for k in ("sdpa", "eager", "flash_attention_2", "flex_attention", VARLEN) if ok(k) and k != want)
+    if want == VARLEN and sup is not None and sup.get("softcap"):  # not servable: the auto choice, warned
+        impl, _ = auto()
+        return impl, f"fallback: {VARLEN} cannot apply {cls}'s attention logit soft-capping (attn_logit_softcapping)"
     if want != "auto" and not ok(want):
         key = "use_flash_attn" if recipe.model.use_flash_attn and recipe.model.attn_implementation == "auto" else "attn_implementation"
         raise RecipeError(f"{key}: {cls} does not support {want}; use attn_implementation: auto (or one of {alternatives})")
@@ -128,21 +147,28 @@ def choose_attention(recipe: Recipe, hardware: str, support=None) -> tuple[str, 
 
 def packed_under_sdpa_on_gpu(recipe: Recipe, hardware: str) -> bool:
     """True when a GPU run packs samples (padding-free) and attends with sdpa (flash-attn not asked for or missing)."""
-    packed = recipe.trl_value("packing") or recipe.trl_value("padding_free")
-    return hardware == "gpu" and bool(packed) and choose_attention(recipe, hardware)[0] == "sdpa"
+    return hardware == "gpu" and packed(recipe) and choose_attention(recipe, hardware)[0] == "sdpa"
 
 
 def attn_implementation(recipe: Recipe, hardware: str) -> str:
     """choose_attention, logged (with the warnings a fallback deserves)."""
     impl, why = choose_attention(recipe, hardware)
-    log.info("attention: %s (%s)", impl, why)
+    log_attention(recipe, hardware, impl, why)
+    return impl
+
+
+def log_attention(recipe: Recipe, hardware: str, ran: str, why: str) -> None:
+    """The run's "attention: ..." line: the kernel that runs (load_model passes the loaded model's own
+    config._attn_implementation) and why; a fallback is one warning line naming what was asked and why not."""
     if why.startswith("fallback"):
         key = "use_flash_attn" if recipe.model.use_flash_attn else "attn_implementation"
-        log.warning("%s: falling back to %s: %s", key, impl, why.removeprefix("fallback: flash_attention_2 "))
-        if packed_under_sdpa_on_gpu(recipe, hardware):
-            log.warning("%s: packing under sdpa attends through a dense block-diagonal mask; measured 2-3x slower per token "
-                        "than a plain causal step on an H200 (docs/benchmarks.md, GPU)", key)
-    return impl
+        log.warning("attention: %s (%s: falling back to %s: %s)", ran, key, ran, why.removeprefix("fallback: "))
+    else:
+        log.info("attention: %s (%s)", ran, why)
+    if ran == "sdpa" and packed_under_sdpa_on_gpu(recipe, hardware):
+        log.warning("attention: packing under sdpa attends through a dense block-diagonal mask; measured 2-3x slower per "
+                    "token than a plain causal step on an H200 (docs/benchmarks.md, GPU); attn_implementation: %s "
+                    "attends per sample", VARLEN)
 
 
 # Files a tokenizer can load from (a fast tokenizer's tokenizer.json, a SentencePiece/tiktoken model, BPE or WordPiece
@@ -320,9 +346,14 @@ def load_model(recipe: Recipe, tokenizer, hardware: str):
 
     m = recipe.model
     kwargs = dict(recipe.trl_value("model_init_kwargs") or {})  # recipe validation took out what the recipe owns
+    impl, why = choose_attention(recipe, hardware)
+    if impl == VARLEN:
+        from .attention import register  # noqa: PLC0415
+
+        register()
     kwargs.update(
         dtype=load_dtype(recipe),
-        attn_implementation=attn_implementation(recipe, hardware),
+        attn_implementation=impl,
         trust_remote_code=bool(recipe.trl_value("trust_remote_code")),
     )
     qc = quantization_config(recipe)
@@ -332,6 +363,7 @@ def load_model(recipe: Recipe, tokenizer, hardware: str):
     if rank:  # not rank 0: build on the meta device, read nothing; FSDP receives rank 0's weights when it wraps
         kwargs["device_map"] = "meta"
     model = AutoModelForCausalLM.from_pretrained(m.model_name_or_path, **kwargs)
+    log_attention(recipe, hardware, model.config._attn_implementation, why)  # what the loaded model really runs
     if rank:
         # Real but untouched storage: accelerate maps optimizer params to their shards by data_ptr, which is 0 for
         # every meta tensor. Large torch.empty blocks are lazily mapped pages, so this costs address space, not RAM.

@@ -205,6 +205,8 @@ def _layer_activation_bytes(shape: Shape, layer: Layer, adapted: tuple, s: Setup
     attn_b = a * (q + 2 * kv) + a * q + 4 * nh + a * q
     if attn == "eager" or (attn == "sdpa" and recipe.trl_value("packing")):
         attn_b += a * 2 * (q - kv)  # a mask keeps sdpa off its GQA path: k and v repeated to every head
+    if attn == "sft_varlen" and not (s.gpu and a == 2):  # per-sample sdpa (CPU, fp32): kv repeated to every head
+        attn_b += a * (2 * (q - kv) + q)  # and gathered into padded groups, whose output is a copy too
     if attn == "eager":
         attn_b += nh * seq * (4 + a)  # the s x s scores: fp32 softmax output and its cast, per head
     # dense MLP: gate and up outputs, silu(gate), their product (down_proj's input); sparse: _moe_token_bytes
@@ -241,12 +243,15 @@ def _layer_lora_params(adapted: tuple, r: int) -> int:
 
 def planned_attention(recipe: Recipe, shape: Shape, gpu: bool) -> str:
     """The attention kernel the run will use, as model.choose_attention decides it, without torch: flash_attention_2
-    when asked for on a GPU (its package is assumed installed there), otherwise sdpa, or eager where the model has no
-    sdpa path (Gemma-2). flex_attention saves what flash does (the output and its logsumexp)."""
+    when asked for on a GPU (its package is assumed installed there), otherwise sft_varlen for packed batches, sdpa,
+    or eager where the model has no sdpa path (Gemma-2). flex_attention and sft_varlen (torch's varlen flash kernel on
+    a GPU) save what flash does (the output and its logsumexp)."""
     m = recipe.model
     want = "flash_attention_2" if m.use_flash_attn and m.attn_implementation == "auto" else m.attn_implementation
-    if want == "flash_attention_2" and not gpu or want == "auto":
-        return "sdpa" if shape.sdpa else "eager"
+    if want == "flash_attention_2" and not gpu or want in ("auto", "sft_varlen"):
+        if not shape.sdpa:
+            return "eager"
+        return "sft_varlen" if want == "sft_varlen" or recipe.trl_value("packing") or recipe.trl_value("padding_free") else "sdpa"
     return "flash_attention_2" if want == "flex_attention" else want
 
 

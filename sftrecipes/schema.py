@@ -69,10 +69,14 @@ class ModelOptions:
     attn_implementation: str = opt(
         "auto",
         "Attention kernel. 'auto' picks what the model, dtype and device support: flash_attention_2 when asked for "
-        "(use_flash_attn) and available, otherwise sdpa, or eager for models without sdpa support (Gemma-2's "
-        "soft-capping). An explicit choice is used as given (flash_attention_2 falls back to the auto choice, warned, "
-        "without the flash-attn package or a GPU). The run logs the attention that really ran.",
-        choices=("auto", "sdpa", "eager", "flash_attention_2", "flex_attention"),
+        "(use_flash_attn) and available; otherwise, for packed batches (packing or padding_free), sft_varlen (this "
+        "project's kernel: each packed sample attends within itself, with torch's varlen flash kernel on a GPU in "
+        "bf16/fp16 and per-sample causal sdpa elsewhere, instead of sdpa's dense block-diagonal mask; padded batches "
+        "run exactly as sdpa); otherwise sdpa; eager for models without sdpa support (Gemma-2's soft-capping, which "
+        "sft_varlen cannot apply either). An explicit choice is used as given (flash_attention_2 falls back to the "
+        "auto choice, warned, without the flash-attn package or a GPU; sft_varlen likewise on a soft-capping model). "
+        "The run logs the attention that really ran, and run_summary.json records it.",
+        choices=("auto", "sdpa", "eager", "flash_attention_2", "flex_attention", "sft_varlen"),
     )
     use_flash_attn: bool = opt(
         False, "The PEFT guide's switch: the same as attn_implementation: flash_attention_2 (a different explicit "

@@ -259,8 +259,11 @@ def test_textual_end_of_turn_becomes_a_stop_string(tiny_model, tmp_path):
 
 
 @pytest.mark.parametrize("family, want", [("gemma2", "eager"), ("gemma3", "sdpa"), ("qwen3_moe", "sdpa"), ("phi3", "sdpa")])
-def test_auto_attention_follows_what_the_model_supports(family, want, family_models):
-    r = load_recipe(["recipes/tiny/lora.yaml", "--model_name_or_path", str(family_models[family])])
+@pytest.mark.parametrize("packing", [True, False])
+def test_auto_attention_follows_what_the_model_supports(family, want, packing, family_models):
+    """auto: packed batches get sft_varlen (per-sample attention), padded ones sdpa; Gemma-2's soft-capping neither."""
+    r = load_recipe(["recipes/tiny/lora.yaml", "--model_name_or_path", str(family_models[family]), "--packing", str(packing).lower()])
+    want = "sft_varlen" if packing and want == "sdpa" else want
     assert models.choose_attention(r, "cpu")[0] == want
     assert models.choose_attention(r, "gpu")[0] == want  # no flash-attn package here: never flash_attention_2
 
