@@ -1,0 +1,184 @@
+"""sft_varlen (sftrecipes/attention.py): packed samples attend within themselves exactly as sdpa's block-diagonal mask
+makes them, in logits and gradients, for every family shape (GQA, sliding windows, Gemma-3's scaling); padded batches
+and cached generation are sdpa's; auto picks it for packed recipes, Gemma-2's soft-capping falls back in one line."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from sftrecipes import attention, model as models
+from sftrecipes.recipe import load_recipe
+
+WINDOW = 4  # sliding windows small enough to cut into the packed samples below
+LENGTHS = [7, 12, 1, 9, 3, 12, 1, 1]  # unequal lengths (several groups), pad-like 1-token segments
+# family -> config overrides: a sliding window on Mistral (every layer), Qwen3 and Gemma-3 (their sliding layers)
+FAMILIES = {
+    "llama3": {},
+    "qwen3": {"use_sliding_window": True, "sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]},
+    "mistral": {"sliding_window": WINDOW},
+    "gemma3": {"sliding_window": WINDOW},
+}
+
+
+def build(folder, overrides: dict, impl: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    attention.register()
+    cfg = AutoConfig.from_pretrained(folder, **overrides)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=impl, dtype=torch.float32)
+    model.config.use_cache = False  # as load_model trains
+    return model.train()
+
+
+def packed_batch(vocab: int, lengths=LENGTHS):
+    """What TRL's padding-free collator gives the model: one row, position_ids restarting per sample, cu_seq_lens."""
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(4, vocab, (sum(lengths),), generator=g).tolist()
+    batch = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)([{"input_ids": ids, "seq_lengths": lengths}])
+    batch.pop("seq_idx", None)
+    return batch
+
+
+def forward_backward(model, batch):
+    model.zero_grad(set_to_none=True)
+    out = model(**batch)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.logits.detach(), grads
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_packed_logits_and_gradients_equal_sdpa_block_diagonal(family, family_models):
+    overrides = FAMILIES[family]
+    model = build(family_models[family], overrides, "sdpa")
+    batch = packed_batch(model.config.vocab_size)
+    ref_logits, ref_grads = forward_backward(model, batch)  # sdpa: transformers' dense block-diagonal mask
+
+    model.set_attn_implementation(attention.NAME)
+    assert model.config._attn_implementation == attention.NAME
+    calls = []
+    real = attention._segments_sdpa
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(attention, "_segments_sdpa", lambda *a, **k: calls.append(1) or real(*a, **k))
+        logits, grads = forward_backward(model, batch)  # segments from the collator's cu_seq_lens_q
+    assert calls, "the packed batch did not go through the per-segment path"
+    torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
+    assert grads.keys() == ref_grads.keys() and len(grads) > 10
+    for n in grads:
+        torch.testing.assert_close(grads[n], ref_grads[n], atol=1e-5, rtol=1e-4, msg=n)
+
+    # the same boundaries read from position_ids alone (no cu_seq_lens from the collator)
+    by_position = {k: v for k, v in batch.items() if not k.startswith(("cu_seq_lens", "max_length"))}
+    torch.testing.assert_close(forward_backward(model, by_position)[0], ref_logits, atol=1e-5, rtol=1e-5)
+
+    # the test can fail: attending across samples (one causal row), or without the window, gives other logits
+    causal = {**by_position, "position_ids": torch.arange(batch["input_ids"].shape[1])[None]}
+    assert not torch.allclose(forward_backward(model, causal)[0][:, LENGTHS[0]:], ref_logits[:, LENGTHS[0]:], atol=1e-3)
+    if overrides.get("sliding_window"):
+        wide = build(family_models[family], {**overrides, "sliding_window": 64}, attention.NAME)
+        assert not torch.allclose(forward_backward(wide, batch)[0], ref_logits, atol=1e-3)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_packed_sample_equals_the_sample_run_alone(family, family_models):
+    """Each sample's logits (so its loss) in the packed row equal the same sample run by itself, unpacked."""
+    model = build(family_models[family], FAMILIES[family], attention.NAME).eval()
+    batch = packed_batch(model.config.vocab_size)
+    with torch.no_grad():
+        packed = model(**batch).logits[0]
+        start = 0
+        for n in LENGTHS:
+            alone = model(input_ids=batch["input_ids"][:, start:start + n]).logits[0]
+            torch.testing.assert_close(packed[start:start + n], alone, atol=1e-5, rtol=1e-5)
+            labels = batch["input_ids"][0, start + 1:start + n]
+            if n > 1:  # the sample's own loss, packed and alone
+                f = torch.nn.functional.cross_entropy
+                torch.testing.assert_close(f(packed[start:start + n - 1], labels), f(alone[:-1], labels), atol=1e-5, rtol=1e-5)
+            start += n
+
+
+def test_batches_of_several_packed_rows(family_models):
+    """Two packed rows (position_ids restart within each row, no cu_seq_lens) attend per sample in each row."""
+    model = build(family_models["mistral"], FAMILIES["mistral"], "sdpa").eval()
+    ids = torch.randint(4, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    pos = torch.tensor([list(range(9)) + list(range(7)), list(range(5)) + list(range(11))])
+    with torch.no_grad():
+        ref = model(input_ids=ids, position_ids=pos).logits
+        model.set_attn_implementation(attention.NAME)
+        torch.testing.assert_close(model(input_ids=ids, position_ids=pos).logits, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama3", "gemma3"])
+def test_padded_batches_and_cached_generation_are_sdpa(family, family_models):
+    """A padded batch (2-D attention mask) and generation over a KV cache run transformers' sdpa, bit for bit."""
+    sdpa = build(family_models[family], FAMILIES[family], "sdpa").eval()
+    varlen = build(family_models[family], FAMILIES[family], attention.NAME).eval()
+    ids = torch.randint(4, sdpa.config.vocab_size, (3, 10), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0
+    mask[2, 3:] = 0
+    with torch.no_grad():
+        assert torch.equal(sdpa(input_ids=ids, attention_mask=mask).logits, varlen(input_ids=ids, attention_mask=mask).logits)
+    for m in (sdpa, varlen):
+        m.config.use_cache = True
+        m.generation_config.pad_token_id = 0
+    prompt = dict(input_ids=ids[:2, :6], attention_mask=torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]]))
+    kw = dict(max_new_tokens=8, do_sample=False)
+    assert torch.equal(sdpa.generate(**prompt, **kw), varlen.generate(**prompt, **kw))
+
+
+def test_segment_bounds():
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 1]])
+    assert attention.segment_bounds(1, 8, "cpu", position_ids=pos).tolist() == [0, 3, 5, 6, 8]
+    cu = torch.tensor([0, 4, 8], dtype=torch.int32)
+    assert attention.segment_bounds(1, 8, "cpu", cu_seq_lens=cu, position_ids=pos).tolist() == [0, 4, 8]
+    assert attention.segment_bounds(2, 4, "cpu", cu_seq_lens=cu).tolist() == [0, 4, 8]  # no positions: one per row
+    assert attention.segment_bounds(2, 4, "cpu", position_ids=torch.tensor([[0, 1, 0, 1]])).tolist() == [0, 2, 4, 6, 8]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's varlen flash kernel runs on CUDA only")
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_cuda_varlen_kernel_matches_the_segment_path(family, family_models):
+    """bf16 on CUDA goes through torch.nn.attention.varlen.varlen_attn; it agrees with per-segment sdpa (fp32)."""
+    model = build(family_models[family], FAMILIES[family], attention.NAME).cuda().eval()
+    batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in packed_batch(model.config.vocab_size).items()}
+    with torch.no_grad():
+        ref = model(**batch).logits.float()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            got = model.to(torch.bfloat16)(**batch).logits.float()
+    assert attention._torch_varlen() is not None
+    torch.testing.assert_close(got, ref, atol=0.1, rtol=0.05)
+
+
+def test_auto_picks_varlen_for_packed_recipes_and_the_model_reports_it(tiny_model, caplog):
+    r = load_recipe(["recipes/tiny/lora.yaml"])
+    tok, _, _ = models.load_tokenizer(r)
+    with caplog.at_level(logging.INFO, logger="sftrecipes"):
+        model = models.load_model(r, tok, "cpu")
+    assert model.config._attn_implementation == attention.NAME
+    lines = [x.getMessage() for x in caplog.records if x.getMessage().startswith("attention:")]
+    assert lines == ["attention: sft_varlen (auto: packed batches attend per sample; flash_attention_2 does not run here)"]
+    unpacked = models.load_model(load_recipe(["recipes/tiny/lora.yaml", "--packing", "false"]), tok, "cpu")
+    assert unpacked.config._attn_implementation == "sdpa"
+
+
+def test_gemma2_soft_capping_falls_back_in_one_line(family_models, caplog):
+    gemma2 = ["recipes/tiny/lora.yaml", "--model_name_or_path", str(family_models["gemma2"])]
+    impl, why = models.choose_attention(load_recipe([*gemma2, "--attn_implementation", "sft_varlen"]), "cpu")
+    assert impl == "eager" and "soft-capping" in why and why.startswith("fallback")
+    for flags, level in (([], logging.INFO), (["--attn_implementation", "sft_varlen"], logging.WARNING)):
+        r = load_recipe([*gemma2, *flags])
+        tok, _, _ = models.load_tokenizer(r)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="sftrecipes"):
+            model = models.load_model(r, tok, "cpu")
+        assert model.config._attn_implementation == "eager"
+        lines = [x for x in caplog.records if "attention" in x.getMessage()]
+        assert len(lines) == 1 and lines[0].levelno == level, [x.getMessage() for x in lines]
+        assert lines[0].getMessage().startswith("attention: eager") and "attn_logit_softcapping" in lines[0].getMessage()
