@@ -106,15 +106,17 @@ def test_data_errors_name_the_key(tiny_model, tmp_path, flags, fragment):
     assert fragment in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
-def test_packed_batch_has_no_cross_sample_attention(tiny_model):
-    """TRL's BFD packing sends position_ids and no attention mask; sdpa then builds a block-diagonal mask,
-    so a packed sequence gives exactly the logits of its samples run alone. That detection is skipped when a KV
-    cache exists (transformers' default use_cache=True), hence load_model turns the cache off for training."""
+@pytest.mark.parametrize("attn", ["sdpa", "auto"])
+def test_packed_batch_has_no_cross_sample_attention(tiny_model, attn):
+    """TRL's BFD packing sends position_ids and no attention mask; sdpa then builds a block-diagonal mask, and auto's
+    sft_varlen attends per sample, so a packed sequence gives exactly the logits of its samples run alone. sdpa's
+    detection is skipped when a KV cache exists (transformers' default use_cache=True), hence load_model turns the
+    cache off for training; sft_varlen reads the boundaries itself, cache or not."""
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-    r, tok, _, _ = build("--packing", "True")
+    r, tok, _, _ = build("--packing", "True", "--attn_implementation", attn)
     model = models.load_model(r, tok, "cpu").train()  # as the trainer runs it
-    assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == {"sdpa": "sdpa", "auto": "sft_varlen"}[attn]
     a, b = [1, 20, 30, 40, 50], [1, 60, 70, 80]
     batch = DataCollatorForLanguageModeling(pad_token_id=3, padding_free=True)(
         [{"input_ids": a + b, "seq_lengths": [len(a), len(b)]}])
@@ -122,9 +124,12 @@ def test_packed_batch_has_no_cross_sample_attention(tiny_model):
     with torch.no_grad():
         packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits[0]
         alone = torch.cat([model(input_ids=torch.tensor([a])).logits[0], model(input_ids=torch.tensor([b])).logits[0]])
-        leaky = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=True).logits[0]  # the trap
+        cached = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=True).logits[0]  # the trap
     torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
-    assert not torch.allclose(leaky[len(a):], alone[len(a):], atol=1e-3)
+    if attn == "sdpa":
+        assert not torch.allclose(cached[len(a):], alone[len(a):], atol=1e-3)
+    else:
+        torch.testing.assert_close(cached, alone, atol=1e-5, rtol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------ formats

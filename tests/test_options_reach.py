@@ -141,6 +141,8 @@ def obs_attn_implementation(tiny_model, tmp_path):
     tok, _, _ = models.load_tokenizer(r)
     assert models.load_model(r, tok, "cpu").config._attn_implementation == "eager"
     assert models.load_model(recipe(), tok, "cpu").config._attn_implementation == "sdpa"  # auto, for a Llama
+    assert models.load_model(recipe("--attn_implementation", "sft_varlen"), tok, "cpu").config._attn_implementation == "sft_varlen"
+    assert models.load_model(recipe("--packing", "true"), tok, "cpu").config._attn_implementation == "sft_varlen"  # auto, packed
 
 
 def lora(*flags):

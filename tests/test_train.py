@@ -118,15 +118,15 @@ def test_qlora_4bit_on_cpu(tiny_model, tmp_path):
 
 def test_guide_command_line_runs_on_cpu(tiny_model, tmp_path, caplog):
     """The guide's GPU command line (bf16, flash-attn, eval each epoch, packing, reentrant-free checkpointing)
-    runs as written on a CPU machine: the cpu target supplies use_cpu, flash-attn falls back to sdpa."""
+    runs as written on a CPU machine: the cpu target supplies use_cpu, flash-attn falls back to sft_varlen (packing)."""
     argv = shlex.split(GUIDE_ZERO3.replace("--push_to_hub", "").replace("outputs/guide", str(tmp_path)))
     recipe = load_recipe(argv + ["--max_steps", "3", "--max_seq_len", "256", "--save_strategy", "no"])
     with caplog.at_level("WARNING", logger="sftrecipes"):
         trainer, summary = train.run(recipe)
     assert trainer.args.use_cpu and trainer.args.bf16
     assert trainer.args.activation_checkpointing and trainer.args.activation_checkpointing_kwargs == {"use_reentrant": False}
-    assert trainer.model.base_model.model.config._attn_implementation == "sdpa"
-    assert sum("falling back to sdpa" in r.message for r in caplog.records) == 1
+    assert trainer.model.base_model.model.config._attn_implementation == summary["attention"] == "sft_varlen"
+    assert sum("falling back to sft_varlen" in r.getMessage() for r in caplog.records) == 1
     assert any("eval_loss" in e for e in trainer.state.log_history)  # eval_strategy epoch with the test split
     assert summary["steps"] == 3
 
@@ -266,9 +266,10 @@ def test_trust_remote_code_is_off_unless_set_and_said(tiny_model, tmp_path, capl
     assert any("trust_remote_code: on" in r.message for r in caplog.records)
 
 
-def test_packing_under_the_sdpa_fallback_on_a_gpu_is_warned(caplog):
+def test_packing_under_sdpa_on_a_gpu_is_warned(caplog):
     """Measured on an H200 (docs/benchmarks.md, GPU): packed rows under sdpa attend through a dense mask, 2-3x slower
-    per token; a GPU recipe that asks for flash-attn but falls back is told so, a CPU one is not."""
+    per token. A GPU recipe that asks for flash-attn but lacks it falls back to sft_varlen (no mask, no warning about
+    one); sdpa chosen for packed rows on a GPU is warned, on a CPU or unpacked it is not."""
     from unittest import mock
 
     from sftrecipes import model as models
@@ -276,17 +277,19 @@ def test_packing_under_the_sdpa_fallback_on_a_gpu_is_warned(caplog):
     def warned(*flags, hardware="gpu"):
         caplog.clear()
         with caplog.at_level("WARNING", logger="sftrecipes"), mock.patch.object(models, "flash_attn_installed", return_value=False):
-            assert models.attn_implementation(load_recipe(["recipes/tiny/lora.yaml", "--use_flash_attn", "true", *flags]), hardware) == "sdpa"
-        return any("dense block-diagonal mask" in r.message for r in caplog.records)
+            impl = models.attn_implementation(load_recipe(["recipes/tiny/lora.yaml", *flags]), hardware)
+        return impl, any("dense block-diagonal mask" in r.getMessage() for r in caplog.records)
 
-    assert warned("--packing", "true")
-    assert not warned("--packing", "false")
-    assert not warned("--packing", "true", hardware="cpu")
+    assert warned("--use_flash_attn", "true", "--packing", "true") == ("sft_varlen", False)
+    assert warned("--use_flash_attn", "true", "--packing", "false") == ("sdpa", False)
+    assert warned("--attn_implementation", "sdpa", "--packing", "true") == ("sdpa", True)
+    assert warned("--attn_implementation", "sdpa", "--packing", "true", hardware="cpu") == ("sdpa", False)
 
 
 def test_packing_under_sdpa_on_a_gpu_pads_to_a_bounded_set_of_shapes():
     """Measured on an H200: padding the flattened packed batch to a multiple of 256 let cuDNN reuse its attention
-    graphs (+44% tokens/s, 1B). Only on a GPU, only with sdpa and packing, never over the recipe's own value."""
+    graphs (+44% tokens/s, 1B). Only on a GPU, only with sdpa and packing, never over the recipe's own value; not
+    under sft_varlen (auto's choice for packing without flash-attn), where each pad token would be a segment."""
     from unittest import mock
 
     from sftrecipes import backends, model as models
@@ -296,9 +299,11 @@ def test_packing_under_sdpa_on_a_gpu_pads_to_a_bounded_set_of_shapes():
         with mock.patch.object(models, "flash_attn_installed", return_value=flash):
             return backends.training_kwargs(load_recipe(["recipes/tiny/lora.yaml", *flags]), target).get("pad_to_multiple_of")
 
-    assert pad("--packing", "true") == SDPA_PACKED_PAD == 256
-    assert pad("--packing", "true", "--use_flash_attn", "true") == 256  # asked for, but flash-attn is missing
+    sdpa = ("--attn_implementation", "sdpa")
+    assert pad("--packing", "true", *sdpa) == SDPA_PACKED_PAD == 256
+    assert pad("--packing", "true") is None  # auto: sft_varlen
+    assert pad("--packing", "true", "--use_flash_attn", "true") is None  # asked for, flash-attn missing: sft_varlen
     assert pad("--packing", "true", "--use_flash_attn", "true", "--bf16", "true", flash=True) is None  # varlen kernels: no mask
-    assert pad("--packing", "false") is None
-    assert pad("--packing", "true", target="cpu") is None
-    assert pad("--packing", "true", "--pad_to_multiple_of", "64") == 64
+    assert pad("--packing", "false", *sdpa) is None
+    assert pad("--packing", "true", *sdpa, target="cpu") is None
+    assert pad("--packing", "true", *sdpa, "--pad_to_multiple_of", "64") == 64

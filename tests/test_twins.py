@@ -84,6 +84,9 @@ def test_twin_runs_through_its_launcher(tiny_model, family_models, tmp_path, nam
     losses = summary["losses"]
     assert len(losses) == 6 and losses[-1] < losses[0] * 0.9, losses
     assert isinstance(summary["sample"]["reply"], str) and summary["sample"]["new_tokens"] > 0  # every rank generates
+    # every twin packs without flash-attn: each sample attends within itself (sftrecipes/attention.py), read back
+    # from the trained model's config, on both ranks
+    assert summary["attention"] == "sft_varlen" and log.count("attention: sft_varlen") == 2, log[-3000:]
     base = family_models[BASE_OF[name]] if name in BASE_OF else ".assets/tiny-llama"
     if name == "qwen3moe-zero3":  # all-linear adapts attention and experts, not the router (lora_target_router false)
         assert "router not adapted" in log and ".mlp.gate." not in " ".join(load_file_names(out))
