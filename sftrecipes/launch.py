@@ -289,7 +289,7 @@ def setup_doc(recipe: Recipe, path: Path, rel: str, name: str) -> str:
     out += ["", "## Limits", "",
             "- Needs the hub for the model and data (gated Llama weights: accept the licence, `hf auth login`).",
             "- flash-attention 2 needs `pip install -r requirements-gpu.txt` on a CUDA machine; without it the run falls "
-            "back to sdpa (logged).",
+            "back to sft_varlen for packed batches (torch's varlen flash kernel), sdpa otherwise (logged).",
             "- The memory plan is an estimate from tensor sizes plus a stated allowance; it was calibrated on CPU, not on "
             "this GPU (see docs/planner.md)."]
     return "\n".join(out) + "\n"
