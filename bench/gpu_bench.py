@@ -60,8 +60,13 @@ def random_loader(model_dir: Path, device: str):
 
         from sftrecipes import model as models
 
+        impl = models.choose_attention(recipe, target)[0]  # the kernel train.py's load_model would use
+        if impl == models.VARLEN:
+            from sftrecipes.attention import register
+
+            register()
         with torch.device(device):
-            m = LlamaForCausalLM(LlamaConfig.from_pretrained(model_dir)).to(models.load_dtype(recipe))
+            m = LlamaForCausalLM(LlamaConfig.from_pretrained(model_dir, attn_implementation=impl)).to(models.load_dtype(recipe))
         m.config.use_cache = False
         return m
 
@@ -141,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                      "tokens_per_s_per_device": round(t["tokens_per_s_per_device"], 1),
                      "mfu": t["mfu"], "peak_tflops": t["peak_tflops"], "measured_peak_gb": measured,
                      "planned_tensor_peak_gb": round(predicted.tensor_peak_gb, 2), "planned_total_gb": round(predicted.gpu_total_gb, 2),
-                     "attention": models.attn_implementation(recipe, "gpu" if a.device == "cuda" else "cpu"),
+                     "attention": summary["attention"],  # what the model ran (its config), not the request
                      "seconds": round(time.time() - start, 1)})
         print(json.dumps(rows[-1]), flush=True)
     versions = {m: __import__(m).__version__ for m in ("torch", "transformers", "trl", "peft", "accelerate", "datasets")}
