@@ -49,20 +49,21 @@ def _torch_varlen():
     return varlen_attn
 
 
-def segment_bounds(batch: int, length: int, device, cu_seq_lens=None, position_ids=None) -> torch.Tensor:
-    """Cumulative segment boundaries (int64, starting at 0, ending at batch*length) of a (batch, length) input
-    flattened into one row: the collator's cu_seq_lens where it describes this input, else where position_ids restart
-    (any step that is not +1, as transformers' find_packed_sequence_indices reads them), else one segment per row."""
+def segment_bounds(batch: int, length: int, device, cu_seq_lens=None, position_ids=None) -> tuple[torch.Tensor, bool]:
+    """(cumulative segment boundaries (int64, from 0 to batch*length) of a (batch, length) input flattened into one
+    row, whether they are the collator's): the collator's cu_seq_lens where they describe this input, else where
+    position_ids restart (any step that is not +1, as transformers' find_packed_sequence_indices reads them), else one
+    segment per row."""
     total = batch * length
     if cu_seq_lens is not None and batch == 1 and cu_seq_lens.numel() >= 2 and int(cu_seq_lens[-1]) == total:
-        return cu_seq_lens.to(device=device, dtype=torch.long)
+        return cu_seq_lens.to(device=device, dtype=torch.long), True
     if position_ids is not None and position_ids.shape[-1] == length:
         pos = position_ids.reshape(-1, length).expand(batch, length).to(device)
         starts = torch.ones_like(pos, dtype=torch.bool)
         starts[:, 1:] = pos[:, 1:] - pos[:, :-1] != 1
         first = starts.reshape(-1).nonzero().flatten()
-        return torch.cat([first, torch.tensor([total], device=device)])
-    return torch.arange(0, total + 1, length, device=device)
+        return torch.cat([first, torch.tensor([total], device=device)]), False
+    return torch.arange(0, total + 1, length, device=device), False
 
 
 def _plan(cu: torch.Tensor):
@@ -155,12 +156,12 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
     q = query.transpose(1, 2).reshape(b * s, h, d)
     k = key.transpose(1, 2).reshape(b * s, key.shape[1], d)
     v = value.transpose(1, 2).reshape(b * s, value.shape[1], value.shape[3])
-    cu = segment_bounds(b, s, query.device, kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids"))
+    cu, from_collator = segment_bounds(b, s, query.device, kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids"))
     if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and not dropout:
         varlen_attn = _torch_varlen()
         if varlen_attn is not None:
-            given = kwargs.get("cu_seq_lens_q") is not None and cu.data_ptr() == kwargs["cu_seq_lens_q"].data_ptr()
-            max_len = int(kwargs["max_length_q"]) if given and kwargs.get("max_length_q") else int(cu.diff().max())
+            # the collator's boundaries come with their longest segment (no device sync)
+            max_len = int(kwargs["max_length_q"]) if from_collator and kwargs.get("max_length_q") else int(cu.diff().max())
             cu32 = cu.to(torch.int32)
             out = varlen_attn(q, k, v, cu32, cu32, max_len, max_len, scale=scaling,
                               window_size=(window - 1, 0) if window is not None else (-1, 0),

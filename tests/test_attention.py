@@ -135,11 +135,13 @@ def test_padded_batches_and_cached_generation_are_sdpa(family, family_models):
 
 def test_segment_bounds():
     pos = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 1]])
-    assert attention.segment_bounds(1, 8, "cpu", position_ids=pos).tolist() == [0, 3, 5, 6, 8]
+    assert attention.segment_bounds(1, 8, "cpu", position_ids=pos)[0].tolist() == [0, 3, 5, 6, 8]
     cu = torch.tensor([0, 4, 8], dtype=torch.int32)
-    assert attention.segment_bounds(1, 8, "cpu", cu_seq_lens=cu, position_ids=pos).tolist() == [0, 4, 8]
-    assert attention.segment_bounds(2, 4, "cpu", cu_seq_lens=cu).tolist() == [0, 4, 8]  # no positions: one per row
-    assert attention.segment_bounds(2, 4, "cpu", position_ids=torch.tensor([[0, 1, 0, 1]])).tolist() == [0, 2, 4, 6, 8]
+    bounds, from_collator = attention.segment_bounds(1, 8, "cpu", cu_seq_lens=cu, position_ids=pos)
+    assert bounds.tolist() == [0, 4, 8] and from_collator
+    bounds, from_collator = attention.segment_bounds(2, 4, "cpu", cu_seq_lens=cu)  # 2 rows: not the collator's row
+    assert bounds.tolist() == [0, 4, 8] and not from_collator  # no positions either: one segment per row
+    assert attention.segment_bounds(2, 4, "cpu", position_ids=torch.tensor([[0, 1, 0, 1]]))[0].tolist() == [0, 2, 4, 6, 8]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's varlen flash kernel runs on CUDA only")

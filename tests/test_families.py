@@ -55,7 +55,7 @@ def test_lora_copy_of_the_tiny_recipe_trains_merges_and_verifies(family, family_
     trainer, summary = train.run(load_recipe(["recipes/tiny/lora.yaml", "--model_name_or_path", str(family_models[family]),
                                               "--output_dir", str(out), "--max_steps", "8", "--logging_steps", "2", "--sample_max_new_tokens", "0"]))
     assert summary["last_loss"] < summary["first_loss"] * 0.9, summary["losses"]
-    assert summary["attention"] == ("eager" if family == "gemma2" else "sdpa")
+    assert summary["attention"] == ("eager" if family == "gemma2" else "sft_varlen")  # packed: per-sample attention
     merged = merge_lora(out, tmp_path / "merged", verify=True)
     ids = probe_ids(merged)
     assert torch.allclose(logits(load(merged), ids), logits(trainer.model, ids), atol=1e-4, rtol=1e-4)
