@@ -67,8 +67,9 @@ def segment_bounds(batch: int, length: int, device, cu_seq_lens=None, position_i
 
 
 def _plan(cu: torch.Tensor):
-    """Groups of segments for the padded-batch path: [(gather index (n, M), n, M)], the flat position of each token in
-    the concatenated group outputs (None when every segment has the same length: a plain reshape), and lengths."""
+    """The padded-batch layout of these segments, cached for the next layer: (groups [(flat gather index of n
+    segments padded to M tokens, n, M)], each token's row in the groups' concatenated outputs, None, None), or
+    (None, None, n, M) when all n segments have the same length M (a plain reshape)."""
     lens = cu.diff().tolist()
     key = (str(cu.device), tuple(lens))
     if key in _plan_cache:
@@ -78,7 +79,7 @@ def _plan(cu: torch.Tensor):
         plan = (None, None, len(lens), lens[0])
     else:
         starts = cu[:-1].tolist()
-        order = sorted(range(len(lens)), key=lambda i: -lens[i])
+        order = sorted((i for i in range(len(lens)) if lens[i] > 0), key=lambda i: -lens[i])
         groups: list[list[int]] = []
         for i in order:
             if not groups or lens[i] < GROUP_RATIO * lens[groups[-1][0]]:
