@@ -126,7 +126,8 @@ def matrix(configs, device: str, varlen: str) -> list[dict]:
                 why = kernel_unavailable(attn, device, varlen) or (no_liger if liger else None)
                 rows.append({"run": run, "size": size, "gradient_checkpointing": ckpt, "attention": attn, "packed": packed,
                              "liger": liger, "skip": why})
-    return rows
+    # flex_attention compiles per new shape (minutes, possibly): its rows after the others of their Liger half
+    return sorted(rows, key=lambda r: (r["liger"], r["attention"] == "flex_attention"))
 
 
 # ----------------------------------------------------------------------------------------------- numerics
@@ -297,6 +298,10 @@ def throughput(rows: list[dict], a, device: str, started: float) -> None:
                 row.update(run_row(row, a, model_dirs, data, device))
         except Exception as e:  # noqa: BLE001 - one failing kernel (or RowTimeout) must not lose the other rows' numbers
             row["error"] = f"{type(e).__name__}: {' '.join(str(e).split())}"[:400]
+            if isinstance(e, RowTimeout):  # the same kernel would overrun again: spend the time on other rows
+                for later in rows:
+                    if later["attention"] == row["attention"] and not later["skip"] and "error" not in later and "tokens_per_s_per_device" not in later:
+                        later["skip"] = f"{row['attention']} overran --row-timeout-s on an earlier row"
         finally:
             gc.collect()
             if device == "cuda":

@@ -18,6 +18,7 @@ def test_matrix_lists_every_row_with_a_reason_for_each_skip():
     rows = gpu_check.matrix([("lora", "8b", True), ("full", "1b", True), ("lora", "8b", False)], "cpu", "no_such_varlen")
     assert len(rows) == 3 * len(gpu_check.KERNELS) * 2
     assert [r["liger"] for r in rows] == [False] * 15 + [True] * 15  # Liger patches the process: its rows come last
+    assert [r["attention"] for r in rows[:15]][-3:] == ["flex_attention"] * 3  # compiles per shape: after the others
     by = {(r["run"], r["gradient_checkpointing"], r["attention"], r["packed"], r["liger"]): r["skip"] for r in rows}
     assert by[("lora", True, "sdpa", False, False)] is None and by[("full", True, "sdpa", True, False)] is None
     assert "not registered" in by[("lora", False, "no_such_varlen", True, False)]
