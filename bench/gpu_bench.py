@@ -52,11 +52,12 @@ def write_inputs(folder: Path, size: str, samples: int, words: int) -> tuple[Pat
 
 def random_loader(model_dir: Path, device: str):
     """A stand-in for sftrecipes.model.load_model that builds the config's model with random weights on `device`
-    (nothing read from disk), in the recipe's load dtype."""
+    (nothing read from disk), in the recipe's load dtype, with the attention the recipe resolves to (the run summary
+    reads back what ran)."""
 
     def load(recipe, tokenizer, target):
         import torch
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers import AutoModelForCausalLM, LlamaConfig
 
         from sftrecipes import model as models
 
@@ -66,7 +67,8 @@ def random_loader(model_dir: Path, device: str):
 
             register()
         with torch.device(device):
-            m = LlamaForCausalLM(LlamaConfig.from_pretrained(model_dir, attn_implementation=impl)).to(models.load_dtype(recipe))
+            m = AutoModelForCausalLM.from_config(LlamaConfig.from_pretrained(model_dir), dtype=models.load_dtype(recipe),
+                                                 attn_implementation=impl)
         m.config.use_cache = False
         return m
 

@@ -90,8 +90,29 @@ def check_launcher_matches(recipe: Recipe) -> None:
         raise RecipeError(f"launch: the recipe says {problems[0]}; start it with python -m sftrecipes launch RECIPE, which renders the launcher's config from the recipe")
 
 
+def liger_installed() -> bool:
+    """The liger-kernel package (requirements-gpu.txt) is importable here; it brings Triton kernels, GPU-only."""
+    import importlib.util  # noqa: PLC0415
+
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+def check_liger(recipe: Recipe, target: str) -> None:
+    """use_liger_kernel needs a GPU and the liger-kernel package: refused in one line before any model is loaded
+    (transformers would fail at trainer construction, after the model load, with an ImportError or a Triton error)."""
+    if not recipe.trl_value("use_liger_kernel"):
+        return
+    if target == "cpu":
+        raise RecipeError("use_liger_kernel: Liger's kernels are Triton GPU kernels and this run's hardware target is cpu; "
+                          "set use_liger_kernel: false (or run on a GPU with launch.hardware: gpu)")
+    if not liger_installed():
+        raise RecipeError("use_liger_kernel: the liger-kernel package is not installed; pip install -r requirements-gpu.txt "
+                          "(or set use_liger_kernel: false)")
+
+
 def training_kwargs(recipe: Recipe, target: str) -> dict:
     """The SFTConfig keyword arguments: the recipe's explicit TRL keys plus what the project derives."""
+    check_liger(recipe, target)
     kw = {k: v for k, v in recipe.trl.items() if k not in CONSUMED_BY_PIPELINE}
     for key in TRL_DEFAULTS:  # the project's own defaults for a few TRL keys (schema.TRL_DEFAULTS)
         kw.setdefault(key, recipe.trl_value(key))
@@ -133,6 +154,8 @@ def training_args(recipe: Recipe, target: str):
 
     try:
         return SFTConfig(**training_kwargs(recipe, target))
+    except RecipeError:  # the project's own refusals (a ValueError too) are already one line naming the key
+        raise
     except ValueError as e:  # transformers' own cross-checks (e.g. load_best_model_at_end without matching strategies)
         raise RecipeError("training arguments: " + " ".join(str(e).split())) from None
 

@@ -37,6 +37,7 @@ CKPT_SHARD_GB = 10.0  # hub checkpoints ship in ~5-10 GB safetensors shards; a r
 # bandwidths used only to rank strategies (bytes per second per GPU): NVLink ring, InfiniBand 200 Gb/s, PCIe
 NVLINK, INFINIBAND, PCIE = 150e9, 25e9, 20e9
 TRL_TOKEN_TILE, TRL_VOCAB_TILE = 4096, 32768  # trl.kernels.chunked_logprob tile of the fused LM head
+DS_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's zero_optimization.sub_group_size default (the emitted configs keep it)
 
 
 # ----------------------------------------------------------------------------------------------- precision, sharding
@@ -158,6 +159,7 @@ class Plan:
     bubble: float | None = None
     weights_shard_gb: float = 0.0  # one rank's share of all weights (what offload_params moves over PCIe)
     active_params: int = 0  # parameters one token runs through (MoE: its top-k experts; else all)
+    live: dict[str, list[Item]] = field(default_factory=dict)  # per phase: what is live besides the model states
 
     @property
     def model_states_gb(self) -> float:
@@ -378,6 +380,14 @@ def plan_recipe(recipe: Recipe, pipeline_degree: int | None = None, _alternative
     # one parameter's worth
     fused = L.backend == "deepspeed" or "fused" in optim or "8bit" in optim
     opt_tmp = 0.0 if fused else (trainable * p_b / s.shard_o if s.gpu else _largest_param(shape, recipe, adapted) * p_b)
+    # DeepSpeed's ZeRO optimizers step the fp32 master on an fp32 copy of the 16-bit gradient partition, made for one
+    # param group (ZeRO-1/2: stage_1_and_2.step) or one sub-group of at most sub_group_size elements (ZeRO-3:
+    # stage3._prepare_fp32_grad_for_sub_group) at a time and freed after its step. DeepSpeed's own estimator counts it
+    # as resident (its 18 B/param); it lives only in the step (tests/test_plan_vs_deepspeed.py).
+    fp32_step = 0.0
+    if s.deepspeed16 and L.zero_stage >= 1 and not s.offload_opt:
+        part = trainable / s.shard_o
+        fp32_step = 4 * (min(part, DS_SUB_GROUP_SIZE) if L.zero_stage == 3 else part)
     # what is live, besides the resident states, at each phase of a step
     acts_note = (f"{b} x {seq} tokens, {Lr} layers, h {h}, {attn}, "
                  + ("checkpointed: each layer's input kept, one layer recomputed in backward" if ckpt else "every layer's saved tensors"))
@@ -407,7 +417,10 @@ def plan_recipe(recipe: Recipe, pipeline_degree: int | None = None, _alternative
             ("activations", shared + saved_first, "first layer's only"), one_layer, gath,
             not_yet(grads_total - g_embed - g_layers[0]), buckets],
         "optimizer step": [("optimizer step temporaries", opt_tmp,
-                           "in place" if fused else "foreach AdamW" if s.gpu else "single-tensor AdamW")],
+                           "in place" if fused else "foreach AdamW" if s.gpu else "single-tensor AdamW"),
+                           ("fp32 gradient partition (DeepSpeed step)", fp32_step,
+                            "4 B/param" + (f" /{s.shard_o}" if s.shard_o > 1 else "")
+                            + (f", one sub-group of <= {DS_SUB_GROUP_SIZE / 1e9:g}B elements at a time" if L.zero_stage == 3 else ""))],
     }
     resident = persistent
     phases = {k: (resident + sum(x[1] for x in v)) / GB for k, v in live.items()}
@@ -462,6 +475,7 @@ def plan_recipe(recipe: Recipe, pipeline_degree: int | None = None, _alternative
                 peak_phase, phases, tensor_peak, allowance, total, limit, fits, cpu, cpu_total, cpu_limit, cpu_fits,
                 comm, comm_gb, recipe.trl_value("per_device_train_batch_size") * ga * N, notes)
     plan.weights_shard_gb = (frozen_b + trainable * p_b) / s.shard_w / GB
+    plan.live = {k: [Item(n, v / GB, note) for n, v, note in items if v != 0] for k, items in live.items()}
     plan.active_params = shape.active_params
     if shape.moe:
         notes += _moe_notes(shape, s, adapted, float_b, m.lora_target_modules)

@@ -7,6 +7,7 @@
 """
 
 import logging
+from unittest import mock
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ SPECIAL = {
     "dataloader_prefetch_factor": (4, {"dataloader_num_workers": 1}, lambda a: a.dataloader_prefetch_factor == 4),
     "fsdp": ("full_shard auto_wrap", {}, lambda a: a.fsdp is True and a.fsdp_config["reshard_after_forward"]),
     "deepspeed": ({"zero_optimization": {"stage": 2}}, {}, lambda a: a.hf_deepspeed_config.config["zero_optimization"]["stage"] == 2),
+    "use_liger_kernel": (True, {"bf16": False}, lambda a: a.use_liger_kernel is True),  # gpu target (GPU_ONLY) on a CPU machine
 }
 # Applied by the data pipeline, not by SFTConfig: observed in tests/test_data.py and tests/test_train.py.
 PIPELINE = {
@@ -58,6 +60,9 @@ def probe_value(o):
 
 # Refused with a one-line error (test_recipe.py), so they cannot be silently ignored either.
 REFUSED = {"enable_jit_checkpoint": "the run handles SIGTERM/SIGUSR1 itself (lifecycle.py); test_recipe.py::test_bad_recipe_is_one_line_error"}
+# Refused on the cpu target (test_train.py::test_liger_is_refused_without_a_gpu_or_its_package): probed on the gpu
+# target with the package present.
+GPU_ONLY = {"use_liger_kernel"}
 TRL_KEYS = sorted(n for n, o in all_options().items()
                   if o.owner == "trl" and n not in PIPELINE and n not in REFUSED and o.kind != "object")
 
@@ -67,7 +72,8 @@ def test_trl_option_reaches_training_args(tiny_model, key):
     o = all_options()[key]
     value, extras, check = SPECIAL.get(key, (probe_value(o), {}, None))
     argv = [a for a in BASE if key != "output_dir" or a not in ("--output_dir", "outputs/reach")]
-    args = backends.training_args(load_recipe(argv, overrides={key: value, **extras}), "cpu")
+    with mock.patch.object(backends, "liger_installed", return_value=True):
+        args = backends.training_args(load_recipe(argv, overrides={key: value, **extras}), "gpu" if key in GPU_ONLY else "cpu")
     if check is not None:
         assert check(args), key
     else:

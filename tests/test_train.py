@@ -266,6 +266,27 @@ def test_trust_remote_code_is_off_unless_set_and_said(tiny_model, tmp_path, capl
     assert any("trust_remote_code: on" in r.message for r in caplog.records)
 
 
+@pytest.mark.parametrize("hardware, installed, names", [("cpu", True, "launch.hardware: gpu"),
+                                                          ("gpu", False, "pip install -r requirements-gpu.txt")])
+def test_liger_is_refused_without_a_gpu_or_its_package(tmp_path, capsys, hardware, installed, names):
+    """use_liger_kernel (Triton kernels) on the cpu target, or on a GPU without liger-kernel: exit 2 with one line
+    naming the key and the fix, before any model is loaded or anything written (transformers would fail only at
+    trainer construction, after the load)."""
+    from unittest import mock
+
+    from sftrecipes import backends, model as models
+
+    out = tmp_path / "out"
+    argv = ["recipes/tiny/lora.yaml", "--use_liger_kernel", "true", "--launch.hardware", hardware, "--max_steps", "1",
+            "--output_dir", str(out)]
+    with mock.patch.object(backends, "liger_installed", return_value=installed), \
+         mock.patch.object(models, "load_model", side_effect=AssertionError("model loaded")):
+        assert train.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: use_liger_kernel:") and names in err, err
+    assert not out.exists() or not any(p.suffix in (".safetensors", ".json") for p in out.rglob("*"))
+
+
 def test_packing_under_sdpa_on_a_gpu_is_warned(caplog):
     """Measured on an H200 (docs/benchmarks.md, GPU): packed rows under sdpa attend through a dense mask, 2-3x slower
     per token. A GPU recipe that asks for flash-attn but lacks it falls back to sft_varlen (no mask, no warning about

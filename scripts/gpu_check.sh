@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# GPU check (one GPU, under 8 minutes on an H200): (1) packed-attention numerics in bf16 (varlen, flex, flash-attn 2
+# where importable, against sdpa with the dense block-diagonal mask); (2) throughput rows — LoRA ~8B with gradient
+# checkpointing on and off and a full ~1B, each with sdpa padded / sdpa packed / varlen / flex / flash-attn 2, each
+# without and with Liger — tokens/s/device, MFU, peak memory and the planner's figure (bench/gpu_check.py).
+# Writes bench/results/gpu-check-<gpu>-<date>.{json,md}; docs/benchmarks.md, "GPU check", says how to read them.
+#   scripts/gpu_check.sh [--budget-s 330] [--steps 6] [--only sdpa,sft_varlen] [--no-liger-rows]
+#   python bench/gpu_check.py --cpu-smoke --out /tmp/x     # the same code on CPU (tests/test_gpu_check.py)
+# Written by hand (not emitted). For a GPU image without trl: put the wheels in .whl/ (pip download --no-deps
+# --python-version 3.12 --only-binary :all: trl==1.16.0 datasets==5.2.0 peft==0.21.2 transformers==5.24.0
+# accelerate==1.15.0 liger-kernel==0.8.5 dill multiprocess regex) and they are installed into /tmp/site for this run
+# only; the machine's own torch (and its triton) is used.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}"
+if ! "$PY" -c "import trl, yaml, psutil" 2>/dev/null || { ls .whl/liger_kernel-*.whl >/dev/null 2>&1 && ! "$PY" -c "import liger_kernel" 2>/dev/null; }; then
+  ls .whl/*.whl >/dev/null 2>&1 || { echo "error: trl (or yaml/psutil) is missing and .whl/ holds no wheels; see the header of $0" >&2; exit 2; }
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+exec "$PY" bench/gpu_check.py "$@"
