@@ -60,7 +60,7 @@ sft-qwen3-32b-qlora: $(STAMP) ## Qwen3-32B QLoRA, FSDP2, 2 x 24 GB
 sft-qwen3-moe-lora: $(STAMP) ## Qwen3-30B-A3B (MoE) LoRA, DeepSpeed ZeRO-3, 4 x 80 GB
 	scripts/run_qwen3-30b-a3b-lora.sh $(ARGS)
 
-bench: $(STAMP)             ## training throughput: train.py vs a bare TRL script on the tiny model (~5 min); writes docs/benchmarks.md
+bench: $(STAMP)             ## training throughput grid (checkpointing x batch x packing x LoRA/full): train.py vs bare TRL, tiny model (~13 min); writes docs/benchmarks.md
 	$(BIN)/python bench/bench_train.py $(ARGS)
 
 bench-export: $(STAMP)      ## export memory/time: streaming merge/export vs peft and torch DCP (~12 min); writes docs/benchmarks.md
