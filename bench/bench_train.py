@@ -39,16 +39,26 @@ LEARNING_RATE = {"LoRA": 1e-2, "full": 1e-3}  # the recipes' own
 ATTENTION = "sdpa"  # passed to both scripts in every row (train.py's auto would pick it on CPU; packed rows change with varlen)
 GOAL_RATIO, GOAL_SHARE = 1.03, 0.98
 NOTES = """
-Findings (cProfile of the training loop and torch.profiler op counts, 40 and 80 steps of each script, unpacked,
-batch 4, checkpointing on, LoRA: the per-step figures are the 80-step counts less the 40-step ones):
+Findings (unpacked, batch 4, checkpointing on, LoRA, where the issue measured train.py at 1.21x bare TRL):
 
-- Per step, train.py's loop makes the same torch ops as bare TRL (identical op counts) and ~110 more Python calls
-  (25,540 against 25,430, +0.4%: its callbacks' step hooks), ~0.1 ms. What the callbacks did per step that a GPU
-  pays for was host syncs: ThroughputCallback's forward hook read each micro-batch's mask sums (`.tolist()`) and, on
-  padding-free batches, read the device once per trailing pad slot (`int(ids[n - 1])` in a loop: up to 255 reads a
-  batch with the GPU default pad_to_multiple_of 256) and the sample starts (`nonzero().tolist()`). Its counts now
-  stay on the device and are read once per log (logging_steps), together with the TensorBoard scalars of the steps
-  since; tests/test_metrics.py counts every device read by project code and fails on one inside a training step.
+- The two runs train the same thing the same way: the trainer's arguments, model, collator and checkpointing
+  function compared field by field differ only in ddp_timeout and the callbacks (train.py adds LoadMemoryProbe,
+  PrecisionProbe, ThroughputCallback, NonFiniteGuard, Preemption); both checkpoint with
+  `checkpoint(use_reentrant=False)`. torch.profiler counts the same ops per step; cProfile of the training loop
+  (80-step counts less 40-step ones) ~110 more Python calls per step (25,540 against 25,430, +0.4%). The callbacks'
+  main-thread CPU time over 150 steps: ~0.03 s in step events, ~0.05 s at train begin, ~0.45 s at train end (the
+  plot and table; inside the trainer's train_runtime, outside this benchmark's steady-state steps). None of this
+  makes a 21% gap; one thing that can: train.py pins torch to `cpu_threads` (1) threads on the cpu target, while a
+  bare script started without OMP_NUM_THREADS uses torch's default (2 on this machine) — faster on an idle machine,
+  far slower on a loaded one. This benchmark gives both OMP_NUM_THREADS=1.
+- What the callbacks did per step that a GPU pays for was host syncs: ThroughputCallback's forward hook read each
+  micro-batch's mask sums (`.tolist()`) and, on padding-free batches, read the device once per trailing pad slot
+  (`int(ids[n - 1])` in a loop: up to 255 reads a batch with the GPU default pad_to_multiple_of 256) and the sample
+  starts (`nonzero().tolist()`); with several ranks the preemption vote was an all-reduce read back (`.item()`) at
+  every step. The token counts now stay on the device and are read once per log (logging_steps), with the
+  TensorBoard scalars of the steps since; the vote started at one step is read at the next (ranks still stop
+  together). tests/test_metrics.py counts every device read by project code in its tiny runs and fails on one
+  inside a training step.
 - TRL's `SFTConfig` defaults to `gradient_checkpointing=True` and `bf16=True` (CPU autocast) where the recipes set
   both false; a bare script that leaves them at TRL's defaults is 1.5-2.3x slower per real token, so
   `bench/bare_trl.py` takes each as a flag and the grid sets both scripts alike.
