@@ -58,7 +58,11 @@ Findings (unpacked, batch 4, checkpointing on, LoRA, where the issue measured tr
   every step. The token counts now stay on the device and are read once per log (logging_steps), with the
   TensorBoard scalars of the steps since; the vote started at one step is read at the next (ranks still stop
   together). tests/test_metrics.py counts every device read by project code in its tiny runs and fails on one
-  inside a training step.
+  inside a training step. `python bench/overhead_profile.py --row N` (`make bench-overhead`) prints these counts
+  (Python calls, torch ops and value reads per step, the configuration fields that differ) for any row of the grid.
+- Bare TRL itself reads the device 3-4 times per micro-batch (`SFTTrainer.compute_loss`: entropy, token accuracy
+  and `num_tokens` via `.item()`, plus their `gather_for_metrics` collectives with several ranks): a host sync per
+  step on a GPU that train.py inherits and this benchmark cannot show.
 - TRL's `SFTConfig` defaults to `gradient_checkpointing=True` and `bf16=True` (CPU autocast) where the recipes set
   both false; a bare script that leaves them at TRL's defaults is 1.5-2.3x slower per real token, so
   `bench/bare_trl.py` takes each as a flag and the grid sets both scripts alike.
