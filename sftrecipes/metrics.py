@@ -144,7 +144,7 @@ def batch_count_tensor(inputs: dict, pad_token_id: int | None):
 
     ids = inputs["input_ids"]
     mask = inputs.get("attention_mask")
-    if mask is not None:
+    if mask is not None:  # padded rows: one sample (or one 'wrapped' chunk) per row, attending causally within it
         lengths = mask.sum(dim=-1).flatten().to(torch.int64)
         return torch.stack([lengths.sum(), (lengths * (lengths + 1) // 2).sum()])
     pos = inputs.get("position_ids")
