@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export PYTHONDONTWRITEBYTECODE ?= 1
 
-.PHONY: venv assets demo test data schema docs emit plan bench bench-export clean sft-70b-lora sft-70b-qlora sft-offload sft-70b-fsdp sft-70b-qlora-fsdp sft-ddp sft-llama3-70b-lora sft-qwen3-32b-qlora sft-qwen3-moe-lora
+.PHONY: venv assets demo test data schema docs emit plan bench bench-overhead bench-export clean sft-70b-lora sft-70b-qlora sft-offload sft-70b-fsdp sft-70b-qlora-fsdp sft-ddp sft-llama3-70b-lora sft-qwen3-32b-qlora sft-qwen3-moe-lora
 
 $(STAMP): requirements.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -60,8 +60,11 @@ sft-qwen3-32b-qlora: $(STAMP) ## Qwen3-32B QLoRA, FSDP2, 2 x 24 GB
 sft-qwen3-moe-lora: $(STAMP) ## Qwen3-30B-A3B (MoE) LoRA, DeepSpeed ZeRO-3, 4 x 80 GB
 	scripts/run_qwen3-30b-a3b-lora.sh $(ARGS)
 
-bench: $(STAMP)             ## training throughput: train.py vs a bare TRL script on the tiny model (~5 min); writes docs/benchmarks.md
+bench: $(STAMP)             ## training throughput grid (checkpointing x batch x packing x LoRA/full): train.py vs bare TRL, tiny model (~13 min); writes docs/benchmarks.md
 	$(BIN)/python bench/bench_train.py $(ARGS)
+
+bench-overhead: $(STAMP)    ## what train.py adds per step over bare TRL, by counts: make bench-overhead [ARGS="--row 10 --steps 40"]
+	$(BIN)/python bench/overhead_profile.py $(ARGS)
 
 bench-export: $(STAMP)      ## export memory/time: streaming merge/export vs peft and torch DCP (~12 min); writes docs/benchmarks.md
 	$(BIN)/python bench/bench_export.py

@@ -1,17 +1,34 @@
-"""Baseline for `make bench`: recipes/tiny/lora.yaml's training settings in a bare TRL script (TRL's own chat
-formatting, no sftrecipes). python bench/bare_trl.py OUTPUT_DIR [PACKING true|false] [MAX_STEPS]"""
-import sys
+"""Baseline for `make bench`: recipes/tiny/{lora,full}.yaml's training settings in a bare TRL script (TRL's own chat
+formatting, no sftrecipes), each grid setting a flag (the same names as train.py's keys).
+
+    python bench/bare_trl.py OUTPUT_DIR [--packing true] [--max_steps 80] [--per_device_train_batch_size 8]
+        [--gradient_checkpointing false] [--use_peft_lora true] [--learning_rate 1e-2] [--attn_implementation sdpa]"""
+import argparse
 
 from datasets import load_dataset
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import SFTConfig, SFTTrainer
 
-out, packing, steps = sys.argv[1], (sys.argv[2:3] or ["true"])[0] == "true", int((sys.argv[3:4] or [80])[0])
-args = SFTConfig(output_dir=out, max_length=256, packing=packing, per_device_train_batch_size=8, learning_rate=1e-2,
-                 lr_scheduler_type="constant", max_steps=steps, logging_steps=5, seed=42, save_strategy="no",
-                 report_to="none", use_cpu=True, bf16=False, gradient_checkpointing=False)  # TRL defaults both on
+flag = lambda s: s.lower() == "true"  # noqa: E731
+p = argparse.ArgumentParser()
+p.add_argument("output_dir")
+p.add_argument("--packing", type=flag, default=True)
+p.add_argument("--max_steps", type=int, default=80)
+p.add_argument("--per_device_train_batch_size", type=int, default=8)
+p.add_argument("--gradient_checkpointing", type=flag, default=False)
+p.add_argument("--use_peft_lora", type=flag, default=True)
+p.add_argument("--learning_rate", type=float, default=1e-2)
+p.add_argument("--attn_implementation", default="sdpa")
+p.add_argument("--model", default=".assets/tiny-llama")
+a = p.parse_args()
+
+args = SFTConfig(output_dir=a.output_dir, max_length=256, packing=a.packing, learning_rate=a.learning_rate,
+                 per_device_train_batch_size=a.per_device_train_batch_size, lr_scheduler_type="constant",
+                 max_steps=a.max_steps, logging_steps=5, seed=42, save_strategy="no", report_to="none", use_cpu=True,
+                 bf16=False, gradient_checkpointing=a.gradient_checkpointing)  # TRL's defaults: both on
 lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
-SFTTrainer(model=AutoModelForCausalLM.from_pretrained(".assets/tiny-llama"), args=args, peft_config=lora,
+model = AutoModelForCausalLM.from_pretrained(a.model, attn_implementation=a.attn_implementation)
+SFTTrainer(model=model, args=args, peft_config=lora if a.use_peft_lora else None,
            train_dataset=load_dataset("json", data_files="data/tiny_chat/train.jsonl", split="train"),
-           processing_class=AutoTokenizer.from_pretrained(".assets/tiny-llama")).train()
+           processing_class=AutoTokenizer.from_pretrained(a.model)).train()

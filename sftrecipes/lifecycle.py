@@ -372,6 +372,48 @@ def release_signals() -> None:
         _PIPE.clear()
 
 
+class SignalVote:
+    """The ranks' preemption signals, all-reduced (max) without waiting: start() launches the reduction at one step's
+    end, result() at the next step's end returns it. On a GPU the result travels to pinned host memory behind a CUDA
+    event, so reading it waits only for that point of the stream, not for the step queued after it; on CPU (gloo)
+    it waits for the reduction itself, which every rank started a step earlier."""
+
+    def __init__(self, device):
+        import torch  # noqa: PLC0415
+
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self._pending = None  # (work, tensor to read, event or None)
+        self._host = torch.zeros(1, dtype=torch.int64, pin_memory=True) if self.cuda else None  # read before reused
+
+    def start(self, signum: int) -> None:
+        import torch  # noqa: PLC0415
+        import torch.distributed as dist  # noqa: PLC0415
+
+        flag = torch.tensor([signum], dtype=torch.int64, device=self.device)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
+        if not self.cuda:
+            self._pending = (work, flag, None)
+            return
+        work.wait()  # NCCL: the current stream waits for the reduction; the host does not
+        self._host.copy_(flag, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._pending = (None, self._host, event)
+
+    def result(self) -> int:
+        """The reduction start() launched last (0 when none); waits for that one only."""
+        if self._pending is None:
+            return 0
+        work, value, event = self._pending
+        self._pending = None
+        if work is not None:
+            work.wait()
+        if event is not None:
+            event.synchronize()
+        return int(value[0])
+
+
 class RunLife:
     """One process of a run, from start to exit (a context manager around train.py's work).
 
@@ -529,12 +571,19 @@ class RunLife:
     def callback(self):
         """TrainerCallback: at each optimizer step's end the ranks agree (all-reduce of the signal number) whether to
         stop; if so they save checkpoint-<step> (with its marker) and the loop ends. At train begin, a checkpoint
-        already at max_steps raises AlreadyTrained (transformers would train one step more)."""
+        already at max_steps raises AlreadyTrained (transformers would train one step more).
+
+        With several ranks the all-reduce started at one step's end is read at the next one's (SignalVote): no rank
+        waits for it, and on a GPU the host never waits for the device's queue (a read of this step's result would
+        sync the stream every step). Every rank reads the same vote at the same step, so they still stop together,
+        one step after the signal at most."""
         from transformers import TrainerCallback  # noqa: PLC0415
 
         life = self
 
         class Preemption(TrainerCallback):
+            vote = None
+
             def on_train_begin(self, args, state, control, **kwargs):
                 life._training_begins()
                 if state.max_steps > 0 and state.global_step >= state.max_steps:
@@ -546,18 +595,19 @@ class RunLife:
                 life.step = state.global_step
                 sig = life.signal
                 if life.world > 1:
-                    import torch  # noqa: PLC0415
-                    import torch.distributed as dist  # noqa: PLC0415
-
-                    flag = torch.tensor([sig], dtype=torch.int64, device=args.device)
-                    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-                    sig = int(flag.item())
+                    if self.vote is None:
+                        self.vote = SignalVote(args.device)
+                    sig = self.vote.result()  # every rank's signal as of the previous step's end (0 at the first)
+                    self.vote.start(life.signal)
                 if sig and state.global_step < state.max_steps:
                     life.stopped_by = sig
                     control.should_save = True
                     control.should_training_stop = True
 
             def on_train_end(self, args, state, control, **kwargs):
+                if self.vote is not None:
+                    self.vote.result()  # the last step's vote: no collective left in flight
+                    self.vote = None
                 life.phase = "finishing"
 
         return Preemption()

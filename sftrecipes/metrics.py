@@ -29,7 +29,8 @@ What is counted
 * Memory: the accelerator's peak allocated memory (``torch.cuda.max_memory_allocated``) and the process RSS before
   training, its peak during training (a background thread samples it every 50 ms) and at the end.
 
-Where it goes: per-step scalars of rank 0 to TensorBoard (always: its own event file under
+Where it goes: per-step scalars of rank 0 to TensorBoard, written at each log (logging_steps; no host sync per step,
+see ThroughputCallback._count) (always: its own event file under
 ``output_dir/runs/throughput``, beside the trainer's own run when ``report_to`` has tensorboard; without it the
 callback also writes the trainer's loss/learning rate there, so TensorBoard works with ``report_to: none``). At the
 end every rank's totals are gathered to rank 0, printed as a table, written to ``output_dir/metrics.json`` and
@@ -55,6 +56,7 @@ from .shape import Shape, model_shape
 log = logging.getLogger("sftrecipes")
 
 GB = 1e9
+MAX_PENDING_STEPS = 1000  # steps whose token counts may wait on the device for the next log
 # Dense 16-bit (bf16/fp16) tensor-core peaks in TFLOP/s, from the vendors' datasheets, matched as substrings of
 # torch.cuda.get_device_name() in this order (more specific names first). For fp32/tf32 training pass the peak.
 PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
@@ -126,26 +128,39 @@ def mfu(tokens_per_s: float, flops_per_tok: float, peak_tflops: float) -> float:
 
 
 def batch_counts(inputs: dict, pad_token_id: int | None) -> tuple[int, int, int]:
-    """(real tokens, token slots, causal attention pairs) of one model input (see the module docstring)."""
+    """(real tokens, token slots, causal attention pairs) of one model input (see the module docstring). Reads the
+    device: the callback itself uses batch_count_tensor and reads its sums once per logging step."""
+    real, pairs = batch_count_tensor(inputs, pad_token_id).tolist()
+    return real, int(inputs["input_ids"].numel()), pairs
+
+
+def batch_count_tensor(inputs: dict, pad_token_id: int | None):
+    """[real tokens, causal attention pairs] of one model input as an int64 tensor on the batch's device, computed
+    without reading the device (no host sync: on a GPU this runs ahead with the step's kernels). A padded batch: one
+    sample per row, its length the row's mask sum. A padding-free batch: a sample starts where position_ids is 0;
+    the trailing run of pad ids at position 0 (pad_to_multiple_of's slots) is not tokens; a token i places into its
+    sample adds i + 1 pairs (a sample of s tokens: s(s+1)/2)."""
+    import torch  # noqa: PLC0415
+
     ids = inputs["input_ids"]
     mask = inputs.get("attention_mask")
     if mask is not None:  # padded rows: one sample (or one 'wrapped' chunk) per row, attending causally within it
-        lengths = mask.sum(dim=-1).flatten().tolist()
-    else:  # padding-free: one row of packed samples; a sample starts where position_ids is 0
-        pos = inputs.get("position_ids")
-        flat_ids = ids.flatten()
-        n = flat_ids.numel()
-        if pad_token_id is not None and pos is not None:  # trailing pad slots (pad_to_multiple_of) have position 0
-            pos = pos.flatten()
-            while n and int(flat_ids[n - 1]) == pad_token_id and int(pos[n - 1]) == 0:
-                n -= 1
-        if pos is None:
-            lengths = [n]
-        else:
-            starts = (pos.flatten()[:n] == 0).nonzero().flatten().tolist() + [n]
-            lengths = [b - a for a, b in zip(starts, starts[1:]) if b > a]
-    lengths = [int(s) for s in lengths]
-    return sum(lengths), int(ids.numel()), sum(s * (s + 1) // 2 for s in lengths)
+        lengths = mask.sum(dim=-1).flatten().to(torch.int64)
+        return torch.stack([lengths.sum(), (lengths * (lengths + 1) // 2).sum()])
+    pos = inputs.get("position_ids")
+    n = ids.numel()
+    if pos is None:  # one sample: the whole row
+        return torch.tensor([n, n * (n + 1) // 2], dtype=torch.int64, device=ids.device)
+    flat_ids, pos = ids.flatten(), pos.flatten().to(ids.device)
+    start = pos == 0
+    counted = torch.cummax(start.to(torch.int64), 0).values.bool()  # tokens before the first start belong to no sample
+    if pad_token_id is not None:
+        trailing = ((flat_ids == pad_token_id) & start).to(torch.int64).flip(0).cumprod(0).flip(0).bool()
+        counted &= ~trailing
+    index = torch.arange(n, device=ids.device)
+    sample_start = torch.cummax(torch.where(start, index, torch.zeros_like(index)), 0).values
+    within = index - sample_start + 1  # 1-based place of each token in its sample
+    return torch.stack([counted.sum(), (within * counted).sum()])
 
 
 def trainable_split(model, shape: Shape | None = None) -> tuple[int, int]:
@@ -195,6 +210,7 @@ class _RssSampler(threading.Thread):
         import psutil  # noqa: PLC0415
 
         self.proc, self.interval, self.peak = psutil.Process(), interval, 0
+        self.last = self.rss()  # the latest sample: per-step readers take it rather than asking the OS again
         self._stop_event = threading.Event()
 
     def rss(self) -> int:
@@ -202,7 +218,8 @@ class _RssSampler(threading.Thread):
 
     def run(self):
         while not self._stop_event.is_set():
-            self.peak = max(self.peak, self.rss())
+            self.last = self.rss()
+            self.peak = max(self.peak, self.last)
             self._stop_event.wait(self.interval)
 
     def stop(self) -> int:
@@ -253,8 +270,10 @@ class ThroughputCallback(TrainerCallback):
             torch.cuda.reset_peak_memory_stats()
         tok = getattr(processing_class, "tokenizer", processing_class)  # a processor wraps its tokenizer
         self.pad_id = getattr(tok, "pad_token_id", None)
-        self.tokens = self.slots = self.pairs = 0  # since the last step end
-        self.steps: list[dict] = []
+        self.slots = 0  # since the last step end; the real tokens and pairs stay on the device (self._counts)
+        self._counts = None
+        self.steps: list[dict] = []  # complete rows (tokens read from the device), up to the last flush
+        self._pending: list[tuple[dict, object]] = []  # (row, its [tokens, pairs] device tensor) since the last flush
         self.sampler = _RssSampler()
         self.rss_before = self.sampler.rss()
         self.sampler.start()
@@ -269,23 +288,46 @@ class ThroughputCallback(TrainerCallback):
             self._writer = SummaryWriter(log_dir=os.path.join(args.output_dir, "runs", "throughput"))
             self._mirror_logs = "tensorboard" not in (args.report_to or [])
 
+    # No host sync per step: a micro-batch's counts are summed on its device (batch_count_tensor), each step's sum is
+    # kept as a tensor, and all steps since the last log are read in one transfer at the next log (the trainer syncs
+    # there anyway for the loss) or at train end; TensorBoard gets their per-step scalars then.
     def _count(self, module, args, kwargs):
         if module.training and "input_ids" in kwargs:
-            real, slots, pairs = batch_counts(kwargs, self.pad_id)
-            self.tokens, self.slots, self.pairs = self.tokens + real, self.slots + slots, self.pairs + pairs
+            counts = batch_count_tensor(kwargs, self.pad_id)
+            self._counts = counts if self._counts is None else self._counts + counts
+            self.slots += int(kwargs["input_ids"].numel())
 
     def on_step_end(self, args, state, control, **kwargs):
+        import torch  # noqa: PLC0415
+
         now = time.perf_counter()
-        row = {"step": state.global_step, "seconds": now - self._last, "tokens": self.tokens, "slots": self.slots,
-               "pairs": self.pairs, "unix": time.time()}
-        self.steps.append(row)
-        self.tokens = self.slots = self.pairs = 0
+        row = {"step": state.global_step, "seconds": now - self._last, "slots": self.slots, "unix": time.time(),
+               "rss": self.sampler.last}
+        if self.cuda:  # the allocator's host-side counter: no sync
+            row["accelerator_peak"] = torch.cuda.max_memory_allocated()
+        self._pending.append((row, self._counts))
+        self.slots, self._counts = 0, None
         self._last = now
-        if self._writer is not None:
-            for tag, value in self._rates(row).items():
-                self._writer.add_scalar(tag, value, state.global_step)
+        if len(self._pending) >= MAX_PENDING_STEPS:  # logging off or very sparse: read them now and then anyway
+            self._flush()
+
+    def _flush(self) -> None:
+        """Read the pending steps' token counts from the device (one transfer), complete their rows, write their
+        TensorBoard scalars."""
+        import torch  # noqa: PLC0415
+
+        pending, self._pending = self._pending, []
+        counted = [c for _, c in pending if c is not None]
+        values = iter(torch.stack([c.to(counted[0].device) for c in counted]).tolist() if counted else [])
+        for row, c in pending:
+            row["tokens"], row["pairs"] = next(values) if c is not None else (0, 0)
+            self.steps.append(row)
+            if self._writer is not None:
+                for tag, value in self._rates(row).items():
+                    self._writer.add_scalar(tag, value, row["step"])
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        self._flush()
         if self._writer is not None and self._mirror_logs and logs:
             for k, v in logs.items():
                 if isinstance(v, (int, float)):
@@ -297,6 +339,7 @@ class ThroughputCallback(TrainerCallback):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        self._flush()
         mine = self._rank_totals(state)
         ranks = gather_object([mine])  # every rank must call it: a collective under DDP/DeepSpeed/FSDP
         self.summary = self._aggregate(ranks)
@@ -322,19 +365,17 @@ class ThroughputCallback(TrainerCallback):
 
     def _rates(self, row: dict) -> dict[str, float]:
         """Per-step TensorBoard scalars of this rank."""
-        import torch  # noqa: PLC0415
-
         s = max(row["seconds"], 1e-9)
         out = {"perf/step_time_s": row["seconds"], "perf/tokens_per_s_per_device": row["tokens"] / s,
-               "perf/real_token_share": row["tokens"] / max(row["slots"], 1), "mem/rss_gb": self.sampler.rss() / GB}
+               "perf/real_token_share": row["tokens"] / max(row["slots"], 1), "mem/rss_gb": row["rss"] / GB}
         if self.shape is not None:
             out["perf/model_tflops_per_device"] = self._flops(row["tokens"], row["pairs"]) / s / 1e12
         if self.peak_tflops:
             out["perf/mfu"] = out["perf/model_tflops_per_device"] / self.peak_tflops
             if self.recompute:
                 out["perf/hfu"] = self._flops(row["tokens"], row["pairs"], True) / s / 1e12 / self.peak_tflops
-        if self.cuda:
-            out["mem/accelerator_peak_gb"] = torch.cuda.max_memory_allocated() / GB
+        if "accelerator_peak" in row:
+            out["mem/accelerator_peak_gb"] = row["accelerator_peak"] / GB
         return out
 
     def _rank_totals(self, state) -> dict:

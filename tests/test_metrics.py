@@ -112,10 +112,58 @@ def test_moe_flops_count_the_routed_experts_only(family_models, family):
 # ----------------------------------------------------------------------------------------------- one process
 
 
+# Tensor methods that make the host wait for the device (on a GPU: a stream sync), and torch.cuda.synchronize itself.
+DEVICE_READS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__", "nonzero", "cpu", "numpy")
+EVENTS = ("on_log", "on_train_begin", "on_train_end", "on_save", "on_evaluate")
+
+
+def record_device_reads(monkeypatch) -> list[tuple[str, str, str]]:
+    """From now on, every device read made by this project's code (sftrecipes/, train.py): (method, where, file:line).
+    where: the trainer event it ran in (on_log, on_train_end, ...), 'step' for anything else inside the training loop
+    (forward hooks, backward, on_step_begin/end: once per step or micro-batch), 'outside' before or after the loop.
+    On CPU these reads cost nothing, so only counting them shows a per-step sync that would stall a GPU."""
+    import sys
+
+    ours = (str(ROOT / "sftrecipes") + os.sep, str(ROOT / "train.py"))
+    reads = []
+
+    def where() -> str:
+        f, loop = sys._getframe(2), False
+        while f is not None:
+            name, file = f.f_code.co_name, f.f_code.co_filename
+            if name in EVENTS and file.endswith("trainer_callback.py"):
+                return name
+            loop = loop or name == "_inner_training_loop"
+            f = f.f_back
+        return "step" if loop else "outside"
+
+    def wrap(name, orig):
+        def read(*a, **kw):
+            caller = sys._getframe(1)
+            if caller.f_code.co_filename.startswith(ours):
+                reads.append((name, where(), f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}"))
+            return orig(*a, **kw)
+        return read
+
+    for name in DEVICE_READS:
+        monkeypatch.setattr(torch.Tensor, name, wrap(name, getattr(torch.Tensor, name)))
+    monkeypatch.setattr(torch.cuda, "synchronize", wrap("cuda.synchronize", torch.cuda.synchronize))
+    return reads
+
+
+def assert_reads_only_at_logs(reads):
+    """No device read per step or micro-batch; the callback's token counts are read at the logs."""
+    per_step = [r for r in reads if r[1] == "step"]
+    assert not per_step, f"device reads inside training steps (a host sync per step on a GPU): {sorted(set(per_step))}"
+    assert any(w == "on_log" and at.startswith("metrics.py") for _, w, at in reads), reads  # the batched read happened
+
+
 def run_with_callback(monkeypatch, argv, peak_tflops=None):
-    """train.run (which attaches its ThroughputCallback), recording every batch the trainer trains on."""
+    """train.run (which attaches its ThroughputCallback), recording every batch the trainer trains on and every device
+    read of this project's code (record_device_reads)."""
     import trl
 
+    reads = record_device_reads(monkeypatch)
     fed = []
     step = trl.SFTTrainer.training_step
 
@@ -130,7 +178,7 @@ def run_with_callback(monkeypatch, argv, peak_tflops=None):
     callbacks = [c for c in trainer.callback_handler.callbacks if isinstance(c, metrics.ThroughputCallback)]
     assert len(callbacks) == 1  # train.py wires exactly one
     assert summary["throughput"] == callbacks[0].summary
-    return trainer, callbacks[0], fed
+    return trainer, callbacks[0], fed, reads
 
 
 def segments(batch) -> list[int]:
@@ -162,7 +210,7 @@ def check_png(path):
 
 def test_unpacked_run_counts_non_pad_tokens(tiny_model, tmp_path, monkeypatch, capsys):
     out = tmp_path / "unpacked"
-    trainer, cb, fed = run_with_callback(monkeypatch, ["recipes/tiny/lora.yaml", "--output_dir", str(out), "--max_steps", "6",
+    trainer, cb, fed, reads = run_with_callback(monkeypatch, ["recipes/tiny/lora.yaml", "--output_dir", str(out), "--max_steps", "6",
                                                       "--packing", "false", "--sample_max_new_tokens", "0"])
     pad = trainer.processing_class.pad_token_id
     s, rank = cb.summary, cb.summary["ranks"][0]
@@ -194,11 +242,12 @@ def test_unpacked_run_counts_non_pad_tokens(tiny_model, tmp_path, monkeypatch, c
     saved = json.loads((out / "metrics.json").read_text())
     assert saved["ranks"][0]["real_tokens"] == real and len(saved["ranks"][0]["series"]) == 6
     assert "series" not in rank  # the returned summary (for run_summary.json) leaves the per-step series out
+    assert_reads_only_at_logs(reads)  # padded batches (attention_mask)
 
 
 def test_packed_run_mfu_and_tensorboard_beside_trainer(tiny_model, tmp_path, monkeypatch):
     out = tmp_path / "packed"
-    trainer, cb, fed = run_with_callback(monkeypatch, ["recipes/tiny/lora.yaml", "--output_dir", str(out), "--max_steps", "6",
+    trainer, cb, fed, reads = run_with_callback(monkeypatch, ["recipes/tiny/lora.yaml", "--output_dir", str(out), "--max_steps", "6",
                                                       "--report_to", "tensorboard", "--sample_max_new_tokens", "0"],
                                          peak_tflops=0.05)
     rank, pad = cb.summary["ranks"][0], trainer.processing_class.pad_token_id
@@ -213,6 +262,7 @@ def test_packed_run_mfu_and_tensorboard_beside_trainer(tiny_model, tmp_path, mon
     trainer_runs = [p for p in (out / "runs").iterdir() if p.name != "throughput"]
     assert trainer_runs and "train/loss" in tb_scalars(trainer_runs[0])
     check_png(out / "metrics.png")
+    assert_reads_only_at_logs(reads)  # padding-free batches (position_ids)
 
 
 # ----------------------------------------------------------------------------------------------- two processes
