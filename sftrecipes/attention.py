@@ -49,13 +49,16 @@ def _torch_varlen():
     return varlen_attn
 
 
-def segment_bounds(batch: int, length: int, device, cu_seq_lens=None, position_ids=None) -> tuple[torch.Tensor, bool]:
+def segment_bounds(batch: int, length: int, device, cu_seq_lens=None, position_ids=None,
+                   trust: bool = False) -> tuple[torch.Tensor, bool]:
     """(cumulative segment boundaries (int64, from 0 to batch*length) of a (batch, length) input flattened into one
     row, whether they are the collator's): the collator's cu_seq_lens where they describe this input, else where
     position_ids restart (any step that is not +1, as transformers' find_packed_sequence_indices reads them), else one
-    segment per row."""
+    segment per row. trust: take the collator's boundaries of a one-row input without reading their last value (on a
+    GPU that read is a host sync in every layer; transformers' flash path takes them as given too)."""
     total = batch * length
-    if cu_seq_lens is not None and batch == 1 and cu_seq_lens.numel() >= 2 and int(cu_seq_lens[-1]) == total:
+    if (cu_seq_lens is not None and batch == 1 and cu_seq_lens.numel() >= 2
+            and (trust or int(cu_seq_lens[-1]) == total)):
         return cu_seq_lens.to(device=device, dtype=torch.long), True
     if position_ids is not None and position_ids.shape[-1] == length:
         pos = position_ids.reshape(-1, length).expand(batch, length).to(device)
@@ -138,6 +141,11 @@ def _segments_sdpa(q, k, v, cu, scaling, dropout, window):
     return torch.cat(outs).index_select(0, where)
 
 
+def _flash_kernel_applies(query: torch.Tensor, dropout: float) -> bool:
+    """torch's varlen flash kernel serves this call: CUDA, 16-bit, no dropout."""
+    return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and not dropout
+
+
 def varlen_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                              sliding_window=None, softcap=None, is_causal=None, **kwargs):
     """transformers' attention interface: (B, H, S, D) query, (B, Hkv, S, D) key/value -> ((B, S, H, D), None).
@@ -157,12 +165,14 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
     q = query.transpose(1, 2).reshape(b * s, h, d)
     k = key.transpose(1, 2).reshape(b * s, key.shape[1], d)
     v = value.transpose(1, 2).reshape(b * s, value.shape[1], value.shape[3])
-    cu, from_collator = segment_bounds(b, s, query.device, kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids"))
-    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and not dropout:
-        varlen_attn = _torch_varlen()
+    varlen_attn = _torch_varlen() if _flash_kernel_applies(query, dropout) else None
+    # with the flash kernel, the collator's boundaries and their longest segment (a Python int) are used unread: no
+    # host sync per layer (tests/test_attention.py counts the reads)
+    trust = varlen_attn is not None and kwargs.get("max_length_q") is not None
+    cu, from_collator = segment_bounds(b, s, query.device, kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids"), trust)
+    if _flash_kernel_applies(query, dropout):
         if varlen_attn is not None:
-            # the collator's boundaries come with their longest segment (no device sync)
-            max_len = int(kwargs["max_length_q"]) if from_collator and kwargs.get("max_length_q") else int(cu.diff().max())
+            max_len = int(kwargs["max_length_q"]) if from_collator and trust else int(cu.diff().max())
             cu32 = cu.to(torch.int32)
             out = varlen_attn(q, k, v, cu32, cu32, max_len, max_len, scale=scaling,
                               window_size=(window - 1, 0) if window is not None else (-1, 0),

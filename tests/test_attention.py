@@ -144,6 +144,52 @@ def test_segment_bounds():
     assert attention.segment_bounds(2, 4, "cpu", position_ids=torch.tensor([[0, 1, 0, 1]]))[0].tolist() == [0, 2, 4, 6, 8]
 
 
+def test_the_flash_kernel_path_reads_nothing_back_from_the_device(monkeypatch):
+    """On a GPU, attention runs in every layer of every step: with the collator's cu_seq_lens and max_length_q the
+    call into torch's varlen kernel must not read a device value (each read is a host sync). Everything up to the
+    kernel runs here on CPU, the kernel itself stood in for by the per-segment path (the real one needs CUDA:
+    test_cuda_varlen_kernel_matches_the_segment_path); any tensor read made by attention.py fails the test."""
+    import sys
+
+    def forbid(name):
+        orig = getattr(torch.Tensor, name)
+
+        def read(*a, **kw):
+            if sys._getframe(1).f_code.co_filename == attention.__file__ and not inside_stand_in:
+                raise AssertionError(f"attention.py reads the device ({name}) on the flash-kernel path")
+            return orig(*a, **kw)
+        return read
+
+    seen, inside_stand_in = [], []
+
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, window_size=(-1, 0), enable_gqa=False):
+        seen.append((cu_q, max_q, window_size, enable_gqa))
+        inside_stand_in.append(True)  # the stand-in may read (the real kernel runs on the device)
+        try:
+            return attention._segments_sdpa(q, k, v, cu_q.long(), scale, 0.0,
+                                            window_size[0] + 1 if window_size[0] >= 0 else None)
+        finally:
+            inside_stand_in.clear()
+
+    torch.manual_seed(0)
+    lengths = [5, 3, 8]
+    q, k, v = torch.randn(1, 4, 16, 8), torch.randn(1, 2, 16, 8), torch.randn(1, 2, 16, 8)
+    cu = torch.tensor([0, 5, 8, 16], dtype=torch.int32)
+    module = torch.nn.Module()
+    module.is_causal = True
+    ref, _ = attention.varlen_attention_forward(module, q, k, v, None, position_ids=torch.cat(
+        [torch.arange(n) for n in lengths])[None], sliding_window=4)
+    monkeypatch.setattr(attention, "_flash_kernel_applies", lambda q, d: True)
+    monkeypatch.setattr(attention, "_torch_varlen", lambda: kernel)
+    for name in ("item", "tolist", "__int__", "__float__", "__bool__", "__index__", "nonzero", "cpu", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, forbid(name))
+    out, _ = attention.varlen_attention_forward(module, q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                                                max_length_q=8, max_length_k=8, sliding_window=4)
+    monkeypatch.undo()
+    assert len(seen) == 1 and seen[0][1:] == (8, (3, 0), True) and torch.equal(seen[0][0], cu)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's varlen flash kernel runs on CUDA only")
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_cuda_varlen_kernel_matches_the_segment_path(family, family_models):
