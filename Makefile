@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export PYTHONDONTWRITEBYTECODE ?= 1
 
-.PHONY: venv assets demo test data schema docs emit plan bench bench-overhead bench-export clean sft-70b-lora sft-70b-qlora sft-offload sft-70b-fsdp sft-70b-qlora-fsdp sft-ddp sft-llama3-70b-lora sft-qwen3-32b-qlora sft-qwen3-moe-lora
+.PHONY: venv assets demo lint test data schema docs emit plan bench bench-overhead bench-export clean sft-70b-lora sft-70b-qlora sft-offload sft-70b-fsdp sft-70b-qlora-fsdp sft-ddp sft-llama3-70b-lora sft-qwen3-32b-qlora sft-qwen3-moe-lora
 
 $(STAMP): requirements.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,7 +24,10 @@ assets: $(STAMP)            ## tiny model + tokenizer into .assets/ (determinist
 demo: $(STAMP)              ## tiny LoRA fine-tune -> merge -> reload -> generate, on CPU
 	$(BIN)/python -m sftrecipes demo
 
-test: $(STAMP)              ## the test suite (CPU)
+lint: $(STAMP)              ## ruff (rules in pyproject.toml)
+	$(BIN)/ruff check .
+
+test: lint                  ## the linter, then the test suite (CPU target; GPU-marked tests skipped)
 	$(BIN)/python -m pytest -q tests
 
 data: $(STAMP)              ## rewrite data/tiny_chat (checked in; tests compare)

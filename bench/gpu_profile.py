@@ -40,7 +40,7 @@ def bare_step_ms(model_dir: Path, tokens: int, packed: int, steps: int) -> float
     if packed:
         kw["position_ids"] = (torch.arange(tokens, device="cuda") % (tokens // packed)).unsqueeze(0)
     times = []
-    for i in range(steps):
+    for _ in range(steps):
         torch.cuda.synchronize()
         t = time.perf_counter()
         with torch.autocast("cuda", dtype=torch.bfloat16):

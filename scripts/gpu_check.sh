@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check (one GPU, under 8 minutes on an H200): (1) packed-attention numerics in bf16 (varlen, flex, flash-attn 2
+# GPU check (one GPU, under 8 minutes on an H200): (0) the suite's GPU-marked tests (pytest -m gpu); (1) packed-attention numerics in bf16 (varlen, flex, flash-attn 2
 # where importable, against sdpa with the dense block-diagonal mask); (2) throughput rows — LoRA ~8B with gradient
 # checkpointing on and off and a full ~1B, each with sdpa padded / sdpa packed / varlen / flex / flash-attn 2, each
 # without and with Liger — tokens/s/device, MFU, peak memory and the planner's figure (bench/gpu_check.py).
@@ -19,4 +19,10 @@ if ! "$PY" -c "import trl, yaml, psutil" 2>/dev/null || { ls .whl/liger_kernel-*
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# the suite's GPU-marked tests first (make test skips them), where pytest is importable; then the check itself
+if "$PY" -c "import pytest" 2>/dev/null; then
+  SFT_GPU_TESTS=1 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests || echo "gpu_check: GPU-marked tests failed (above)" >&2
+else
+  echo "gpu_check: pytest is not importable here; the GPU-marked tests (pytest -m gpu, SFT_GPU_TESTS=1) were not run" >&2
+fi
 exec "$PY" bench/gpu_check.py "$@"

@@ -134,7 +134,7 @@ def _segments_sdpa(q, k, v, cu, scaling, dropout, window):
         return out.transpose(1, 2).reshape(q.shape[0], q.shape[1], v.shape[2])
     outs = []
     for idx, n, m in gathers:
-        def rows(x):
+        def rows(x, idx=idx, n=n, m=m):
             return x.index_select(0, idx).view(n, m, x.shape[1], x.shape[2]).transpose(1, 2)
         o = attend(rows(q), rows(k), rows(v), m)
         outs.append(o.transpose(1, 2).reshape(n * m, q.shape[1], v.shape[2]))

@@ -213,5 +213,5 @@ class DCPSource:
                 except Exception as e:  # noqa: BLE001 - a damaged chunk surfaces here
                     raise RecipeError(f"export: cannot read {what} ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}); the file is damaged — re-copy it") from None
                 if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(dest.shape):
-                    raise RecipeError(f"export: {what} does not hold a tensor of shape {list(dest.shape)}; the checkpoint is damaged — re-save it")
+                    raise RecipeError(f"export: {what} does not hold a tensor of shape {list(dest.shape)}; the checkpoint is damaged — re-save it") from None
                 dest.copy_(t)

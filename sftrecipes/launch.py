@@ -321,7 +321,8 @@ def emit(paths: list[Path] | None = None, check: bool = False) -> list[Path]:
     for p in paths or runnable_recipes():
         expected.update(rendered(p))
     for f, text in expected.items():
-        if not f.is_file() or f.read_text() != text:
+        # a launcher must be executable (git keeps only that bit), a config or page not
+        if not f.is_file() or f.read_text() != text or bool(f.stat().st_mode & 0o100) != (f.suffix == ".sh"):
             stale.append(f)
             if not check:
                 f.parent.mkdir(parents=True, exist_ok=True)
@@ -736,6 +737,6 @@ def cp_main(src: str, dest: str, force: bool = False) -> int:
     if is_shipped(target):
         print("it is under recipes/: its relative paths are relative to the repository root; make emit gives it scripts/run_<name>.sh")
     elif "output_dir" in (yaml.safe_load(target.read_text()) or {}):
-        print(f"its output_dir is relative to the directory you launch it from (edit it to write elsewhere)")
+        print("its output_dir is relative to the directory you launch it from (edit it to write elsewhere)")
     print(f"next: edit {target}, then start it:\n  {shlex.join([*self_command(), 'launch', str(target)])}")
     return 0

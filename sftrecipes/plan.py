@@ -197,7 +197,7 @@ def _moe_token_bytes(shape: Shape, layer: Layer, s: Setup) -> float:
 def _layer_activation_bytes(shape: Shape, layer: Layer, adapted: tuple, s: Setup, recipe: Recipe, seq: int, attn: str,
                             tokens: int) -> float:
     """Bytes autograd saves in one decoder layer for `tokens` tokens (transformers 5 layers, PEFT LoRA), for its backward."""
-    h, q, kv, nh, a = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.heads, s.act_bytes
+    q, kv, nh, a = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.heads, s.act_bytes
     full = not s.lora
     # RMSNorm computes in fp32: pow/mul save its fp32 input (a copy when activations are 16-bit); the output feeds
     # the projections; with a trainable weight the normalised tensor is saved too. Two per layer (Llama), four

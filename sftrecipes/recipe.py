@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from .schema import (ALIASES, DATASET_ENTRY_KEYS, NESTED, SECTIONS, DataOptions, LaunchOptions, ModelOptions, Option,
+from .schema import (ALIASES, DATASET_ENTRY_KEYS, NESTED, DataOptions, LaunchOptions, ModelOptions, Option,
                      RunOptions, all_options)
 
 RESERVED = ("base",)
@@ -254,12 +254,12 @@ def coerce(opt: Option, value: Any, src: str) -> Any:
         raise bad("true or false")
     if kind in ("int", "float"):
         if isinstance(value, bool):
-            raise bad(f"a number", "; YAML reads bare yes/no/on/off as booleans")
+            raise bad("a number", "; YAML reads bare yes/no/on/off as booleans")
         if isinstance(value, str):
             try:
                 value = float(value) if kind == "float" or "." in value or "e" in value.lower() else int(value)
             except ValueError:
-                raise bad(f"a number") from None
+                raise bad("a number") from None
         if kind == "int":
             if isinstance(value, float) and not value.is_integer():
                 raise bad("a whole number")

@@ -9,6 +9,20 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The suite tests the CPU target: on a machine with a GPU, `hardware: auto` would otherwise resolve to gpu in this
+# process and every run it starts. GPU-only checks are marked `gpu` and run only with SFT_GPU_TESTS=1, which leaves
+# the GPU visible (scripts/gpu_check.sh runs them).
+GPU_TESTS = os.environ.get("SFT_GPU_TESTS") == "1"
+if not GPU_TESTS:
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "gpu" in item.keywords and not GPU_TESTS:
+            item.add_marker(pytest.mark.skip(reason="GPU-only (run with SFT_GPU_TESTS=1 on a machine with a CUDA GPU)"))
+        elif GPU_TESTS and "gpu" not in item.keywords:
+            item.add_marker(pytest.mark.skip(reason="SFT_GPU_TESTS=1 runs the GPU-marked tests only"))
 
 
 @pytest.fixture(scope="session")

@@ -190,6 +190,7 @@ def test_the_flash_kernel_path_reads_nothing_back_from_the_device(monkeypatch):
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's varlen flash kernel runs on CUDA only")
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_cuda_varlen_kernel_matches_the_segment_path(family, family_models):

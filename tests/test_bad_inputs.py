@@ -179,12 +179,12 @@ def snapshot(tmp: Path) -> set[str]:
 
 def error_line(stderr: str, heavy: bool) -> str:
     """The one error line, after checking that nothing but allowed noise precedes it."""
-    lines = [l for l in stderr.splitlines() if l.strip()]
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
     assert lines, "nothing on stderr"
     *before, last = lines
     assert last.startswith("error: "), f"last stderr line is not the error:\n{stderr[-3000:]}"
     if heavy:
-        noise = [l for l in before if not (LOG_RECORD.match(l) or PROGRESS_BAR.match(l))]
+        noise = [ln for ln in before if not (LOG_RECORD.match(ln) or PROGRESS_BAR.match(ln))]
     else:
         noise = before
     assert not noise, f"stderr has more than the error line:\n{stderr[-3000:]}"

@@ -57,7 +57,7 @@ def test_chatml_sets_end_of_turn_as_eos_and_zephyr_adds_tokens(tiny_model):
 def test_assistant_only_loss_masks_everything_but_assistant_turns(tiny_model):
     r, tok, eot, _ = build("--chat_template_format", "chatml", "--assistant_only_loss", "True")
     out = data.tokenize_example(CONV, tok, r, eot)
-    trained = tok.decode([t for t, l in zip(out["input_ids"], out["labels"]) if l != -100])
+    trained = tok.decode([t for t, ln in zip(out["input_ids"], out["labels"]) if ln != -100])
     assert "2 plus 3 is 5." in trained and "Snow is white." in trained
     assert "What color" not in trained and "You answer briefly" not in trained and "user" not in trained
     assert trained.count("<|im_end|>") == 2  # the model learns to stop

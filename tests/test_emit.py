@@ -10,15 +10,33 @@ import textwrap
 import pytest
 import yaml
 
-from conftest import ROOT, run_cli
+from conftest import ROOT
 from sftrecipes import launch
 from sftrecipes.recipe import load_recipe
 from sftrecipes.recipe import RecipeError
+
+# emit (and the launchers' pre-flight) read the tiny recipes, whose models are built in .assets/: on a fresh clone this
+# file run alone builds them first, as the whole suite does
+pytestmark = pytest.mark.usefixtures("tiny_model", "family_models")
 
 
 def test_emitted_files_are_current():
     stale = launch.emit(check=True)
     assert not stale, f"stale generated files (run: make emit): {[str(p.relative_to(ROOT)) for p in stale]}"
+
+
+def test_a_launcher_that_lost_its_execute_bit_is_stale():
+    """Every generated launcher, not only the make targets': `chmod -x` on any of them fails the drift check."""
+    scripts = sorted(f for f in (ROOT / "scripts").glob("*.sh") if launch.MARK in f.read_text())  # the generated ones
+    assert len(scripts) > 30 and all(os.access(f, os.X_OK) for f in scripts)
+    victim = scripts[len(scripts) // 2]  # a launcher or export helper no make target names
+    mode = victim.stat().st_mode
+    try:
+        victim.chmod(mode & ~0o111)
+        assert launch.emit(check=True) == [victim]
+    finally:
+        victim.chmod(mode)
+    assert launch.emit(check=True) == []
 
 
 def test_every_make_target_has_its_launcher():
@@ -212,7 +230,7 @@ def test_slurm_warns_in_time_for_the_save_launch_waits_for():
 
     def lead(*flags):
         r = load_recipe(["recipes/tiny/multinode.yaml", *flags])
-        line = next(l for l in slurm_script(r, "recipes/tiny/multinode.yaml", "x").splitlines() if "--signal=" in l)
+        line = next(ln for ln in slurm_script(r, "recipes/tiny/multinode.yaml", "x").splitlines() if "--signal=" in ln)
         return int(line.rsplit("@", 1)[1])
 
     assert lead() == 1800 + 60

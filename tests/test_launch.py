@@ -34,7 +34,7 @@ def sft(args, cwd, env=None, timeout=120, module=False):
 
 
 def one_error_line(res) -> str:
-    lines = [l for l in res.stderr.splitlines() if l.strip()]
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (res.returncode, res.stderr[-2000:])
     assert "Traceback" not in res.stdout + res.stderr
     return lines[0]
@@ -44,8 +44,8 @@ def dry_run(res) -> tuple[dict, list[str]]:
     """(exported environment, command) from --dry-run's stdout: export lines, then the command (shlex-quoted)."""
     assert res.returncode == 0, res.stderr[-3000:]
     lines = res.stdout.strip().splitlines()
-    env = dict(shlex.split(l)[1].split("=", 1) for l in lines[:-1])
-    assert all(l.startswith("export ") for l in lines[:-1]), res.stdout
+    env = dict(shlex.split(ln)[1].split("=", 1) for ln in lines[:-1])
+    assert all(ln.startswith("export ") for ln in lines[:-1]), res.stdout
     return env, shlex.split(lines[-1])
 
 
@@ -72,7 +72,7 @@ def test_cp_by_name_keeps_the_recipe_and_rewrites_its_bases(tmp_path, monkeypatc
     res = sft(["cp", "tiny/ddp", "sub/my.yaml"], cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     copy = tmp_path / "sub" / "my.yaml"
-    assert f"launch sub/my.yaml" in res.stdout.splitlines()[-1]  # the next command, runnable from here
+    assert "launch sub/my.yaml" in res.stdout.splitlines()[-1]  # the next command, runnable from here
     source = (ROOT / "recipes/tiny/ddp.yaml").read_text()
     text = copy.read_text()
     assert text.splitlines()[:2] == source.splitlines()[:2]  # the header comments

@@ -6,7 +6,6 @@
   trainer arguments. A new option without an observer fails `test_every_project_option_has_an_observer`.
 """
 
-import logging
 from unittest import mock
 
 import pytest
@@ -430,7 +429,7 @@ def obs_nan_patience(tiny_model, tmp_path):
 
     guard = checkpoints.nonfinite_guard(recipe("--nan_patience", 2).run.nan_patience)
     control, state = TrainerControl(), TrainerState()
-    for i in range(3):
+    for _ in range(3):
         assert not control.should_training_stop
         guard.on_log(SimpleNamespace(logging_steps=1), state, control, logs={"loss": 1.0, "grad_norm": float("nan")})
     assert control.should_training_stop and "nan_patience 2" in guard.stopped

@@ -71,7 +71,6 @@ def test_bf16_mixed_precision_keeps_fp32_trainable_params_everywhere(curves):
 
 def changed_fraction(run_dir, tmp) -> float:
     """Share of weight elements that training changed (FSDP saves sharded: convert first)."""
-    import torch
     from safetensors.torch import load_file
 
     from sftrecipes.export import export

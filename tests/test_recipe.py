@@ -1,7 +1,6 @@
 """Recipe parsing: YAML + base: inheritance + CLI flags, the PEFT guide's flags verbatim, and every error path."""
 
 import shlex
-import sys
 import textwrap
 from pathlib import Path
 
@@ -213,7 +212,7 @@ def test_cli_error_exit_code_2_one_line_nothing_written_no_torch(tmp_path):
     )
     res = run_cli(["-c", probe, str(bad)])
     assert res.returncode == 2, res.stderr
-    lines = [l for l in res.stderr.splitlines() if l.strip()]
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: unknown key 'lora_rank'"), res.stderr
     assert not out.exists()
 

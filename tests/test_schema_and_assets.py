@@ -38,7 +38,7 @@ def test_shipped_dataset_is_what_the_generator_writes(tmp_path):
     tiny.write_dataset(tmp_path)
     for split in ("train", "test"):
         assert (tmp_path / f"{split}.jsonl").read_bytes() == (tiny.DATA_DIR / f"{split}.jsonl").read_bytes(), "run: make data"
-    rows = [json.loads(l) for l in (tiny.DATA_DIR / "train.jsonl").read_text().splitlines()]
+    rows = [json.loads(ln) for ln in (tiny.DATA_DIR / "train.jsonl").read_text().splitlines()]
     assert len(rows) == 320 and all(r["messages"][-1]["role"] == "assistant" for r in rows)
 
 
