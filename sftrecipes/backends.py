@@ -16,7 +16,7 @@ from .schema import TRL_DEFAULTS
 log = logging.getLogger("sftrecipes")
 
 # Keys the data pipeline (data.py) applies itself; TRL would refuse them on pre-tokenized data.
-CONSUMED_BY_PIPELINE = ("assistant_only_loss", "completion_only_loss")
+CONSUMED_BY_PIPELINE = ("assistant_only_loss", "completion_only_loss", "chat_template_path")
 
 
 def hardware(recipe: Recipe) -> str:

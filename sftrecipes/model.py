@@ -255,6 +255,10 @@ def load_tokenizer(recipe: Recipe):
             tok.add_special_tokens({"additional_special_tokens": missing}, replace_extra_special_tokens=False)
             added = tok.convert_tokens_to_ids(missing)
         tok.chat_template = template
+    elif fmt == "tokenizer" and recipe.trl.get("chat_template_path"):  # the file's template, for the data and the save
+        with open(recipe.trl["chat_template_path"], encoding="utf-8") as f:
+            tok.chat_template = f.read()
+        log.info("chat template: %s", recipe.trl["chat_template_path"])
     elif fmt == "tokenizer" and not tok.chat_template:
         raise RecipeError(f"chat_template_format: 'tokenizer' but {name} has no chat template; use chatml or zephyr")
     eot, kind = None, "none"

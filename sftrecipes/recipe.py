@@ -596,6 +596,16 @@ def validate(r: Recipe) -> None:
             raise RecipeError(f"{key}: must be >= 0, got {getattr(r.run, key)}")
     if r.run.preempt_timeout < 1:
         raise RecipeError(f"preempt_timeout: must be >= 1 (seconds a preempted run may take to save), got {r.run.preempt_timeout}")
+    template_path = r.trl.get("chat_template_path")
+    if template_path:  # the project tokenizes the data itself: the template must be the one it tokenizes with
+        if not str(template_path).endswith((".jinja", ".j2")):
+            raise RecipeError(f"chat_template_path: '{template_path}' is not a .jinja/.j2 template file (copying a template "
+                              "from another tokenizer also adds its tokens: set tokenizer_name_or_path to it instead)")
+        if not Path(template_path).is_file():
+            raise RecipeError(f"chat_template_path: file '{template_path}' does not exist; fix the path")
+        if r.model.chat_template_format != "tokenizer":
+            raise RecipeError(f"chat_template_path: the data is formatted with chat_template_format "
+                              f"'{r.model.chat_template_format}'; set chat_template_format: tokenizer to use the file's template")
     if r.trl.get("enable_jit_checkpoint"):
         raise RecipeError("enable_jit_checkpoint: the run handles SIGTERM/SIGUSR1 itself (every rank stops after the same "
                           "step and saves a complete checkpoint; docs/reliability.md); remove the key")

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from sftrecipes import data, model as models
+from sftrecipes import backends, data, model as models
 from sftrecipes.recipe import RecipeError, load_recipe
 
 BASE = ["--model_name_or_path", ".assets/tiny-llama", "--dataset_name", "data/tiny_chat", "--output_dir", "outputs/t"]
@@ -61,6 +61,33 @@ def test_assistant_only_loss_masks_everything_but_assistant_turns(tiny_model):
     assert "2 plus 3 is 5." in trained and "Snow is white." in trained
     assert "What color" not in trained and "You answer briefly" not in trained and "user" not in trained
     assert trained.count("<|im_end|>") == 2  # the model learns to stop
+
+
+def test_chat_template_path_is_the_template_the_data_is_tokenized_with(tiny_model, tmp_path):
+    """TRL's chat_template_path: the project formats the data itself, so the file's template is the one the data is
+    tokenized with and the one saved with the model (it used to reach only SFTConfig: trained with the project's
+    template, shipped with the file's). Anything that would make the two differ is refused in one line."""
+    template = tmp_path / "mine.jinja"
+    template.write_text("{% for m in messages %}[[{{ m['role'] }}]] {{ m['content'] }}<|im_end|>\n{% endfor %}"
+                        "{% if add_generation_prompt %}[[assistant]] {% endif %}")
+    r, tok, eot, _ = build("--chat_template_format", "tokenizer", "--chat_template_path", str(template))
+    assert tok.chat_template == template.read_text() and eot == "<|im_end|>"
+    out = data.tokenize_example(CONV, tok, r, eot)
+    text = tok.decode(out["input_ids"])
+    assert "[[user]] What color is snow?" in text and "[[assistant]] Snow is white.<|im_end|>" in text
+    tok.save_pretrained(tmp_path / "saved")
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(tmp_path / "saved").chat_template == template.read_text()
+    assert "chat_template_path" not in backends.training_kwargs(r, "cpu")  # applied here, not again by TRL
+    for flags, says in ((["--chat_template_format", "chatml"], "set chat_template_format: tokenizer"),
+                        (["--chat_template_format", "tokenizer", "--chat_template_path", str(tmp_path / "nope.jinja")],
+                         "does not exist"),
+                        (["--chat_template_format", "tokenizer", "--chat_template_path", str(tiny_model)], "tokenizer_name_or_path")):
+        if "--chat_template_path" not in flags:
+            flags = [*flags, "--chat_template_path", str(template)]
+        with pytest.raises(RecipeError, match="^chat_template_path: .*" + says):
+            load_recipe(BASE + flags)
 
 
 def test_dataset_text_field_holds_the_formatted_text(tiny_model):

@@ -37,6 +37,7 @@ PIPELINE = {
     "assistant_only_loss": "test_data.py::test_assistant_only_loss_masks_everything_but_assistant_turns",
     "completion_only_loss": "test_data.py::test_prompt_completion_trains_the_completion_only_as_trl_does",
     "resume_from_checkpoint": "test_train.py::test_resume_auto_continues_to_the_same_weights",
+    "chat_template_path": "test_data.py::test_chat_template_path_is_the_template_the_data_is_tokenized_with",
 }
 
 
