@@ -1,17 +1,114 @@
-"""Narrow compatibility shims for upstream gaps, each applied only where it is needed (backends.apply_process_env).
+"""Narrow compatibility shims for upstream gaps: each applied only where it is needed (backends.apply_process_env) and
+only on the upstream versions it was written against (SHIMS).
 
-Pinned to the versions in requirements.txt; each names the upstream code it works around, so it can be dropped
-when that is fixed. tests/test_twins.py fails when one is removed (FSDP turns into DDP, or an adapter saves 0
-tensors).
+Each shim names the upstream code it works around and the versions it was written for (the pins in requirements.txt,
+to the minor release). On another version it is not applied: one warning line names it and what to check. Each has a
+canary in tests/test_compat.py that runs the upstream code without it and expects the upstream failure: when a new
+upstream release fixes the gap, the canary fails and says to drop the shim. tests/test_twins.py and
+tests/test_export.py train through the shims (FSDP on CPU, adapters under wrappers, trainable-token heads).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
+from dataclasses import dataclass
+from typing import Callable
 
 log = logging.getLogger("sftrecipes")
 
 
+@dataclass(frozen=True)
+class Shim:
+    """One shim: its name (the function that applies it), the upstream gap it covers in one line, and the versions
+    it was written against as (distribution, PEP 440 specifier) pairs."""
+
+    name: str
+    gap: str
+    written_for: tuple[tuple[str, str], ...]
+    apply: Callable[[], None]
+
+
+SHIMS: dict[str, Shim] = {}
+_APPLIED: dict[str, list[tuple[object, str, object]]] = {}  # name -> (owner, attribute, upstream value or _MISSING)
+_MISSING = object()
+
+
+def installed_version(dist: str) -> str:
+    """The installed version of a distribution (one place, so a test can pretend another one)."""
+    from importlib.metadata import version  # noqa: PLC0415
+
+    return version(dist)
+
+
+def out_of_range(shim: Shim) -> str | None:
+    """Why this shim does not fit the installed upstream versions ('peft 0.22.0, written for ~=0.21.2'), or None."""
+    from packaging.specifiers import SpecifierSet  # noqa: PLC0415
+
+    for dist, spec in shim.written_for:
+        have = installed_version(dist)
+        if have not in SpecifierSet(spec):
+            return f"{dist} {have}, written for {dist}{spec}"
+    return None
+
+
+def _shim(gap: str, **written_for: str):
+    """Register a shim; the decorated function patches upstream through _patch and runs at most once, and only when
+    every distribution it was written for is in range."""
+
+    def register(body):
+        name = body.__name__
+
+        @functools.wraps(body)
+        def apply() -> None:
+            if name in _APPLIED:
+                return
+            why = out_of_range(SHIMS[name])
+            if why is not None:
+                log.warning("compat: shim %s NOT applied (%s): it covers %s; check whether that still fails "
+                            "(pytest tests/test_compat.py -k %s): if not, drop the shim, else re-check it and widen "
+                            "its range in sftrecipes/compat.py", name, why, gap, name)
+                return
+            _APPLIED[name] = []
+            body()
+
+        SHIMS[name] = Shim(name, gap, tuple(written_for.items()), apply)
+        return apply
+
+    return register
+
+
+def _patch(name: str, owner: object, attr: str, value: object) -> None:
+    """Replace owner.attr for shim `name`, remembering the upstream value so restore() can put it back."""
+    _APPLIED[name].append((owner, attr, vars(owner).get(attr, _MISSING)))
+    setattr(owner, attr, value)
+
+
+def restore(name: str) -> None:
+    """Put the upstream code back that shim `name` replaced (nothing if it is not applied)."""
+    for owner, attr, old in reversed(_APPLIED.pop(name, [])):
+        if old is _MISSING:
+            delattr(owner, attr)
+        else:
+            setattr(owner, attr, old)
+
+
+@contextlib.contextmanager
+def upstream(name: str):
+    """Run the upstream code without shim `name` inside the block (the canaries); afterwards the shim is applied
+    exactly when it was before."""
+    was = name in _APPLIED
+    restore(name)
+    try:
+        yield SHIMS[name]
+    finally:
+        restore(name)
+        if was:
+            SHIMS[name].apply()
+
+
+@_shim("accelerate drops the FSDP plugin of a CPU run (MULTI_CPU), which then runs as DDP", accelerate="~=1.15.0")
 def enable_fsdp_on_cpu() -> None:
     """accelerate 1.15 promotes a run to FSDP only for GPU-family distributed types (accelerate/state.py,
     AcceleratorState.__init__: `elif self.distributed_type in [MULTI_GPU, MULTI_XPU, ...]`). A CPU run is MULTI_CPU,
@@ -23,8 +120,6 @@ def enable_fsdp_on_cpu() -> None:
     from accelerate.utils import DistributedType  # noqa: PLC0415
 
     original = AcceleratorState.__init__
-    if getattr(original, "_sftrecipes_cpu_fsdp", False):
-        return
 
     def init(self, *args, **kwargs):
         original(self, *args, **kwargs)
@@ -40,11 +135,11 @@ def enable_fsdp_on_cpu() -> None:
             self.device = torch.device("cpu")
             PartialState._shared_state["device"] = self.device
 
-    init._sftrecipes_cpu_fsdp = True
-    AcceleratorState.__init__ = init
+    _patch("enable_fsdp_on_cpu", AcceleratorState, "__init__", functools.wraps(original)(init))
     log.info("compat: FSDP enabled on CPU (accelerate promotes only GPU distributed types)")
 
 
+@_shim("peft saves a LoRA adapter with 0 tensors under FSDP1 nesting or checkpoint wrappers", peft="~=0.21.2")
 def fix_peft_prefixes_under_wrappers() -> None:
     """peft 0.21 finds adapter tensors by module-name prefixes (tuners_utils._get_tuner_state_dict_key_prefixes) and
     strips only a leading `_fsdp_wrapped_module.`; the state dict it filters has every wrapper segment removed. Under
@@ -53,8 +148,6 @@ def fix_peft_prefixes_under_wrappers() -> None:
     import peft.tuners.tuners_utils as tu  # noqa: PLC0415
 
     original = tu._get_tuner_state_dict_key_prefixes
-    if getattr(original, "_sftrecipes_prefixes", False):
-        return
     segments = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
     def prefixes(model, adapter_name=None):
@@ -65,8 +158,7 @@ def fix_peft_prefixes_under_wrappers() -> None:
             out.add(p)
         return out
 
-    prefixes._sftrecipes_prefixes = True
-    tu._get_tuner_state_dict_key_prefixes = prefixes
+    _patch("fix_peft_prefixes_under_wrappers", tu, "_get_tuner_state_dict_key_prefixes", prefixes)
 
 
 def _is_dtensor(t) -> bool:
@@ -91,6 +183,8 @@ def _merged_full(wrapper):
     return w
 
 
+@_shim("TRL's fused LM head reads lm_head.bias, which peft's TrainableTokensWrapper lacks (AttributeError every step)",
+       peft="~=0.21.2", trl="~=1.16.0")
 def trainable_token_heads_for_trl() -> None:
     """TRL 1.16's fused LM head (trl.trainer.utils.add_fused_lm_head, always on in SFTTrainer) reads
     `lm_head.weight` and `lm_head.bias` instead of calling the head. When new tokens make peft wrap the head in a
@@ -99,8 +193,6 @@ def trainable_token_heads_for_trl() -> None:
     wrapper the bias of the module it wraps; under ZeRO-3 merge the weight gathered, under FSDP2 from full tensors."""
     from peft.utils.other import TrainableTokensWrapper  # noqa: PLC0415
 
-    if getattr(TrainableTokensWrapper, "_sftrecipes_bias", False):
-        return
     has, get = TrainableTokensWrapper._hasattr_wrapped, TrainableTokensWrapper._getattr_wrapped
 
     def hasattr_wrapped(self, name, modules):
@@ -128,10 +220,11 @@ def trainable_token_heads_for_trl() -> None:
         merged.ds_status = ZeroParamStatus.AVAILABLE
         return merged
 
-    TrainableTokensWrapper._hasattr_wrapped, TrainableTokensWrapper._getattr_wrapped = hasattr_wrapped, getattr_wrapped
-    TrainableTokensWrapper._sftrecipes_bias = True
+    _patch("trainable_token_heads_for_trl", TrainableTokensWrapper, "_hasattr_wrapped", hasattr_wrapped)
+    _patch("trainable_token_heads_for_trl", TrainableTokensWrapper, "_getattr_wrapped", getattr_wrapped)
 
 
+@_shim("peft builds the ZeRO-3 trainable-token broadcast buffer on CUDA, which the cpu target lacks", peft="~=0.21.2")
 def trainable_tokens_init_under_zero3_on_cpu() -> None:
     """peft 0.21 initialises the new token rows of a ZeRO-3 partitioned embedding in
     TrainableTokensLayer._collect_token_weights: rank 0 gathers the weight and copies the rows, the others receive them
@@ -139,8 +232,6 @@ def trainable_tokens_init_under_zero3_on_cpu() -> None:
     build the buffer on the weight's own device instead (same gather, same broadcast)."""
     from peft.tuners.trainable_tokens.layer import TrainableTokensLayer  # noqa: PLC0415
 
-    if getattr(TrainableTokensLayer, "_sftrecipes_cpu_collect", False):
-        return
     import deepspeed  # noqa: PLC0415
     import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
@@ -154,5 +245,4 @@ def trainable_tokens_init_under_zero3_on_cpu() -> None:
         dist.broadcast(values, src=0)
         return values
 
-    TrainableTokensLayer._collect_token_weights = collect
-    TrainableTokensLayer._sftrecipes_cpu_collect = True
+    _patch("trainable_tokens_init_under_zero3_on_cpu", TrainableTokensLayer, "_collect_token_weights", collect)

@@ -1,0 +1,190 @@
+"""The upstream shims (sftrecipes/compat.py): one canary per shim that runs the upstream code without it and expects the
+upstream failure (when upstream fixes the gap the canary fails: drop the shim), the version guard, and the pins.
+
+The canaries call the upstream function directly on the tiny model (seconds), not a training run; tests/test_twins.py
+and tests/test_export.py train through the shims.
+"""
+
+import logging
+import re
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, free_port
+
+from sftrecipes import compat
+
+
+def fixed_upstream(name: str) -> str:
+    shim = compat.SHIMS[name]
+    found = ", ".join(f"{d} {compat.installed_version(d)}" for d, _ in shim.written_for)
+    return (f"upstream ({found}) no longer fails the way compat.{name} works around ({shim.gap}): "
+            f"drop the shim from sftrecipes/compat.py and its call in backends.apply_process_env")
+
+
+def test_every_shim_has_a_canary():
+    canaries = {n[len("test_canary_"):] for n in globals() if n.startswith("test_canary_")}
+    assert canaries == set(compat.SHIMS)
+
+
+def test_pins_lie_inside_every_shims_range():
+    """requirements.txt pins what the shims were written against: bumping a pin past a shim's range must come with
+    a look at the shim (its canary tells whether it is still needed)."""
+    from packaging.specifiers import SpecifierSet
+
+    pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", (ROOT / "requirements.txt").read_text(), re.M))
+    for shim in compat.SHIMS.values():
+        for dist, spec in shim.written_for:
+            assert dist in pins, f"{shim.name}: {dist} is not pinned in requirements.txt"
+            assert pins[dist] in SpecifierSet(spec), f"{shim.name} was written for {dist}{spec}, requirements.txt pins {pins[dist]}"
+
+
+# Where each shim changes upstream: (module, attribute path). The guard test checks they stay upstream's.
+TARGETS = {
+    "enable_fsdp_on_cpu": ("accelerate.state", "AcceleratorState.__init__"),
+    "fix_peft_prefixes_under_wrappers": ("peft.tuners.tuners_utils", "_get_tuner_state_dict_key_prefixes"),
+    "trainable_token_heads_for_trl": ("peft.utils.other", "TrainableTokensWrapper._getattr_wrapped"),
+    "trainable_tokens_init_under_zero3_on_cpu": ("peft.tuners.trainable_tokens.layer", "TrainableTokensLayer._collect_token_weights"),
+}
+
+
+def _target(name):
+    import importlib
+
+    module, path = TARGETS[name]
+    obj = importlib.import_module(module)
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@pytest.mark.parametrize("name", sorted(TARGETS))
+def test_guard_leaves_upstream_alone_outside_the_range(name, monkeypatch, caplog):
+    """On an upstream version the shim was not written for it is not applied, and one warning line says so and what
+    to check; in range it is applied."""
+    assert set(TARGETS) == set(compat.SHIMS)
+    shim = compat.SHIMS[name]
+    with compat.upstream(name):
+        before = _target(name)
+        monkeypatch.setattr(compat, "installed_version", lambda dist: "99.0.0")
+        with caplog.at_level(logging.WARNING, logger="sftrecipes"):
+            shim.apply()
+        assert _target(name) is before
+        lines = [r.getMessage() for r in caplog.records if name in r.getMessage()]
+        assert len(lines) == 1 and "\n" not in lines[0], lines
+        assert "NOT applied" in lines[0] and "99.0.0" in lines[0] and f"-k {name}" in lines[0]
+        monkeypatch.undo()
+        shim.apply()
+        assert _target(name) is not before
+
+
+def test_upstream_restores_what_it_found():
+    """upstream() puts the shim back exactly when it was applied before the block."""
+    from peft.utils.other import TrainableTokensWrapper
+
+    name = "trainable_token_heads_for_trl"
+    with compat.upstream(name):
+        plain = TrainableTokensWrapper._getattr_wrapped
+        compat.trainable_token_heads_for_trl()
+        shimmed = TrainableTokensWrapper._getattr_wrapped
+        assert shimmed is not plain
+        with compat.upstream(name):
+            assert TrainableTokensWrapper._getattr_wrapped is plain
+        assert TrainableTokensWrapper._getattr_wrapped is not plain
+    assert TrainableTokensWrapper._getattr_wrapped is not shimmed
+
+
+# --- canaries: the upstream code without the shim still fails --------------------------------------------------
+
+ACCELERATE_CANARY = """
+import os, sys
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=sys.argv[1], OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+from accelerate.utils import FullyShardedDataParallelPlugin
+from sftrecipes import compat
+plugin = lambda: FullyShardedDataParallelPlugin(fsdp_version=2)
+print("upstream", Accelerator(cpu=True, fsdp_plugin=plugin()).state.distributed_type)
+AcceleratorState._reset_state(True)
+compat.enable_fsdp_on_cpu()
+print("shimmed", Accelerator(cpu=True, fsdp_plugin=plugin()).state.distributed_type)
+"""
+
+
+def test_canary_enable_fsdp_on_cpu():
+    """accelerate keeps a CPU run with an FSDP plugin as MULTI_CPU (it then wraps the model in DDP); the shim makes it
+    FSDP. A fresh process: accelerate's state and the process group are per process."""
+    r = subprocess.run([sys.executable, "-c", ACCELERATE_CANARY, str(free_port())], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = dict(line.split() for line in r.stdout.splitlines() if line.startswith(("upstream", "shimmed")))
+    assert got["upstream"] == "DistributedType.MULTI_CPU", fixed_upstream("enable_fsdp_on_cpu") + f" (got {got['upstream']})"
+    assert got["shimmed"] == "DistributedType.FSDP", got
+
+
+def _peft_model(tiny_model, **lora):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    return model, lambda m: get_peft_model(m, LoraConfig(target_modules=["q_proj"], **lora))
+
+
+def test_canary_fix_peft_prefixes_under_wrappers(tiny_model):
+    """Under activation-checkpoint wrappers (as under FSDP1 nesting) peft finds none of the adapter's tensors."""
+    from peft import get_peft_model_state_dict
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    base, wrap = _peft_model(tiny_model)
+    model = wrap(base)
+    plain = len(get_peft_model_state_dict(model))
+    assert plain > 0
+    apply_activation_checkpointing(model, check_fn=lambda m: type(m).__name__.endswith("DecoderLayer"))
+    name = "fix_peft_prefixes_under_wrappers"
+    with compat.upstream(name):
+        assert len(get_peft_model_state_dict(model)) == 0, fixed_upstream(name)
+        compat.fix_peft_prefixes_under_wrappers()
+        assert len(get_peft_model_state_dict(model)) == plain
+
+
+def test_canary_trainable_token_heads_for_trl(tiny_model):
+    """TRL's fused LM head (on in SFTTrainer) reads lm_head.bias; peft's trainable-token wrapper of the head has none."""
+    import torch
+    from trl.trainer.utils import add_fused_lm_head
+
+    base, wrap = _peft_model(tiny_model, trainable_token_indices={"lm_head": [0, 1]})
+    add_fused_lm_head(base)
+    model = wrap(base)
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    name = "trainable_token_heads_for_trl"
+    with compat.upstream(name):
+        try:
+            model(input_ids=ids, labels=ids, fused_lm_head=True)
+        except AttributeError as e:
+            assert "bias" in str(e), e
+        else:
+            pytest.fail(fixed_upstream(name))
+        compat.trainable_token_heads_for_trl()
+        loss = model(input_ids=ids, labels=ids, fused_lm_head=True).loss
+        assert torch.isfinite(loss)
+
+
+def test_canary_trainable_tokens_init_under_zero3_on_cpu():
+    """peft's ZeRO-3 init of new token rows builds its broadcast buffer on CUDA, which the cpu target has not (the
+    suite hides CUDA unless SFT_GPU_TESTS=1; the shim applies on the cpu target only)."""
+    import torch
+    from peft.tuners.trainable_tokens.layer import TrainableTokensLayer
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is visible: the shim is for the cpu target")
+    name = "trainable_tokens_init_under_zero3_on_cpu"
+    with compat.upstream(name):
+        try:
+            TrainableTokensLayer._collect_token_weights(None, torch.zeros(8, 4), torch.tensor([1, 2]), 4)
+        except (AssertionError, RuntimeError) as e:
+            if "CUDA" not in str(e):
+                pytest.fail(fixed_upstream(name) + f" (it now fails otherwise: {e})")
+        else:
+            pytest.fail(fixed_upstream(name))
