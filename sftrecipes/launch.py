@@ -314,6 +314,16 @@ def rendered(path: Path) -> dict[Path, str]:
     return files
 
 
+def is_emitted(f: Path) -> bool:
+    """A file emit wrote: MARK in its leading comment lines (after a shebang and any #SBATCH lines, however many)."""
+    for line in f.read_text().splitlines():
+        if MARK in line:
+            return True
+        if not line.startswith(("#", "<!--")):
+            return False
+    return False
+
+
 def emit(paths: list[Path] | None = None, check: bool = False) -> list[Path]:
     """Write (or, with check, compare) the emitted files. Returns the files that were stale."""
     stale = []
@@ -333,7 +343,7 @@ def emit(paths: list[Path] | None = None, check: bool = False) -> list[Path]:
     if not paths:  # files of recipes that no longer exist
         for folder, pattern in ((ROOT / "configs", "*.yaml"), (ROOT / "scripts", "*_*.sh"), (ROOT / "docs" / "setups", "*.md")):
             for f in folder.glob(pattern):
-                if f not in expected and MARK in "".join(f.read_text().splitlines(True)[:12]):
+                if f not in expected and is_emitted(f):
                     stale.append(f)
                     if not check:
                         f.unlink()

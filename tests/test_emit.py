@@ -39,6 +39,36 @@ def test_a_launcher_that_lost_its_execute_bit_is_stale():
     assert launch.emit(check=True) == []
 
 
+@pytest.mark.parametrize("folder", ["configs", "scripts", "docs/setups"])
+def test_generated_folders_say_which_files_are_hand_written(folder):
+    """Each generated folder has a README.md that emit neither sweeps nor rewrites, naming every file there that emit
+    did not write (scripts/gpu_bench.sh, gpu_check.sh); the rest carry emit's mark."""
+    files = [f for f in (ROOT / folder).iterdir() if f.is_file()]
+    readme = ROOT / folder / "README.md"
+    assert readme.is_file(), f"{folder}/README.md: say there which files are generated (make emit) and which are not"
+    hand = sorted(f.name for f in files if not launch.is_emitted(f))
+    assert "README.md" in hand  # not taken for a generated file (emit's sweep deletes marked files of gone recipes)
+    text = readme.read_text()
+    assert [n for n in hand if n != "README.md" and f"`{n}`" not in text] == [], f"{folder}/README.md: name them as hand-written"
+
+
+def test_generated_files_of_a_gone_recipe_are_stale():
+    """emit's sweep finds every generated file whose recipe is gone, also a SLURM script whose mark comes after more
+    #SBATCH lines than usual; hand-written files and the folders' READMEs are left alone."""
+    slurm = max((f for f in (ROOT / "scripts").glob("slurm_*.sh")),
+                key=lambda f: next(i for i, line in enumerate(f.read_text().splitlines()) if launch.MARK in line))
+    planted = {ROOT / "configs" / "gone-recipe.yaml": ROOT / "configs" / "tiny-ddp.yaml",
+               ROOT / "scripts" / "slurm_gone-recipe.sh": slurm,
+               ROOT / "docs" / "setups" / "gone-recipe.md": next((ROOT / "docs" / "setups").glob("llama2-*.md"))}
+    try:
+        for f, src in planted.items():
+            shutil.copy(src, f)
+        assert sorted(launch.emit(check=True)) == sorted(planted)
+    finally:
+        for f in planted:
+            f.unlink(missing_ok=True)
+
+
 def test_every_make_target_has_its_launcher():
     makefile = (ROOT / "Makefile").read_text()
     for target, script in (("sft-70b-lora", "run_llama2-70b-lora.sh"), ("sft-70b-qlora", "run_llama2-70b-qlora.sh"),
