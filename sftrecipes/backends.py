@@ -1,4 +1,6 @@
-"""Recipe -> TRL/transformers training arguments, and the hardware target.
+"""How a recipe runs on its processes: the hardware target, the recipe as TRL/transformers training arguments and as an
+accelerate config, pre-flight, the precision policy, and probes of what really ran (wrapper, precision, load memory,
+sample reply).
 
 The hardware target is the one place that knows what a machine without a GPU needs: `use_cpu` (so a GPU
 command line with `--bf16 True` runs instead of failing with "Your setup doesn't support bf16/gpu"), the

@@ -1,4 +1,6 @@
-"""Finding checkpoints to resume from, and checking that what was saved holds what it should."""
+"""What a run saves: the checkpoint to resume from and whether this run can continue it, the markers that make a
+checkpoint (or a finished run) complete, the final save checked against the tensors it must hold, and the guard that
+stops training on non-finite values before it saves them."""
 
 from __future__ import annotations
 

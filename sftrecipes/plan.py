@@ -1,4 +1,5 @@
-"""Pre-flight memory planner: will a recipe fit its GPUs and CPU RAM, and which strategies would.
+"""Pre-flight memory planner: will a recipe fit its GPUs and CPU RAM, and which strategies would (plus `pitfalls`, the
+configuration traps every run logs).
 
     python -m sftrecipes plan RECIPE.yaml [--key value ...]     exit 0 fits (or no gpu_memory_gb), 2 does not fit
 
