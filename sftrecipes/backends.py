@@ -58,7 +58,7 @@ def apply_process_env(recipe: Recipe, target: str) -> None:
 
 def check_world_size(recipe: Recipe) -> int:
     """The processes this run really has must be the ones the recipe's launch section describes."""
-    want = recipe.launch.num_machines * recipe.launch.gpus_per_node
+    want = recipe.launch.world_size
     have = int(os.environ.get("WORLD_SIZE", "1"))
     if have != want:
         raise RecipeError(
@@ -169,7 +169,7 @@ def accelerate_config(recipe: Recipe) -> dict:
     """The launch section as a standard accelerate config (what `accelerate config` would write)."""
     L = recipe.launch
     cpu = render_target(recipe) == "cpu"
-    world = L.num_machines * L.gpus_per_node
+    world = L.world_size
     mixed = "bf16" if recipe.trl_value("bf16") else "fp16" if recipe.trl_value("fp16") else "no"
     if recipe.model.precision == "memory_constrained":
         mixed = "no"  # the weights themselves are bf16/fp16; nothing to autocast
@@ -239,7 +239,7 @@ def preflight(recipe: Recipe, force: bool = False) -> str:
     from . import plan  # noqa: PLC0415
 
     L = recipe.launch
-    world = L.num_machines * L.gpus_per_node
+    world = L.world_size
     fits, plan_text = plan.preflight(recipe)
     lines = [plan_text, "", f"preflight: {L.backend} on {L.num_machines} node(s) x {L.gpus_per_node} process(es), hardware {L.hardware}"]
     if not fits:

@@ -613,7 +613,7 @@ def alternatives(recipe: Recipe, plan: Plan) -> list[Strategy]:
 def pitfalls(recipe: Recipe) -> list[str]:
     """Configuration traps this recipe walks into (plus the global batch, always). Each line says what to do."""
     m, L = recipe.model, recipe.launch
-    world = L.num_machines * L.gpus_per_node
+    world = L.world_size
     pdb, ga = recipe.trl_value("per_device_train_batch_size"), recipe.trl_value("gradient_accumulation_steps")
     lr = recipe.trl_value("learning_rate")
     out = [f"global batch = {pdb} per device x {ga} accumulation x {world} ranks = {pdb * ga * world} sequences per step"]
@@ -622,7 +622,7 @@ def pitfalls(recipe: Recipe) -> list[str]:
             base = load_recipe([base_file])
         except RecipeError:
             continue  # a partial base (e.g. recipes/tiny/base.yaml) is not a run of its own
-        bworld = base.launch.num_machines * base.launch.gpus_per_node
+        bworld = base.launch.world_size
         bbatch = base.trl_value("per_device_train_batch_size") * base.trl_value("gradient_accumulation_steps") * bworld
         if bworld != world and base.trl_value("learning_rate") == lr and bbatch != pdb * ga * world:
             out.append(f"WARNING learning_rate {lr:g} is kept from {base_file} (world {bworld}, global batch {bbatch}) but this "

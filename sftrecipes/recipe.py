@@ -778,7 +778,7 @@ def _validate_launch(r: Recipe) -> None:
         raise RecipeError(f"launch.slurm_partition: {L.slurm_partition!r} is not a partition name (letters, digits, _ . , -)")
     if not re.fullmatch(r"(\d+-)?\d{1,3}(:\d{2}){0,2}", L.slurm_time):
         raise RecipeError(f"launch.slurm_time: {L.slurm_time!r} is not a SLURM time; write HH:MM:SS or D-HH:MM:SS")
-    world = L.num_machines * L.gpus_per_node
+    world = L.world_size
     if L.backend == "none" and world > 1:
         raise RecipeError(f"launch.backend: none runs one process, but num_machines x gpus_per_node = {world}; set backend: ddp, deepspeed or fsdp")
     for backend, keys in (("deepspeed", DEEPSPEED_KEYS), ("fsdp", FSDP_KEYS)):
