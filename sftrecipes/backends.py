@@ -117,13 +117,11 @@ def training_kwargs(recipe: Recipe, target: str) -> dict:
     for key in TRL_DEFAULTS:  # the project's own defaults for a few TRL keys (schema.TRL_DEFAULTS)
         kw.setdefault(key, recipe.trl_value(key))
     # transformers 5 renamed gradient_checkpointing* to activation_checkpointing*; pass the new names only.
-    kw.pop("gradient_checkpointing", None)
+    for old_name in ("gradient_checkpointing", "gradient_checkpointing_kwargs"):
+        kw.pop(old_name, None)
     kw["activation_checkpointing"] = recipe.gradient_checkpointing
-    ckpt_kwargs = {**(kw.pop("gradient_checkpointing_kwargs", None) or {}), **(kw.get("activation_checkpointing_kwargs") or {})}
-    if recipe.gradient_checkpointing:
-        ckpt_kwargs["use_reentrant"] = recipe.model.use_reentrant
-    if ckpt_kwargs:
-        kw["activation_checkpointing_kwargs"] = ckpt_kwargs
+    if recipe.checkpointing_kwargs:
+        kw["activation_checkpointing_kwargs"] = recipe.checkpointing_kwargs
     if recipe.model.precision == "memory_constrained":  # train in the load dtype itself: no autocast, no fp32 copy
         kw["bf16"] = kw["fp16"] = False
     from .model import SDPA_PACKED_PAD, packed_under_sdpa_on_gpu  # noqa: PLC0415

@@ -61,6 +61,15 @@ class Recipe:
             return bool(self.trl["activation_checkpointing"])
         return bool(self.trl_value("gradient_checkpointing"))
 
+    @property
+    def checkpointing_kwargs(self) -> dict[str, Any]:
+        """Its kwargs under either spelling (activation_checkpointing_kwargs wins a key both set), with the recipe's
+        use_reentrant when checkpointing is on."""
+        kw = {**(self.trl.get("gradient_checkpointing_kwargs") or {}), **(self.trl.get("activation_checkpointing_kwargs") or {})}
+        if self.gradient_checkpointing:
+            kw["use_reentrant"] = self.model.use_reentrant
+        return kw
+
     def as_dict(self) -> dict[str, Any]:
         """Flat view of the explicit settings (used to compare a YAML recipe with a command line)."""
         out: dict[str, Any] = {}
@@ -547,8 +556,7 @@ def validate(r: Recipe) -> None:
     gc_old, gc_new = r.trl.get("gradient_checkpointing"), r.trl.get("activation_checkpointing")
     if gc_old is not None and gc_new is not None and gc_old != gc_new:
         raise RecipeError(f"gradient_checkpointing ({gc_old}) and activation_checkpointing ({gc_new}) disagree; they are one option, keep activation_checkpointing")
-    gc_on = gc_new if gc_new is not None else r.trl_value("gradient_checkpointing")
-    if "use_reentrant" in ex and not gc_on:
+    if "use_reentrant" in ex and not r.gradient_checkpointing:
         raise RecipeError("use_reentrant: only applies with gradient checkpointing; set gradient_checkpointing: true or remove use_reentrant")
     for kw_key in ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"):
         kwv = r.trl.get(kw_key)
