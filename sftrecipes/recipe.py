@@ -567,10 +567,9 @@ def validate(r: Recipe) -> None:
     splits = [s.strip() for s in d.splits.split(",") if s.strip()]
     if not splits or not any("train" in s for s in splits):
         raise RecipeError(f"splits: '{d.splits}' names no training split; include one with 'train' in its name, e.g. train,test")
-    eval_on = str(r.trl_value("eval_strategy")) != "no"
-    entry_evals = any(e.get("eval_split") for e in d.datasets or [])
-    if eval_on and not entry_evals and not any("test" in s or "val" in s or "eval" in s for s in splits):
-        raise RecipeError(f"eval_strategy: {r.trl_value('eval_strategy')} needs an eval split, but splits is '{d.splits}'; add one (train,test) or set eval_strategy: no")
+    from .data import check_eval_split  # noqa: PLC0415 - data imports this module
+
+    check_eval_split(r)
     if r.trl_value("packing") and r.trl_value("max_length") is None:
         raise RecipeError("packing: true needs max_length (alias max_seq_len) to set the packed length; set max_length: 2048")
     if r.trl_value("max_length") is not None and r.trl_value("max_length") < 8:
