@@ -284,6 +284,14 @@ def _elements(module) -> tuple[int, int, int]:
     return local, full, trainable
 
 
+def fp32_partitions(optimizer) -> list:
+    """This rank's fp32 master partitions of a live DeepSpeed ZeRO optimizer (flat tensors, one per param group):
+    `single_partition_of_fp32_groups` under ZeRO-1/2, `fp32_partitioned_groups_flat` under ZeRO-3; [] for others.
+    (A saved checkpoint keys them differently; export._ZeroSource reads those.)"""
+    return (getattr(optimizer, "single_partition_of_fp32_groups", None)
+            or getattr(optimizer, "fp32_partitioned_groups_flat", None) or [])
+
+
 def describe_backend(trainer) -> dict:
     """What really ran, read from the live objects: distribution type, wrapper, ZeRO stage, and how many parameter
     and optimizer-state elements this rank holds versus the whole model (the evidence that sharding took effect)."""
@@ -305,8 +313,7 @@ def describe_backend(trainer) -> dict:
         for key, cfg in (("zero_offload_optimizer", engine.zero_offload_optimizer()), ("zero_offload_params", engine.zero_offload_param())):
             info[key] = str(getattr(cfg, "device", "none") or "none").split(".")[-1]
         opt = engine.optimizer
-        groups = getattr(opt, "single_partition_of_fp32_groups", None) or getattr(opt, "fp32_partitioned_groups_flat", None) or []
-        info["optimizer_fp32_elements_local"] = int(sum(g.numel() for g in groups))
+        info["optimizer_fp32_elements_local"] = int(sum(g.numel() for g in fp32_partitions(opt)))
         info["optimizer"] = type(getattr(opt, "optimizer", opt)).__name__
     plugin = getattr(acc.state, "fsdp_plugin", None)
     if plugin is not None:
@@ -431,8 +438,8 @@ def precision_table(trainer) -> dict[str, str]:
         table["compute"] = f"{compute} (DeepSpeed module dtype)"
         table["gradients reduce"] = _dtype(engine.communication_data_type)
         opt = engine.optimizer
-        groups = getattr(opt, "single_partition_of_fp32_groups", None) or getattr(opt, "fp32_partitioned_groups_flat", None) or []
-        table["trainable params"] = f"{table['trainable params']} module, {', '.join(sorted({_dtype(g.dtype) for g in groups}))} master partitions"
+        masters = sorted({_dtype(g.dtype) for g in fp32_partitions(opt)})
+        table["trainable params"] = f"{table['trainable params']} module, {', '.join(masters)} master partitions"
         inner = getattr(opt, "optimizer", opt)
     else:
         mp = acc.mixed_precision
