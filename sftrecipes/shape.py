@@ -12,7 +12,7 @@ Qwen3-MoE (dense `mlp_only_layers`, `decoder_sparse_step`). Experts are fused 3-
 Keys a config.json leaves out take the config class's default (`DEFAULTS`; a test compares them with transformers).
 
 It also owns the rule for the dtype weights are loaded in (`load_dtype`, a dtype name; `model.load_dtype` maps it to
-torch, the planner to bytes).
+torch, the planner to bytes) and the mixed-precision compute dtype it uses (`mixed_dtype`).
 """
 
 from __future__ import annotations
