@@ -60,7 +60,7 @@ def apply_process_env(recipe: Recipe, target: str) -> None:
 
 def check_world_size(recipe: Recipe) -> int:
     """The processes this run really has must be the ones the recipe's launch section describes."""
-    want = recipe.launch.num_machines * recipe.launch.gpus_per_node
+    want = recipe.launch.world_size
     have = int(os.environ.get("WORLD_SIZE", "1"))
     if have != want:
         raise RecipeError(
@@ -119,13 +119,11 @@ def training_kwargs(recipe: Recipe, target: str) -> dict:
     for key in TRL_DEFAULTS:  # the project's own defaults for a few TRL keys (schema.TRL_DEFAULTS)
         kw.setdefault(key, recipe.trl_value(key))
     # transformers 5 renamed gradient_checkpointing* to activation_checkpointing*; pass the new names only.
-    kw.pop("gradient_checkpointing", None)
+    for old_name in ("gradient_checkpointing", "gradient_checkpointing_kwargs"):
+        kw.pop(old_name, None)
     kw["activation_checkpointing"] = recipe.gradient_checkpointing
-    ckpt_kwargs = {**(kw.pop("gradient_checkpointing_kwargs", None) or {}), **(kw.get("activation_checkpointing_kwargs") or {})}
-    if recipe.gradient_checkpointing:
-        ckpt_kwargs["use_reentrant"] = recipe.model.use_reentrant
-    if ckpt_kwargs:
-        kw["activation_checkpointing_kwargs"] = ckpt_kwargs
+    if recipe.checkpointing_kwargs:
+        kw["activation_checkpointing_kwargs"] = recipe.checkpointing_kwargs
     if recipe.model.precision == "memory_constrained":  # train in the load dtype itself: no autocast, no fp32 copy
         kw["bf16"] = kw["fp16"] = False
     from .model import SDPA_PACKED_PAD, packed_under_sdpa_on_gpu  # noqa: PLC0415
@@ -171,7 +169,7 @@ def accelerate_config(recipe: Recipe) -> dict:
     """The launch section as a standard accelerate config (what `accelerate config` would write)."""
     L = recipe.launch
     cpu = render_target(recipe) == "cpu"
-    world = L.num_machines * L.gpus_per_node
+    world = L.world_size
     mixed = "bf16" if recipe.trl_value("bf16") else "fp16" if recipe.trl_value("fp16") else "no"
     if recipe.model.precision == "memory_constrained":
         mixed = "no"  # the weights themselves are bf16/fp16; nothing to autocast
@@ -241,7 +239,7 @@ def preflight(recipe: Recipe, force: bool = False) -> str:
     from . import plan  # noqa: PLC0415
 
     L = recipe.launch
-    world = L.num_machines * L.gpus_per_node
+    world = L.world_size
     fits, plan_text = plan.preflight(recipe)
     lines = [plan_text, "", f"preflight: {L.backend} on {L.num_machines} node(s) x {L.gpus_per_node} process(es), hardware {L.hardware}"]
     if not fits:
@@ -288,6 +286,14 @@ def _elements(module) -> tuple[int, int, int]:
     return local, full, trainable
 
 
+def fp32_partitions(optimizer) -> list:
+    """This rank's fp32 master partitions of a live DeepSpeed ZeRO optimizer (flat tensors, one per param group):
+    `single_partition_of_fp32_groups` under ZeRO-1/2, `fp32_partitioned_groups_flat` under ZeRO-3; [] for others.
+    (A saved checkpoint keys them differently; export._ZeroSource reads those.)"""
+    return (getattr(optimizer, "single_partition_of_fp32_groups", None)
+            or getattr(optimizer, "fp32_partitioned_groups_flat", None) or [])
+
+
 def describe_backend(trainer) -> dict:
     """What really ran, read from the live objects: distribution type, wrapper, ZeRO stage, and how many parameter
     and optimizer-state elements this rank holds versus the whole model (the evidence that sharding took effect)."""
@@ -309,8 +315,7 @@ def describe_backend(trainer) -> dict:
         for key, cfg in (("zero_offload_optimizer", engine.zero_offload_optimizer()), ("zero_offload_params", engine.zero_offload_param())):
             info[key] = str(getattr(cfg, "device", "none") or "none").split(".")[-1]
         opt = engine.optimizer
-        groups = getattr(opt, "single_partition_of_fp32_groups", None) or getattr(opt, "fp32_partitioned_groups_flat", None) or []
-        info["optimizer_fp32_elements_local"] = int(sum(g.numel() for g in groups))
+        info["optimizer_fp32_elements_local"] = int(sum(g.numel() for g in fp32_partitions(opt)))
         info["optimizer"] = type(getattr(opt, "optimizer", opt)).__name__
     plugin = getattr(acc.state, "fsdp_plugin", None)
     if plugin is not None:
@@ -435,8 +440,8 @@ def precision_table(trainer) -> dict[str, str]:
         table["compute"] = f"{compute} (DeepSpeed module dtype)"
         table["gradients reduce"] = _dtype(engine.communication_data_type)
         opt = engine.optimizer
-        groups = getattr(opt, "single_partition_of_fp32_groups", None) or getattr(opt, "fp32_partitioned_groups_flat", None) or []
-        table["trainable params"] = f"{table['trainable params']} module, {', '.join(sorted({_dtype(g.dtype) for g in groups}))} master partitions"
+        masters = sorted({_dtype(g.dtype) for g in fp32_partitions(opt)})
+        table["trainable params"] = f"{table['trainable params']} module, {', '.join(masters)} master partitions"
         inner = getattr(opt, "optimizer", opt)
     else:
         mp = acc.mixed_precision

@@ -268,7 +268,7 @@ def check_resume(recipe) -> None:
     import types  # noqa: PLC0415
 
     ckpt = resolve_resume(recipe.trl.get("resume_from_checkpoint"), recipe.trl["output_dir"])
-    world = recipe.launch.num_machines * recipe.launch.gpus_per_node
+    world = recipe.launch.world_size
     match_resume(ckpt, recipe, types.SimpleNamespace(  # process_index 1: quiet, rank 0 logs what it adjusts
         world_size=world, process_index=1, per_device_train_batch_size=recipe.trl_value("per_device_train_batch_size"),
         gradient_accumulation_steps=recipe.trl_value("gradient_accumulation_steps")))

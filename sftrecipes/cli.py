@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from .recipe import RecipeError
+from .schema import DTYPES
 from .tiny import FAMILIES
 
 
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("adapter")
     m.add_argument("out")
     m.add_argument("--base", default=None, help="base model folder or hub id (default: the adapter's base_model_name_or_path)")
-    m.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"], help="output dtype (default: the base's)")
+    m.add_argument("--dtype", default=None, choices=DTYPES, help="output dtype (default: the base's)")
     m.set_defaults(fn=_merge)
     e = sub.add_parser("emit", help="render configs/ and scripts/ from recipes (--check: compare only)")
     e.add_argument("args", nargs="*", help="recipe files (default: every recipe under recipes/)")
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     x.add_argument("src")
     x.add_argument("dest")
     x.add_argument("--base", default=None)
-    x.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
+    x.add_argument("--dtype", default=None, choices=DTYPES)
     x.add_argument("--verify", action="store_true", help="reload the export and compare logits with the source (needs RAM for two fp32 copies)")
     x.set_defaults(fn=_export)
     d = sub.add_parser("demo", help="tiny LoRA fine-tune, merge, reload, generate")

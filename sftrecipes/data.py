@@ -81,6 +81,24 @@ def sources(recipe: Recipe) -> list[Source]:
     return out
 
 
+def check_eval_split(recipe: Recipe, found: bool | None = None) -> None:
+    """The eval-split rule: an eval_strategy other than 'no' needs eval rows. found None (recipe validation): some
+    source names an eval split (`splits`, or a `datasets` entry's eval_split or the default one it takes, as `sources`
+    resolves them); after loading, `found` says whether any eval rows were read."""
+    strategy = str(recipe.trl_value("eval_strategy"))
+    if strategy == "no":
+        return
+    if found is None:
+        found = any(src.eval_split for src in sources(recipe))
+        why = f"splits is '{recipe.data.splits}'" + (" and no datasets entry has an eval_split" if recipe.data.datasets else "")
+    else:
+        why = "none of the named eval splits is in the data"
+    if not found:
+        entries = " or give the datasets entries an eval_split," if recipe.data.datasets else ""
+        raise RecipeError(f"eval_strategy: {strategy} needs an eval split, but {why}; add one to splits (e.g. train,test),"
+                          f"{entries} or set eval_strategy: no")
+
+
 def _load_split(name: str, split: str, key: str = "dataset_name", split_key: str = "splits", config: str | None = None,
                 missing_ok: bool = False):
     """One split of a hub id, local folder, save_to_disk folder or file; None when missing and missing_ok."""
@@ -143,8 +161,7 @@ def load_raw(recipe: Recipe):
     src = sources(recipe)[0]
     train = load_source(src, src.split)
     evals = load_source(src, src.eval_split) if src.eval_split else None
-    if str(recipe.trl_value("eval_strategy")) != "no" and evals is None:
-        raise RecipeError("eval_strategy: needs an eval split; add one to splits (e.g. train,test)")
+    check_eval_split(recipe, evals is not None)
     return train, evals
 
 
@@ -521,9 +538,7 @@ def load_datasets(recipe: Recipe, tokenizer, eot: str):
     if completion_only_set and "prompt_completion" not in train_formats:
         raise RecipeError(f"completion_only_loss: applies to prompt/completion data, but the data is {', '.join(train_formats)}; "
                           "remove it (for conversations, assistant_only_loss: true trains on the assistant turns only)")
-    if str(recipe.trl_value("eval_strategy")) != "no" and not eval_parts:
-        raise RecipeError("eval_strategy: needs an eval split; add one to splits (e.g. train,test)"
-                          + (" or give the datasets entries an eval_split" if mixture else ""))
+    check_eval_split(recipe, bool(eval_parts))
     train_tok = datasets.concatenate_datasets(train_parts) if len(train_parts) > 1 else train_parts[0]
     if mixture:
         train_tok = train_tok.shuffle(seed=seed)

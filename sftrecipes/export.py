@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from .dcpio import DCPSource, read_exactly
-from .model import pattern_value
+from .model import DTYPES, pattern_value
 from .recipe import RecipeError
 
 log = logging.getLogger("sftrecipes")
@@ -42,7 +42,6 @@ log = logging.getLogger("sftrecipes")
 ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
              torch.int32: "I32", torch.uint8: "U8", torch.int8: "I8", torch.bool: "BOOL"}
 FROM_ST = {v: k for k, v in ST_DTYPES.items()}
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 PREFIX = "base_model.model."
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "chat_template.jinja", "added_tokens.json")
@@ -635,7 +634,7 @@ def rewrite_model(base_dir: Path, out_dir: str | Path, plan: dict[str, dict], dt
     its tensors are checked against the config (check_model_folder); with `reference` (a callable returning the
     source as a model) the logits are compared too (verify_logits)."""
     source = source or _SafetensorsSource(base_dir)
-    out_dtype = TORCH_DTYPES[dtype] if dtype else None
+    out_dtype = DTYPES[dtype] if dtype else None
     names = names or source.names()
     # the plan names tensors as the model holds them; the source may store them in pieces (StoredLayout)
     todo = {n: (plan[n], None) for n in names if n in plan}
@@ -1048,7 +1047,7 @@ def _export_adapter(source, names: list[str], ckpt: Path, dest, dtype, base, ver
         raise RecipeError(f"export: '{ckpt}' is a LoRA checkpoint but neither it nor its parent has adapter_config.json; copy the run's adapter_config.json (from its output_dir) into it")
     cfg = json.loads((cfg_dir / "adapter_config.json").read_text())
     base_dir = _local_model_dir(base or cfg.get("base_model_name_or_path") or "")
-    out_dtype = TORCH_DTYPES[dtype] if dtype else None
+    out_dtype = DTYPES[dtype] if dtype else None
     if cfg.get("bias") in ("all", "lora_only"):  # trained biases: beside the adapter tensors, under their own names
         suffix = ".bias" if cfg["bias"] == "all" else ".base_layer.bias"
         names = names + [n for n in source.names() if n.endswith(suffix) and n not in names]
@@ -1095,7 +1094,7 @@ def merge_in_run(trainer, out_dir: str | Path, dtype: str | None = None, max_sha
     adapter = model.active_adapter
     base_params = [(n, p) for n, p in named if not any(m in n for m in ADAPTER_MARKS)]
     first = next(p for _, p in base_params if p.is_floating_point())
-    out_dtype = TORCH_DTYPES[dtype] if dtype else first.dtype
+    out_dtype = DTYPES[dtype] if dtype else first.dtype
 
     def out_name(n: str) -> str:
         return n.removeprefix(PREFIX).replace(".base_layer.", ".")

@@ -465,7 +465,7 @@ def launch_command(args: list[str], environ: Mapping[str, str] | None = None) ->
     env = launcher_env(recipe)
     if L.backend == "none":
         return Launch([sys.executable, train, *args], env, recipe)
-    world = L.num_machines * L.gpus_per_node
+    world = L.world_size
     rank, address, port = topology(recipe, environ)
     config_path = Path(recipe.trl["output_dir"]) / LAUNCH_CONFIG
     job = environ.get("SLURM_JOB_ID", "") if L.num_machines > 1 else ""

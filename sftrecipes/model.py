@@ -13,6 +13,7 @@ import torch
 
 from .shape import load_dtype as load_dtype_name
 from .recipe import Recipe, RecipeError
+from .schema import DTYPES as DTYPE_NAMES
 
 log = logging.getLogger("sftrecipes")
 
@@ -29,7 +30,7 @@ TEMPLATES = {
     "chatml": (CHATML_TEMPLATE, ["<|im_start|>", "<|im_end|>"], "<|im_end|>"),
     "zephyr": (ZEPHYR_TEMPLATE, ["<|user|>", "<|assistant|>", "<|system|>"], None),
 }
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # the one name -> torch dtype map (export uses it too)
 
 
 def load_dtype(recipe: Recipe) -> torch.dtype:

@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass, field
 
 from .recipe import Recipe, RecipeError, load_recipe
-from .shape import DTYPE_BYTES, Layer, Shape, Weight, load_dtype, model_shape
+from .shape import DTYPE_BYTES, Layer, Shape, Weight, load_dtype, mixed_dtype, model_shape
 
 GB = 1e9
 # Runtime allowance on a GPU: CUDA context + cuBLAS/NCCL workspaces (not visible to torch's allocator, visible to
@@ -74,8 +74,8 @@ def load_bytes(recipe: Recipe) -> int:
 
 def setup(recipe: Recipe) -> Setup:
     m, L = recipe.model, recipe.launch
-    world, gpn = L.num_machines * L.gpus_per_node, L.gpus_per_node
-    mixed16 = bool(recipe.trl_value("bf16") or recipe.trl_value("fp16"))
+    world, gpn = L.world_size, L.gpus_per_node
+    mixed16 = mixed_dtype(recipe) is not None
     lb = load_bytes(recipe)
     w = g = o = 1
     if L.backend == "deepspeed":
@@ -93,6 +93,18 @@ def setup(recipe: Recipe) -> Setup:
                  L.backend == "deepspeed" and L.offload_optimizer or L.backend == "fsdp" and L.fsdp_offload_params,
                  L.backend == "deepspeed" and L.offload_params or L.backend == "fsdp" and L.fsdp_offload_params,
                  expert_b, m.use_peft_lora and m.lora_target_router)
+
+
+def trainable_bytes(recipe: Recipe, s: Setup) -> int:
+    """Bytes per trainable parameter at rest: 2 in DeepSpeed's 16-bit module (its fp32 master partitions count with
+    the optimizer states); 4 for LoRA adapters (peft keeps them fp32); full fine-tuning: 4 under bf16/fp16 mixed
+    precision with precision fp32_trainable (backends.apply_precision_policy upcasts what loaded in 16 bits), else
+    the load dtype (memory_constrained, or no mixed precision: the weights stay as loaded)."""
+    if s.deepspeed16:
+        return 2
+    if s.lora or (s.mixed16 and recipe.model.precision != "memory_constrained"):
+        return 4
+    return s.load_bytes
 
 
 def quant_bytes_per_param(recipe: Recipe) -> float:
@@ -281,12 +293,11 @@ def plan_recipe(recipe: Recipe, pipeline_degree: int | None = None, _alternative
     else:
         frozen_b = (shape.params - (0 if s.lora else trainable)) * float_b
         wnote = f"{shape.params / 1e9:.2f}B params, {float_b} B/param"
+    p_b = trainable_bytes(recipe, s)
     if s.lora:
-        p_b = 2 if s.deepspeed16 else 4  # PEFT keeps adapters fp32 (autocast_adapter_dtype); DeepSpeed casts them
         frozen_note = wnote
     else:
-        frozen_b, p_b = 0.0, float_b
-        frozen_note = ""
+        frozen_b, frozen_note = 0.0, ""
     g_b = p_b
     optim = str(recipe.trl_value("optim"))
     o_b = 2 if "8bit" in optim else 2 * p_b  # Adam m, v like the parameter (8-bit optimizers: 1 byte each)
@@ -614,7 +625,7 @@ def alternatives(recipe: Recipe, plan: Plan) -> list[Strategy]:
 def pitfalls(recipe: Recipe) -> list[str]:
     """Configuration traps this recipe walks into (plus the global batch, always). Each line says what to do."""
     m, L = recipe.model, recipe.launch
-    world = L.num_machines * L.gpus_per_node
+    world = L.world_size
     pdb, ga = recipe.trl_value("per_device_train_batch_size"), recipe.trl_value("gradient_accumulation_steps")
     lr = recipe.trl_value("learning_rate")
     out = [f"global batch = {pdb} per device x {ga} accumulation x {world} ranks = {pdb * ga * world} sequences per step"]
@@ -623,7 +634,7 @@ def pitfalls(recipe: Recipe) -> list[str]:
             base = load_recipe([base_file])
         except RecipeError:
             continue  # a partial base (e.g. recipes/tiny/base.yaml) is not a run of its own
-        bworld = base.launch.num_machines * base.launch.gpus_per_node
+        bworld = base.launch.world_size
         bbatch = base.trl_value("per_device_train_batch_size") * base.trl_value("gradient_accumulation_steps") * bworld
         if bworld != world and base.trl_value("learning_rate") == lr and bbatch != pdb * ga * world:
             out.append(f"WARNING learning_rate {lr:g} is kept from {base_file} (world {bworld}, global batch {bbatch}) but this "
@@ -646,7 +657,7 @@ def pitfalls(recipe: Recipe) -> list[str]:
                    "for a PEFT model and reentrant checkpointing then marks parameters ready twice ('Expected to mark a "
                    "variable ready only once'); set use_reentrant: false (or ddp_find_unused_parameters: false)")
     if m.use_4bit_quantization and L.backend in ("fsdp", "deepspeed"):
-        compute = "bfloat16" if recipe.trl_value("bf16") else "float16" if recipe.trl_value("fp16") else "float32"
+        compute = mixed_dtype(recipe) or "float32"
         dtype = load_dtype(recipe)
         if m.bnb_4bit_quant_storage_dtype != compute or (m.dtype != "auto" and m.dtype != m.bnb_4bit_quant_storage_dtype):
             out.append(f"WARNING bnb_4bit_quant_storage_dtype {m.bnb_4bit_quant_storage_dtype} differs from the model/mixed-precision "
@@ -654,7 +665,7 @@ def pitfalls(recipe: Recipe) -> list[str]:
                        f"set bnb_4bit_quant_storage_dtype: {compute}")
     if L.backend == "fsdp" and L.fsdp_state_dict_type == "FULL_STATE_DICT":
         shape = model_shape(m.model_name_or_path)
-        need = shape.params * (4 if not m.use_peft_lora else load_bytes(recipe)) / GB
+        need = shape.params * (load_bytes(recipe) if m.use_peft_lora else trainable_bytes(recipe, setup(recipe))) / GB
         if L.cpu_ram_gb is None or need + PROCESS_CPU_GB * L.gpus_per_node > L.cpu_ram_gb:
             have = "launch.cpu_ram_gb is not set" if L.cpu_ram_gb is None else f"rank 0's node has {L.cpu_ram_gb:g} GB"
             out.append(f"WARNING fsdp_state_dict_type FULL_STATE_DICT gathers the whole model ({need:.0f} GB) on rank 0's CPU and "

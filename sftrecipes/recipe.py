@@ -61,6 +61,15 @@ class Recipe:
             return bool(self.trl["activation_checkpointing"])
         return bool(self.trl_value("gradient_checkpointing"))
 
+    @property
+    def checkpointing_kwargs(self) -> dict[str, Any]:
+        """Its kwargs under either spelling (activation_checkpointing_kwargs wins a key both set), with the recipe's
+        use_reentrant when checkpointing is on."""
+        kw = {**(self.trl.get("gradient_checkpointing_kwargs") or {}), **(self.trl.get("activation_checkpointing_kwargs") or {})}
+        if self.gradient_checkpointing:
+            kw["use_reentrant"] = self.model.use_reentrant
+        return kw
+
     def as_dict(self) -> dict[str, Any]:
         """Flat view of the explicit settings (used to compare a YAML recipe with a command line)."""
         out: dict[str, Any] = {}
@@ -547,8 +556,7 @@ def validate(r: Recipe) -> None:
     gc_old, gc_new = r.trl.get("gradient_checkpointing"), r.trl.get("activation_checkpointing")
     if gc_old is not None and gc_new is not None and gc_old != gc_new:
         raise RecipeError(f"gradient_checkpointing ({gc_old}) and activation_checkpointing ({gc_new}) disagree; they are one option, keep activation_checkpointing")
-    gc_on = gc_new if gc_new is not None else r.trl_value("gradient_checkpointing")
-    if "use_reentrant" in ex and not gc_on:
+    if "use_reentrant" in ex and not r.gradient_checkpointing:
         raise RecipeError("use_reentrant: only applies with gradient checkpointing; set gradient_checkpointing: true or remove use_reentrant")
     for kw_key in ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"):
         kwv = r.trl.get(kw_key)
@@ -559,10 +567,9 @@ def validate(r: Recipe) -> None:
     splits = [s.strip() for s in d.splits.split(",") if s.strip()]
     if not splits or not any("train" in s for s in splits):
         raise RecipeError(f"splits: '{d.splits}' names no training split; include one with 'train' in its name, e.g. train,test")
-    eval_on = str(r.trl_value("eval_strategy")) != "no"
-    entry_evals = any(e.get("eval_split") for e in d.datasets or [])
-    if eval_on and not entry_evals and not any("test" in s or "val" in s or "eval" in s for s in splits):
-        raise RecipeError(f"eval_strategy: {r.trl_value('eval_strategy')} needs an eval split, but splits is '{d.splits}'; add one (train,test) or set eval_strategy: no")
+    from .data import check_eval_split  # noqa: PLC0415 - data imports this module
+
+    check_eval_split(r)
     if r.trl_value("packing") and r.trl_value("max_length") is None:
         raise RecipeError("packing: true needs max_length (alias max_seq_len) to set the packed length; set max_length: 2048")
     if r.trl_value("max_length") is not None and r.trl_value("max_length") < 8:
@@ -778,7 +785,7 @@ def _validate_launch(r: Recipe) -> None:
         raise RecipeError(f"launch.slurm_partition: {L.slurm_partition!r} is not a partition name (letters, digits, _ . , -)")
     if not re.fullmatch(r"(\d+-)?\d{1,3}(:\d{2}){0,2}", L.slurm_time):
         raise RecipeError(f"launch.slurm_time: {L.slurm_time!r} is not a SLURM time; write HH:MM:SS or D-HH:MM:SS")
-    world = L.num_machines * L.gpus_per_node
+    world = L.world_size
     if L.backend == "none" and world > 1:
         raise RecipeError(f"launch.backend: none runs one process, but num_machines x gpus_per_node = {world}; set backend: ddp, deepspeed or fsdp")
     for backend, keys in (("deepspeed", DEEPSPEED_KEYS), ("fsdp", FSDP_KEYS)):

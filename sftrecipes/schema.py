@@ -260,6 +260,11 @@ class LaunchOptions:
     slurm_partition: str | None = opt(None, "Multi-node: SLURM partition for the emitted batch script.")
     slurm_time: str = opt("24:00:00", "Multi-node: SLURM time limit.")
 
+    @property
+    def world_size(self) -> int:
+        """Processes the recipe launches: num_machines x gpus_per_node (one per GPU)."""
+        return self.num_machines * self.gpus_per_node
+
 
 SECTIONS: dict[str, type] = {"model": ModelOptions, "data": DataOptions, "run": RunOptions}
 NESTED: dict[str, type] = {"launch": LaunchOptions}

@@ -12,7 +12,7 @@ Qwen3-MoE (dense `mlp_only_layers`, `decoder_sparse_step`). Experts are fused 3-
 Keys a config.json leaves out take the config class's default (`DEFAULTS`; a test compares them with transformers).
 
 It also owns the rule for the dtype weights are loaded in (`load_dtype`, a dtype name; `model.load_dtype` maps it to
-torch, the planner to bytes).
+torch, the planner to bytes) and the mixed-precision compute dtype it uses (`mixed_dtype`).
 """
 
 from __future__ import annotations
@@ -399,8 +399,10 @@ def load_dtype(recipe: Recipe) -> str:
     if m.use_4bit_quantization and m.bnb_4bit_quant_storage_dtype != "uint8":
         return m.bnb_4bit_quant_storage_dtype
     if m.use_peft_lora or m.use_4bit_quantization or m.use_8bit_quantization or m.precision == "memory_constrained":
-        if recipe.trl_value("bf16"):
-            return "bfloat16"
-        if recipe.trl_value("fp16"):
-            return "float16"
+        return mixed_dtype(recipe) or "float32"
     return "float32"
+
+
+def mixed_dtype(recipe: Recipe) -> str | None:
+    """The mixed-precision compute dtype: 'bfloat16' (bf16: true), 'float16' (fp16: true) or None (neither)."""
+    return "bfloat16" if recipe.trl_value("bf16") else "float16" if recipe.trl_value("fp16") else None

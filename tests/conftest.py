@@ -68,7 +68,7 @@ def accelerate_command(argv: list[str], out: Path) -> tuple[list[str], dict]:
     out.parent.mkdir(parents=True, exist_ok=True)
     cfg = out.parent / f"{out.name}.accelerate.yaml"
     cfg.write_text(yaml.safe_dump(accelerate_config(recipe)))
-    world = recipe.launch.num_machines * recipe.launch.gpus_per_node
+    world = recipe.launch.world_size
     return ([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg), "--num_machines", "1",
              "--num_processes", str(world), "--machine_rank", "0", "--main_process_ip", "127.0.0.1",
              "--main_process_port", str(free_port()), "train.py", *argv, "--output_dir", str(out)], launcher_env(recipe))

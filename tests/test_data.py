@@ -449,7 +449,7 @@ def test_mixture_columns_and_eval_splits(tiny_model, shapes):
         mixture([{**qa, "eval_split": "test"}])
     with pytest.raises(RecipeError, match=r"datasets\[0\]\.columns: 'query' is not a column"):
         mixture([{"path": str(shapes["qa"]), "columns": {"query": "prompt"}}])
-    with pytest.raises(RecipeError, match=r"eval_strategy: needs an eval split.*eval_split"):
+    with pytest.raises(RecipeError, match=r"eval_strategy: steps needs an eval split, but none of the named eval splits is in the data.*eval_split"):
         mixture([qa], "--eval_strategy", "steps")
 
 

@@ -255,7 +255,7 @@ def test_qlora_adapter_merges_into_16bit_base(runs, tmp_path, dtype, capsys):
     out = ex.export(run, tmp_path / "merged", dtype=dtype, verify=True)
     assert "verify: max abs logits difference" in capsys.readouterr().out
     ours = AutoModelForCausalLM.from_pretrained(out)
-    assert ours.dtype == ex.TORCH_DTYPES[dtype]
+    assert ours.dtype == ex.DTYPES[dtype]
     peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(".assets/tiny-llama"), run).merge_and_unload()
     sd = peft.state_dict()
     for n, t in ours.state_dict().items():

@@ -125,6 +125,8 @@ BAD = [
     ("gradient_checkpointing: true\nactivation_checkpointing: false\n", "disagree"),
     ("splits: test\n", "names no training split"),
     ("splits: train\neval_strategy: epoch\n", "needs an eval split"),
+    # the eval split is the one data.split_names picks: the training split itself is none, whatever its name says
+    ("splits: train_eval\neval_strategy: epoch\n", "needs an eval split, but splits is 'train_eval'"),
     ("packing: true\nmax_length: null\n", "packing: true needs max_length"),
     ("max_seq_len: 10\nmax_length: 20\n", "same option"),
     ("warmup_ratio: 3\n", "not a ratio"),
@@ -166,6 +168,19 @@ def test_bad_recipe_is_one_line_error(tmp_path, extra, fragment):
     msg = str(e.value)
     assert fragment in msg, msg
     assert "\n" not in msg
+
+
+def test_eval_split_rule_is_checked_where_the_data_reads_it(tmp_path):
+    """Validation asks data.check_eval_split, which resolves the sources as loading does: a mixture whose entries all
+    say eval_split: null has no eval rows even though splits names one, and is refused before any data is read."""
+    head = f"model_name_or_path: {ROOT / TINY}\noutput_dir: {tmp_path / 'out'}\nsplits: train,test\neval_strategy: steps\n"
+    none = write(tmp_path, "none.yaml", head + f"datasets: [{{path: {ROOT / DATA}, eval_split: null}}]\n")
+    with pytest.raises(RecipeError, match=r"eval_strategy: steps needs an eval split, but splits is 'train,test' and no "
+                                          r"datasets entry has an eval_split; .* or set eval_strategy: no$"):
+        load_recipe([str(none)])
+    # one entry taking the default eval split (test) is enough
+    both = write(tmp_path, "both.yaml", head + f"datasets: [{{path: {ROOT / DATA}, eval_split: null}}, {{path: {ROOT / DATA}}}]\n")
+    assert load_recipe([str(both)]).trl_value("eval_strategy") == "steps"
 
 
 @pytest.mark.parametrize("text,fragment", [
