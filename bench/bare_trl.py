@@ -1,9 +1,12 @@
 """Baseline for `make bench`: recipes/tiny/{lora,full}.yaml's training settings in a bare TRL script (TRL's own chat
-formatting, no sftrecipes), each grid setting a flag (the same names as train.py's keys).
+formatting; of sftrecipes only its packed-attention kernel when `--attn_implementation sft_varlen` asks for it, as
+train.py's auto does for packed batches), each grid setting a flag (the same names as train.py's keys).
 
     python bench/bare_trl.py OUTPUT_DIR [--packing true] [--max_steps 80] [--per_device_train_batch_size 8]
         [--gradient_checkpointing false] [--use_peft_lora true] [--learning_rate 1e-2] [--attn_implementation sdpa]"""
 import argparse
+import sys
+from pathlib import Path
 
 from datasets import load_dataset
 from peft import LoraConfig
@@ -28,6 +31,11 @@ args = SFTConfig(output_dir=a.output_dir, max_length=256, packing=a.packing, lea
                  max_steps=a.max_steps, logging_steps=5, seed=42, save_strategy="no", report_to="none", use_cpu=True,
                  bf16=False, gradient_checkpointing=a.gradient_checkpointing)  # TRL's defaults: both on
 lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+if a.attn_implementation == "sft_varlen":  # the project's packed-attention kernel (what train.py's auto picks packed)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from sftrecipes.attention import register
+
+    register()
 model = AutoModelForCausalLM.from_pretrained(a.model, attn_implementation=a.attn_implementation)
 SFTTrainer(model=model, args=args, peft_config=lora if a.use_peft_lora else None,
            train_dataset=load_dataset("json", data_files="data/tiny_chat/train.jsonl", split="train"),
