@@ -77,7 +77,7 @@ Findings (unpacked, batch 4, checkpointing on, LoRA, where the issue measured tr
   length (2 runs of 12 packed / 40 unpacked steps per script): five rows are under 0.95, where no code can make
   train.py faster than the same trainer without callbacks, so the rows over 1.03 are within the same scatter. The
   per-step work train.py adds was counted rather than timed (above): +0.4% Python calls, no extra torch ops, no
-  device read inside a step. Longer rows (`--repeats 4 --packed_steps 30 --unpacked_steps 80`, ~30 min) narrow it."""
+  device read inside a step. Longer rows (`--repeats 4 --packed_steps 30 --unpacked_steps 80`, ~30 min; not run here) would narrow it."""
 
 
 @dataclass(frozen=True)
