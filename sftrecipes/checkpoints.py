@@ -410,24 +410,30 @@ def saved_tensor_names(folder: str | Path) -> dict[str, tuple[int, ...]]:
     out: dict[str, tuple[int, ...]] = {}
     for f in files:
         if not f.is_file():
-            raise RuntimeError(f"save check: shard {f.name} listed in the index is missing from {folder}")
+            raise SaveFailed(f"save check: shard {f.name} listed in the index is missing from {folder}{_NOT_FINISHED}")
         with safe_open(str(f), framework="pt") as sf:
             for k in sf.keys():
                 out[k] = tuple(sf.get_slice(k).get_shape())
     return out
 
 
+_NOT_FINISHED = "; the final save is incomplete, so the run is not marked finished"
+
+
 def check_saved(folder: str | Path, expected: set[str]) -> int:
-    """Fail loudly unless every expected tensor name was saved, non-empty. Returns the tensor count."""
-    saved = saved_tensor_names(folder)
+    """Fail unless every expected tensor name was saved, non-empty: SaveFailed, one line naming the folder, how many
+    tensors are wrong and a few of their names (train.py exits 1 with it). `folder` is a safetensors model/adapter
+    folder (sharded or not) or a DCP save (holding .metadata). Returns the tensor count."""
+    folder = Path(folder)
+    saved = dcp_tensor_names(folder) if (folder / ".metadata").is_file() else saved_tensor_names(folder)
     if not saved:
-        raise RuntimeError(f"save check: {folder} holds 0 tensors; the save lost the weights")
+        raise SaveFailed(f"save check: {folder} holds 0 tensors; the save lost the weights{_NOT_FINISHED}")
     missing = sorted(expected - set(saved))
     if missing:
-        raise RuntimeError(f"save check: {len(missing)} tensors missing from {folder}, e.g. {missing[:3]}")
-    empty = [k for k, shape in saved.items() if 0 in shape]
+        raise SaveFailed(f"save check: {len(missing)} of {len(expected)} expected tensors missing from {folder}, e.g. {missing[:3]}{_NOT_FINISHED}")
+    empty = sorted(k for k, shape in saved.items() if 0 in shape)
     if empty:
-        raise RuntimeError(f"save check: {len(empty)} empty tensors in {folder}, e.g. {empty[:3]}")
+        raise SaveFailed(f"save check: {len(empty)} empty tensors (0 elements) in {folder}, e.g. {empty[:3]}{_NOT_FINISHED}")
     return len(saved)
 
 
@@ -496,13 +502,7 @@ def save_checked(trainer, recipe) -> int:
     if not trainer.is_world_process_zero():
         return 0
     if sharded:
-        saved = dcp_tensor_names(out / "pytorch_model_fsdp_0")
-        expected = {f"model.{n}" for n in expected}
-        missing = sorted(expected - set(saved))
-        empty = [k for k, shape in saved.items() if 0 in shape]
-        if not saved or missing or empty:
-            raise RuntimeError(f"save check: sharded save in {out} lacks {len(missing)} tensors (e.g. {missing[:3]}), {len(empty)} empty")
-        return len(saved)
+        return check_saved(out / "pytorch_model_fsdp_0", {f"model.{n}" for n in expected})
     return check_saved(out, expected)
 
 
@@ -538,7 +538,8 @@ class TrainingStopped(RuntimeError):
 
 
 class SaveFailed(TrainingStopped):
-    """A save could not be written (a full disk); the message names the file, the cause and the space."""
+    """A save could not be written (a full disk; the message names the file, the cause and the space) or the final
+    save was checked and found incomplete (check_saved)."""
 
 
 def nonfinite_guard(patience: int):

@@ -156,6 +156,79 @@ def test_torch_writer_error_is_read_as_a_full_disk(tmp_path):
     assert ck.write_failure(ValueError("not a write"), tmp_path) is None
 
 
+# ----------------------------------------------------------------------------------- the final save's check
+
+SAVED = {"model.a.weight": torch.ones(4, 3), "model.b.weight": torch.ones(5)}
+
+
+def saved_folder(tmp_path, fmt: str, fault: str | None):
+    """A final save as `fmt` writes it (safetensors, sharded safetensors + index, or a DCP save), doctored by
+    `fault`: a tensor left out, a tensor with 0 elements, no tensors at all, or (sharded) a shard the index lists
+    removed. Returns (folder, expected names)."""
+    import torch.distributed.checkpoint as dcp
+
+    tensors = dict(SAVED)
+    if fault == "missing":
+        del tensors["model.b.weight"]
+    elif fault == "empty":
+        tensors["model.b.weight"] = torch.ones(0, 5)
+    elif fault == "none":
+        tensors = {}
+    folder = tmp_path / fmt
+    folder.mkdir()
+    if fmt == "dcp":
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=True)
+    elif fmt == "sharded":
+        index = {}
+        for i, (k, v) in enumerate(tensors.items()):
+            save_file({k: v}, folder / f"model-{i + 1:05d}-of-00002.safetensors")
+            index[k] = f"model-{i + 1:05d}-of-00002.safetensors"
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+        if fault == "lost shard":
+            (folder / "model-00002-of-00002.safetensors").unlink()
+    else:
+        save_file(tensors, folder / "model.safetensors")
+    return folder, set(SAVED)
+
+
+CHECK_FAULTS = [
+    ("safetensors", "missing", r"1 of 2 expected tensors missing from \S+, e\.g\. \['model\.b\.weight'\]"),
+    ("safetensors", "empty", r"1 empty tensors \(0 elements\) in \S+, e\.g\. \['model\.b\.weight'\]"),
+    ("safetensors", "none", r"\S+ holds 0 tensors; the save lost the weights"),
+    ("sharded", "missing", r"1 of 2 expected tensors missing"),
+    ("sharded", "lost shard", r"shard model-00002-of-00002\.safetensors listed in the index is missing from \S+"),
+    ("dcp", "missing", r"1 of 2 expected tensors missing from \S+, e\.g\. \['model\.b\.weight'\]"),
+    ("dcp", "empty", r"1 empty tensors \(0 elements\) in \S+, e\.g\. \['model\.b\.weight'\]"),
+]
+
+
+@pytest.mark.parametrize("fmt,fault,says", CHECK_FAULTS, ids=[f"{f}-{x.replace(' ', '_')}" for f, x, _ in CHECK_FAULTS])
+def test_final_save_check_fails_on_a_missing_or_empty_tensor(tmp_path, fmt, fault, says):
+    """The check train.py runs on the final save (checkpoints.save_checked -> check_saved; a DCP save for FSDP's
+    SHARDED_STATE_DICT), on folders doctored the way a broken save leaves them: SaveFailed with one line naming the
+    folder and the tensors. The undoctored folder of each format passes, so the fault is what fails it."""
+    (tmp_path / "good").mkdir()
+    good, expected = saved_folder(tmp_path / "good", fmt, None)
+    assert ck.check_saved(good, expected) == 2
+    bad, expected = saved_folder(tmp_path, fmt, fault)
+    with pytest.raises(ck.SaveFailed, match="^save check: " + says) as e:
+        ck.check_saved(bad, expected)
+    assert "\n" not in str(e.value) and str(e.value).endswith("the final save is incomplete, so the run is not marked finished")
+
+
+def test_failed_save_check_exits_1_with_one_line(tmp_path, monkeypatch, capsys):
+    """What a user sees when the check fails: train.py's main prints the check's line as its only error and exits
+    1 (the README's "failed"), not a traceback; no final.complete.json, so the run is not taken as finished. The
+    run itself is replaced by the check on a doctored folder (no training: the check is all this is about)."""
+    bad, expected = saved_folder(tmp_path, "safetensors", "empty")
+    out = tmp_path / "run"
+    monkeypatch.setattr(train, "run", lambda recipe, life: ck.check_saved(bad, expected))
+    rc = train.main(["recipes/tiny/lora.yaml", "--output_dir", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1 and err[0].startswith(f"error: save check: 1 empty tensors (0 elements) in {bad}"), err
+    assert not (out / ck.FINAL).exists()
+
+
 # ----------------------------------------------------------------------------------- a checkpoint that lies
 
 @pytest.fixture(scope="module")
