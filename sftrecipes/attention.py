@@ -165,12 +165,13 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
     q = query.transpose(1, 2).reshape(b * s, h, d)
     k = key.transpose(1, 2).reshape(b * s, key.shape[1], d)
     v = value.transpose(1, 2).reshape(b * s, value.shape[1], value.shape[3])
-    varlen_attn = _torch_varlen() if _flash_kernel_applies(query, dropout) else None
+    flash = _flash_kernel_applies(query, dropout)
+    varlen_attn = _torch_varlen() if flash else None
     # with the flash kernel, the collator's boundaries and their longest segment (a Python int) are used unread: no
     # host sync per layer (tests/test_attention.py counts the reads)
     trust = varlen_attn is not None and kwargs.get("max_length_q") is not None
     cu, from_collator = segment_bounds(b, s, query.device, kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids"), trust)
-    if _flash_kernel_applies(query, dropout):
+    if flash:
         if varlen_attn is not None:
             max_len = int(kwargs["max_length_q"]) if from_collator and trust else int(cu.diff().max())
             cu32 = cu.to(torch.int32)
