@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import os
 
-from .recipe import Recipe, RecipeError
+from .errors import RecipeError
+from .recipe import Recipe
 from .schema import TRL_DEFAULTS
 
 log = logging.getLogger("sftrecipes")

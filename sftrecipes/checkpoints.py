@@ -12,7 +12,7 @@ import re
 import time
 from pathlib import Path
 
-from .recipe import RecipeError
+from .errors import RecipeError
 
 log = logging.getLogger("sftrecipes")
 

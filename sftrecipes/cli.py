@@ -23,7 +23,8 @@ import logging
 import sys
 from pathlib import Path
 
-from .recipe import RecipeError
+from . import paths
+from .errors import RecipeError
 from .schema import DTYPES
 from .tiny import FAMILIES
 
@@ -33,7 +34,7 @@ def _tiny(ns) -> int:
 
     if ns.data:
         tiny.write_dataset()
-        print(f"wrote {tiny.DATA_DIR}")
+        print(f"wrote {paths.DATA_DIR}")
         return 0
     if ns.family:
         if ns.out:
@@ -41,7 +42,7 @@ def _tiny(ns) -> int:
         else:
             print(tiny.ensure_family(ns.family))
         return 0
-    out = Path(ns.out) if ns.out else (tiny.TINY_MODEL if ns.size == "tiny" else tiny.ASSETS / f"{ns.size}-llama")
+    out = Path(ns.out) if ns.out else (tiny.TINY_MODEL if ns.size == "tiny" else paths.ASSETS / f"{ns.size}-llama")
     print(tiny.ensure_tiny_model(out, ns.size))
     return 0
 
@@ -62,7 +63,7 @@ def _schema(ns) -> int:
         print(f"wrote {schema.TRL_SNAPSHOT} and {schema.PEFT_SNAPSHOT}")
     if ns.docs or ns.refresh:
         from .recipe import options_markdown
-        from .tiny import ROOT
+        from .paths import ROOT
 
         (ROOT / "docs" / "options.md").write_text(options_markdown())
         print("wrote docs/options.md")

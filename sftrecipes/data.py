@@ -15,7 +15,8 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .recipe import Recipe, RecipeError
+from .errors import RecipeError
+from .recipe import Recipe
 
 log = logging.getLogger("sftrecipes")
 

@@ -11,7 +11,8 @@ import subprocess
 import sys
 import time
 
-from .tiny import ROOT, ensure_tiny_model
+from .paths import ROOT
+from .tiny import ensure_tiny_model
 
 RECIPE = "recipes/tiny/lora.yaml"
 PROMPT = [{"role": "user", "content": "What is the capital of France?"}]

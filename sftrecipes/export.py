@@ -35,7 +35,7 @@ import torch
 
 from .dcpio import DCPSource, read_exactly
 from .model import DTYPES, pattern_value
-from .recipe import RecipeError
+from .errors import RecipeError
 
 log = logging.getLogger("sftrecipes")
 

@@ -27,7 +27,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from .checkpoints import finished_run, forget_finished, is_complete, latest_checkpoint, mark_finished
-from .recipe import Recipe, RecipeError
+from .errors import RecipeError
+from .recipe import Recipe
 
 log = logging.getLogger("sftrecipes")
 

@@ -50,7 +50,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from .recipe import RecipeError
+from .errors import RecipeError
 from .shape import Shape, model_shape
 
 log = logging.getLogger("sftrecipes")

@@ -12,7 +12,8 @@ import types
 import torch
 
 from .shape import load_dtype as load_dtype_name
-from .recipe import Recipe, RecipeError
+from .errors import RecipeError
+from .recipe import Recipe
 from .schema import DTYPES as DTYPE_NAMES
 
 log = logging.getLogger("sftrecipes")

@@ -25,7 +25,8 @@ import copy
 import sys
 from dataclasses import dataclass, field
 
-from .recipe import Recipe, RecipeError, load_recipe
+from .errors import RecipeError
+from .recipe import Recipe, load_recipe
 from .shape import DTYPE_BYTES, Layer, Shape, Weight, load_dtype, mixed_dtype, model_shape
 
 GB = 1e9

@@ -18,22 +18,18 @@ from typing import Any
 
 import yaml
 
+from .errors import RecipeError
+from .paths import RECIPES, ROOT
 from .schema import (ALIASES, DATASET_ENTRY_KEYS, NESTED, DataOptions, LaunchOptions, ModelOptions, Option,
                      RunOptions, all_options)
 
 RESERVED = ("base",)
-REPO = Path(__file__).resolve().parent.parent
-SHIPPED = REPO / "recipes"
 # Options whose value may be a local path. A relative path means one relative to the current directory, except in
 # the shipped recipes (files under recipes/), which are written to run from the repository root: there it means one
 # relative to the root, wherever the command runs (see from_repo_root).
 PATH_OPTIONS = ("model_name_or_path", "tokenizer_name_or_path", "dataset_name", "output_dir", "resume_from_checkpoint")
 TRUE = {"true", "yes", "1", "on"}
 FALSE = {"false", "no", "0", "off"}
-
-
-class RecipeError(ValueError):
-    """A recipe or command line that cannot run. Its message is one line: the key, what is wrong, the fix."""
 
 
 @dataclass
@@ -167,7 +163,7 @@ def _tag(data: dict, src: str) -> dict:
 def is_shipped(path: str | os.PathLike) -> bool:
     """A recipe file under the repository's recipes/ (whose relative paths are relative to the repository root)."""
     p = Path(path)
-    return p.is_file() and p.resolve().is_relative_to(SHIPPED)
+    return p.is_file() and p.resolve().is_relative_to(RECIPES)
 
 
 def from_repo_root(key: str, value: Any) -> Any:
@@ -175,7 +171,7 @@ def from_repo_root(key: str, value: Any) -> Any:
     path; other values (absolute paths, hub ids such as org/name, 'auto') unchanged."""
     if not isinstance(value, str) or not value or os.path.isabs(value) or value.startswith("~") or value == "auto":
         return value
-    target = REPO / value
+    target = ROOT / value
     if key in ("model_name_or_path", "tokenizer_name_or_path", "dataset_name") and not (target.exists() or _looks_local(value)):
         return value  # a hub id: there is no such path in the repository
     return os.path.normpath(target)
@@ -386,7 +382,7 @@ def load_recipe(argv: list[str] | None = None, files: list[str] | None = None, o
         else:
             merged = deep_merge(merged, _tag({name: raw}, src))
 
-    if Path.cwd().resolve() != REPO:  # the shipped recipes' relative paths, as seen from here
+    if Path.cwd().resolve() != ROOT:  # the shipped recipes' relative paths, as seen from here
         for key in PATH_OPTIONS:
             if isinstance(merged.get(key), tuple) and is_shipped(merged[key][1]):
                 merged[key] = (from_repo_root(key, merged[key][0]), merged[key][1])

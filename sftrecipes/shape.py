@@ -24,7 +24,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .recipe import RecipeError
+from .errors import RecipeError
 
 if TYPE_CHECKING:
     from .recipe import Recipe

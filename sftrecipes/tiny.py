@@ -19,9 +19,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-DATA_DIR = ROOT / "data" / "tiny_chat"
-ASSETS = ROOT / ".assets"
+from .paths import ASSETS, DATA_DIR
+
 TINY_MODEL = ASSETS / "tiny-llama"
 
 SPECIAL = ["<unk>", "<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]

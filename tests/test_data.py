@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from sftrecipes import backends, data, model as models
-from sftrecipes.recipe import RecipeError, load_recipe
+from sftrecipes.errors import RecipeError
+from sftrecipes.recipe import load_recipe
 
 BASE = ["--model_name_or_path", ".assets/tiny-llama", "--dataset_name", "data/tiny_chat", "--output_dir", "outputs/t"]
 CONV = {"messages": [

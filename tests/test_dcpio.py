@@ -10,7 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from sftrecipes import dcpio
-from sftrecipes.recipe import RecipeError
+from sftrecipes.errors import RecipeError
 
 
 def tensors():

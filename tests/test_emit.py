@@ -13,7 +13,7 @@ import yaml
 from conftest import ROOT
 from sftrecipes import launch
 from sftrecipes.recipe import load_recipe
-from sftrecipes.recipe import RecipeError
+from sftrecipes.errors import RecipeError
 
 # emit (and the launchers' pre-flight) read the tiny recipes, whose models are built in .assets/: on a fresh clone this
 # file run alone builds them first, as the whole suite does

@@ -18,7 +18,7 @@ from conftest import ROOT, free_port
 from test_twins import launch
 
 from sftrecipes import export as ex
-from sftrecipes.recipe import RecipeError
+from sftrecipes.errors import RecipeError
 
 STEPS = ["--max_steps", "3", "--save_strategy", "steps", "--save_steps", "3", "--sample_max_new_tokens", "0"]
 IDS = torch.tensor([[1, 20, 30, 40, 50, 60, 70, 80]])

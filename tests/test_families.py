@@ -16,7 +16,8 @@ import train
 from conftest import FAMILIES, ROOT, run_cli
 from sftrecipes import model as models
 from sftrecipes.export import export, merge_lora
-from sftrecipes.recipe import RecipeError, load_recipe
+from sftrecipes.errors import RecipeError
+from sftrecipes.recipe import load_recipe
 from sftrecipes.tiny import FAMILIES as SPECS
 from test_launch import sft
 

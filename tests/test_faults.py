@@ -20,7 +20,8 @@ from safetensors.torch import load_file, save_file
 import train
 from conftest import accelerate_command, run_cli
 from sftrecipes import checkpoints as ck
-from sftrecipes.recipe import RecipeError, load_recipe
+from sftrecipes.errors import RecipeError
+from sftrecipes.recipe import load_recipe
 
 RECIPES = {"ddp": "recipes/tiny/ddp.yaml", "fsdp": "recipes/tiny/fsdp.yaml", "zero3": "recipes/tiny/zero3.yaml"}
 # fp32, no dropout (a different process count draws other dropout masks), a checkpoint at every step

@@ -20,7 +20,8 @@ from conftest import ROOT, run_cli
 
 from sftrecipes import export as ex
 from sftrecipes import schema
-from sftrecipes.recipe import RecipeError, load_recipe
+from sftrecipes.errors import RecipeError
+from sftrecipes.recipe import load_recipe
 
 MOE = ["qwen3_moe", "mixtral"]
 R, ALPHA = 8, 16  # recipes/tiny/lora.yaml

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from sftrecipes import backends, data, model as models
-from sftrecipes.recipe import RecipeError, load_recipe
+from sftrecipes.errors import RecipeError
+from sftrecipes.recipe import load_recipe
 from sftrecipes.schema import all_options
 
 BASE = ["--model_name_or_path", ".assets/tiny-llama", "--dataset_name", "data/tiny_chat", "--output_dir", "outputs/reach"]
@@ -286,14 +287,14 @@ def obs_launch_cpu_threads(tiny_model, tmp_path):
 
 
 def obs_launch_num_machines(tiny_model, tmp_path):
-    from sftrecipes.recipe import RecipeError
+    from sftrecipes.errors import RecipeError
 
     with pytest.raises(RecipeError, match="describes 2 processes"):
         backends.check_world_size(recipe("--launch.backend", "ddp", "--launch.num_machines", 2))
 
 
 def obs_launch_gpus_per_node(tiny_model, tmp_path):
-    from sftrecipes.recipe import RecipeError
+    from sftrecipes.errors import RecipeError
 
     with pytest.raises(RecipeError, match="describes 4 processes"):
         backends.check_world_size(recipe("--launch.backend", "ddp", "--launch.gpus_per_node", 4))
@@ -311,7 +312,7 @@ def obs_launch_backend(tiny_model, tmp_path):
 
 
 def obs_launch_gpu_memory_gb(tiny_model, tmp_path):
-    from sftrecipes.recipe import RecipeError
+    from sftrecipes.errors import RecipeError
 
     with pytest.raises(RecipeError, match="needs 2 GPU\\(s\\) of 41 GB per node"):
         backends.preflight(recipe("--launch.backend", "ddp", "--launch.gpus_per_node", 2, "--launch.gpu_memory_gb", 41))

@@ -11,7 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from sftrecipes.plan import GB, format_plan, main, pipeline_bubble, pitfalls, plan_recipe, preflight
-from sftrecipes.recipe import RecipeError, load_recipe
+from sftrecipes.errors import RecipeError
+from sftrecipes.recipe import load_recipe
 from sftrecipes.shape import model_shape
 
 LORA_70B = "recipes/llama2-70b/lora.yaml"

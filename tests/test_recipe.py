@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, run_cli
-from sftrecipes.recipe import RecipeError, load_recipe
+from sftrecipes.errors import RecipeError
+from sftrecipes.recipe import load_recipe
 
 TINY = ".assets/tiny-llama"
 DATA = "data/tiny_chat"

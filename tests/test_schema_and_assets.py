@@ -4,6 +4,7 @@ import hashlib
 import json
 
 from sftrecipes import schema, tiny
+from sftrecipes.paths import DATA_DIR, ROOT
 
 
 def test_trl_snapshot_matches_installed_trl():
@@ -37,8 +38,8 @@ def test_project_options_do_not_shadow_trl():
 def test_shipped_dataset_is_what_the_generator_writes(tmp_path):
     tiny.write_dataset(tmp_path)
     for split in ("train", "test"):
-        assert (tmp_path / f"{split}.jsonl").read_bytes() == (tiny.DATA_DIR / f"{split}.jsonl").read_bytes(), "run: make data"
-    rows = [json.loads(ln) for ln in (tiny.DATA_DIR / "train.jsonl").read_text().splitlines()]
+        assert (tmp_path / f"{split}.jsonl").read_bytes() == (DATA_DIR / f"{split}.jsonl").read_bytes(), "run: make data"
+    rows = [json.loads(ln) for ln in (DATA_DIR / "train.jsonl").read_text().splitlines()]
     assert len(rows) == 320 and all(r["messages"][-1]["role"] == "assistant" for r in rows)
 
 
@@ -57,4 +58,4 @@ def test_tiny_model_build_is_deterministic(tmp_path, tiny_model):
 def test_options_doc_is_current():
     from sftrecipes.recipe import options_markdown
 
-    assert (tiny.ROOT / "docs" / "options.md").read_text() == options_markdown(), "run: make docs"
+    assert (ROOT / "docs" / "options.md").read_text() == options_markdown(), "run: make docs"

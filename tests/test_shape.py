@@ -13,7 +13,8 @@ import torch
 from conftest import ROOT
 from sftrecipes import shape as shapes
 from sftrecipes.plan import GB, main, plan_recipe
-from sftrecipes.recipe import RecipeError, load_recipe
+from sftrecipes.errors import RecipeError
+from sftrecipes.recipe import load_recipe
 from sftrecipes.shape import model_shape, read_config
 
 # published totals (model cards / safetensors indexes), in billions, and active parameters of the MoE models

@@ -83,7 +83,7 @@ def test_streaming_merge_equals_peft_merge(lora_run, tmp_path):
 
 def test_merge_bf16_output_and_bad_inputs(lora_run, tmp_path):
     from sftrecipes.export import merge_lora
-    from sftrecipes.recipe import RecipeError
+    from sftrecipes.errors import RecipeError
 
     _, _, out = lora_run
     merged = merge_lora(out, tmp_path / "m16", dtype="bfloat16")
@@ -172,7 +172,7 @@ def test_8bit_lora_on_cpu(tiny_model, tmp_path):
 
 def test_checkpoints_are_marked_complete_and_torn_ones_never_load(tiny_model, tmp_path):
     from sftrecipes import checkpoints as ck
-    from sftrecipes.recipe import RecipeError
+    from sftrecipes.errors import RecipeError
 
     train.run(load_recipe(["recipes/tiny/lora.yaml", "--output_dir", str(tmp_path), "--max_steps", "6", "--save_strategy",
                            "steps", "--save_steps", "2", "--save_total_limit", "2", "--sample_max_new_tokens", "0"]))

@@ -188,7 +188,8 @@ def test_ram_efficient_loading_only_rank0_reads(tmp_path):
     """FSDP2 with fsdp_cpu_ram_efficient_loading: rank 0 reads the weights, rank 1 starts without them and receives
     its shard by broadcast. The medium model (25.7M params) is stored in bf16 and trained in fp32, so a rank that
     reads it makes a private 103 MB fp32 copy — as 8 ranks loading 70B in fp32 would (2 TB)."""
-    from sftrecipes.tiny import ASSETS, ensure_tiny_model
+    from sftrecipes.paths import ASSETS
+    from sftrecipes.tiny import ensure_tiny_model
 
     medium = ensure_tiny_model(ASSETS / "medium-llama", "medium")
     fp32_mb = 25.7e6 * 4 / 1e6

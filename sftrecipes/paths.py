@@ -1,0 +1,9 @@
+"""Where the repository's own folders are, in a leaf module: the root every shipped relative path is relative to,
+the shipped recipes, the tiny stand-ins' data and build folder."""
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPES = ROOT / "recipes"  # the shipped recipes (edited by users; their relative paths are relative to ROOT)
+DATA_DIR = ROOT / "data" / "tiny_chat"  # the small chat dataset shipped in the repository
+ASSETS = ROOT / ".assets"  # tiny models built locally (ignored by git)
