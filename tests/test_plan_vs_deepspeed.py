@@ -24,6 +24,7 @@ import pytest
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from sftrecipes import plan  # noqa: E402
+from sftrecipes.estimate import DS_SUB_GROUP_SIZE  # noqa: E402
 from sftrecipes.recipe import load_recipe  # noqa: E402
 from sftrecipes.shape import model_shape  # noqa: E402
 
@@ -94,7 +95,7 @@ def test_planner_model_states_against_deepspeeds_estimator(model, nodes, stage, 
         assert grads16 == pytest.approx(2 * P / N, rel=1e-6)
         assert ds == pytest.approx(states - grads16 + 4 * P / N + 4 * largest, rel=1e-6)
         # the fp32 copy really made in the step: one sub-group of at most 1e9 elements per rank
-        assert fp32_step == pytest.approx(4 * min(P / N, plan.DS_SUB_GROUP_SIZE), rel=1e-6)
+        assert fp32_step == pytest.approx(4 * min(P / N, DS_SUB_GROUP_SIZE), rel=1e-6)
         # the gathered largest layer: the planner gathers whole decoder layers (+ prefetch) and lm_head in backward,
         # at least DeepSpeed's 16-bit copy of its largest module
         gathered = max(item(p, ph, n) for ph in p.live for n in ("gathered params (ZeRO-3/FSDP)", "gathered lm_head"))

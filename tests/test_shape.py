@@ -12,7 +12,8 @@ import torch
 
 from conftest import ROOT
 from sftrecipes import shape as shapes
-from sftrecipes.plan import GB, main, plan_recipe
+from sftrecipes.plan import main, plan_recipe
+from sftrecipes.sharding import GB
 from sftrecipes.errors import RecipeError
 from sftrecipes.recipe import load_recipe
 from sftrecipes.shape import model_shape, read_config

@@ -1,0 +1,158 @@
+"""Bytes autograd keeps for the backward of one training step, counted from the model's shape (torch-free): the
+tensors each decoder layer and TRL's LM head save, and the temporaries their backward allocates.
+
+The counts follow the tensors saved by transformers 5's decoder layers (a sparse MoE block: its router and the k routed
+copies of each token), PEFT's LoRA layer (and its fold of W + s*BA on fused expert tensors) and TRL's chunked LM head
+(so there are no [tokens, vocab] logits); docs/planner.md explains each term and tests/test_plan.py calibrates them
+against the live-tensor peak of real CPU steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .recipe import Recipe
+from .shape import Layer, Shape, Weight
+from .sharding import Setup
+
+TRL_TOKEN_TILE, TRL_VOCAB_TILE = 4096, 32768  # trl.kernels.chunked_logprob tile of the fused LM head
+
+
+def planned_attention(recipe: Recipe, shape: Shape, gpu: bool) -> str:
+    """The attention kernel the run will use, as model.choose_attention decides it, without torch: flash_attention_2
+    when asked for on a GPU (its package is assumed installed there), otherwise sft_varlen for packed batches, sdpa,
+    or eager where the model has no sdpa path (Gemma-2). flex_attention and sft_varlen (torch's varlen flash kernel on
+    a GPU) save what flash does (the output and its logsumexp)."""
+    m = recipe.model
+    want = "flash_attention_2" if m.use_flash_attn and m.attn_implementation == "auto" else m.attn_implementation
+    if want == "flash_attention_2" and not gpu or want in ("auto", "sft_varlen"):
+        if not shape.sdpa:
+            return "eager"
+        return "sft_varlen" if want == "sft_varlen" or recipe.trl_value("packing") or recipe.trl_value("padding_free") else "sdpa"
+    return "flash_attention_2" if want == "flex_attention" else want
+
+
+def layer_lora_params(adapted: tuple, r: int) -> int:
+    """LoRA parameters of one decoder layer: r x (in + out) per adapted matrix (`adapted`: shape.lora_targets' entry)."""
+    return sum(r * mult * w.matrices * (w.fan_in + w.fan_out) for w, mult in adapted)
+
+
+@dataclass(frozen=True)
+class Activations:
+    """What one micro-batch keeps for backward and allocates in it, in bytes per GPU (per layer: lists over layers)."""
+
+    batch: int  # sequences per micro-batch
+    seq: int  # tokens per sequence
+    tokens: int
+    attn: str  # the planned attention kernel
+    per_layer: list[float]  # tensors each decoder layer saves
+    working: list[float]  # temporaries inside each layer's backward (+ a de-quantized weight)
+    saved_all: float  # every layer's saved tensors (checkpointing: each layer's input only)
+    saved_first: float  # the first layer's (what is left when backward reaches it)
+    shared: float  # RoPE cos/sin, ids and labels, a packed sdpa mask
+    head_saved: float  # final norm + the hidden states TRL's LM head saves
+    head_backward: float  # the LM head's backward: fp32 grads, its tile buffer (+ lm_head's grad when trained)
+    head_rows: int  # tokens per tile of TRL's LM head
+
+
+def activations(recipe: Recipe, shape: Shape, s: Setup, adapted: tuple) -> Activations:
+    """The activation bytes of one micro-batch of the recipe (`adapted`: the LoRA targets of each decoder layer)."""
+    b, seq = recipe.trl_value("per_device_train_batch_size"), recipe.trl_value("max_length") or shape.max_positions
+    tokens = b * seq
+    attn = planned_attention(recipe, shape, s.gpu)
+    a = s.act_bytes
+    ckpt = recipe.gradient_checkpointing
+    h, V = shape.hidden, shape.vocab
+    # per decoder layer (dense and sparse layers differ): saved tensors, backward temporaries
+    per_layer: dict = {}
+    for layer, ad in zip(shape.decoder, adapted):
+        if (layer, ad) not in per_layer:
+            per_layer[layer, ad] = (_layer_activation_bytes(shape, layer, ad, s, recipe, seq, attn, tokens),
+                                    _backward_working_bytes(shape, layer, ad, s, tokens))
+    acts = [per_layer[k][0] for k in zip(shape.decoder, adapted)]
+    wss = [per_layer[k][1] for k in zip(shape.decoder, adapted)]
+    saved_all = shape.layers * tokens * a * h if ckpt else sum(acts)  # checkpointing keeps each layer's input only
+    saved_first = tokens * a * h if ckpt else acts[0]
+    shared = tokens * (2 * a * shape.head_dim + 16)  # RoPE cos/sin, input ids + labels (int64)
+    if attn == "sdpa" and recipe.trl_value("packing"):
+        shared += b * seq * seq  # block-diagonal boolean mask of the packed rows
+    # final norm + the hidden states TRL's fused LM head saves (a copy: the shifted slice)
+    head_saved = tokens * ((4 * h + a * h + (0 if s.lora else a * h)) + a * h)
+    head_trainable = not s.lora
+    # its backward: fp32 grad of the hidden states (+ its cast), fp32 grad of lm_head, the tile buffer (allocated
+    # full width: 4096 tokens x 32768 vocab columns, whatever the vocab); without Triton (CPU) each tile is
+    # processed with ~6 fp32 temporaries of the tile's used width
+    rows = min(tokens, TRL_TOKEN_TILE)
+    head_bwd = tokens * (4 * h + (a * h if a != 4 else 0) + a * h) + rows * TRL_VOCAB_TILE * a
+    head_bwd += 0 if s.gpu else rows * min(V, TRL_VOCAB_TILE) * 6 * 4
+    head_bwd += V * h * 4 if head_trainable else 0
+    if s.quant_bits < 16:  # one weight de-quantized to 16-bit for its matmul
+        deq = max(w.numel for L_ in shape.decoder for w in L_.weights if w.kind == "linear") * 2
+        wss = [x + deq for x in wss]
+    return Activations(b, seq, tokens, attn, acts, wss, saved_all, saved_first, shared, head_saved, head_bwd, rows)
+
+
+def _norm_width(shape: Shape, w: Weight) -> int:
+    """Elements per token a norm weight normalises: q/k norms (Qwen3, Gemma-3) run over every head."""
+    return {"q_norm": shape.heads * shape.head_dim, "k_norm": shape.kv_heads * shape.head_dim}.get(w.leaf, shape.hidden)
+
+
+def _moe_token_bytes(shape: Shape, layer: Layer, s: Setup) -> float:
+    """Bytes per token a sparse MoE block saves for its backward (transformers 5: top-k router, then the experts'
+    default grouped_mm path, which sorts the token copies by expert and runs each fused tensor as one grouped matmul)."""
+    E, k, h, i, a, ae = layer.experts, layer.top_k, shape.hidden, shape.expert_intermediate, s.act_bytes, s.expert_bytes
+    # router: the fp32 softmax output, the top-k indices (int64), the normalised top-k weights (fp32) and their sum
+    router = 4 * E + 8 * k + 4 * k + 4
+    # each of the k routed copies of a token, in the experts' weight dtype: the gathered input, the gate_up output
+    # (2i), silu(gate), their product (down's input), the down output (kept for the routing-weight product); three
+    # int64 index vectors (gather, routing-weight gather, un-permute) and its routing weight
+    experts = k * (ae * (2 * h + 4 * i) + 3 * 8 + 4)
+    shared = 0.0
+    if layer.shared_intermediate:  # Qwen2-MoE: a dense MLP for every token, scaled by a sigmoid gate
+        shared = 4 * a * layer.shared_intermediate + a * h + 2 * a
+    return router + experts + shared
+
+
+def _layer_activation_bytes(shape: Shape, layer: Layer, adapted: tuple, s: Setup, recipe: Recipe, seq: int, attn: str,
+                            tokens: int) -> float:
+    """Bytes autograd saves in one decoder layer for `tokens` tokens (transformers 5 layers, PEFT LoRA), for its backward."""
+    q, kv, nh, a = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.heads, s.act_bytes
+    full = not s.lora
+    # RMSNorm computes in fp32: pow/mul save its fp32 input (a copy when activations are 16-bit); the output feeds
+    # the projections; with a trainable weight the normalised tensor is saved too. Two per layer (Llama), four
+    # (Gemma), plus q/k norms over each head (Qwen3, Gemma-3).
+    norms = sum((4 + a + (a if full else 0)) * _norm_width(shape, w) for w in layer.weights if w.kind == "norm")
+    # q and k after RoPE, v, the attention output + fp32 logsumexp (flash/sdpa kernels), o_proj's contiguous input
+    attn_b = a * (q + 2 * kv) + a * q + 4 * nh + a * q
+    if attn == "eager" or (attn == "sdpa" and recipe.trl_value("packing")):
+        attn_b += a * 2 * (q - kv)  # a mask keeps sdpa off its GQA path: k and v repeated to every head
+    if attn == "sft_varlen" and not (s.gpu and a == 2):  # per-sample sdpa (CPU, fp32): kv repeated to every head
+        attn_b += a * (2 * (q - kv) + q)  # and gathered into padded groups, whose output is a copy too
+    if attn == "eager":
+        attn_b += nh * seq * (4 + a)  # the s x s scores: fp32 softmax output and its cast, per head
+    # dense MLP: gate and up outputs, silu(gate), their product (down_proj's input); sparse: _moe_token_bytes
+    mlp = _moe_token_bytes(shape, layer, s) if layer.experts else 4 * a * shape.intermediate
+    lora, folded = 0.0, 0.0
+    if s.lora:
+        m = recipe.model
+        # PEFT: result + lora_B(lora_A(dropout(x))): dropout makes a copy (+ a 1-byte mask) per adapted module; fp32
+        # adapters under autocast (no DeepSpeed/FSDP bf16 cast) save their own 16-bit copy of the input
+        cast = recipe.launch.backend in ("none", "ddp") and a == 2
+        per_in = (a if (m.lora_dropout > 0 or cast) else 0) + (1 if m.lora_dropout > 0 else 0)
+        for w, _ in adapted:
+            if w.kind == "linear":
+                lora += per_in * w.fan_in + a * m.lora_r
+            else:  # peft's ParamWrapper folds W + s*BA into a full-size tensor each forward; the matmul saves it
+                folded += w.numel * (s.expert_bytes if w.kind == "experts" else a)
+    return tokens * (norms + attn_b + mlp + lora) + folded
+
+
+def _backward_working_bytes(shape: Shape, layer: Layer, adapted: tuple, s: Setup, tokens: int) -> float:
+    """Gradient tensors alive at once inside one layer's backward (MLP: d(product), d(silu), d(up); experts the same
+    for each routed copy; an adapted expert tensor: the full-size gradient of its folded W + s*BA)."""
+    a, h = s.act_bytes, shape.hidden
+    if not layer.experts:
+        return tokens * a * (3 * shape.intermediate + 2 * h)
+    per_token = s.expert_bytes * layer.top_k * (3 * shape.expert_intermediate + 2 * h) + 3 * a * layer.shared_intermediate
+    folded = max((w.numel for w, _ in adapted if w.kind == "experts"), default=0) * s.expert_bytes
+    return tokens * per_token + folded

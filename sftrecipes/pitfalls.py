@@ -1,0 +1,62 @@
+"""Configuration traps a recipe walks into, as one line each that says what to do (torch-free): train.py logs them
+at start, the plan command and the launchers' pre-flight print them under the plan.
+"""
+
+from __future__ import annotations
+
+from .errors import RecipeError
+from .estimate import PROCESS_CPU_GB
+from .recipe import Recipe, load_recipe
+from .shape import load_dtype, mixed_dtype, model_shape
+from .sharding import GB, load_bytes, setup, trainable_bytes
+
+
+def pitfalls(recipe: Recipe) -> list[str]:
+    """Configuration traps this recipe walks into (plus the global batch, always). Each line says what to do."""
+    m, L = recipe.model, recipe.launch
+    world = L.world_size
+    pdb, ga = recipe.trl_value("per_device_train_batch_size"), recipe.trl_value("gradient_accumulation_steps")
+    lr = recipe.trl_value("learning_rate")
+    out = [f"global batch = {pdb} per device x {ga} accumulation x {world} ranks = {pdb * ga * world} sequences per step"]
+    for base_file in recipe.sources[:-1]:
+        try:
+            base = load_recipe([base_file])
+        except RecipeError:
+            continue  # a partial base (e.g. recipes/tiny/base.yaml) is not a run of its own
+        bworld = base.launch.world_size
+        bbatch = base.trl_value("per_device_train_batch_size") * base.trl_value("gradient_accumulation_steps") * bworld
+        if bworld != world and base.trl_value("learning_rate") == lr and bbatch != pdb * ga * world:
+            out.append(f"WARNING learning_rate {lr:g} is kept from {base_file} (world {bworld}, global batch {bbatch}) but this "
+                       f"recipe runs {world} ranks (global batch {pdb * ga * world}): scale learning_rate (linear or sqrt) "
+                       f"or set gradient_accumulation_steps to keep the global batch")
+    if world > 1:
+        seeded = recipe.trl.get("data_seed", recipe.trl_value("seed"))
+        acc = recipe.trl_value("accelerator_config") or {}
+        if isinstance(acc, dict) and acc.get("use_seedable_sampler") is False:
+            out.append("WARNING accelerator_config.use_seedable_sampler: false: each rank's sampler draws from its own torch RNG, so "
+                       "ranks only agree on the permutation while every rank seeds alike; remove it (keep one seed on all ranks)")
+        else:
+            out.append(f"data order: every rank draws the same permutation (seed {seeded}, data_seed or seed) and takes its "
+                       "own shard of it (accelerate's SeedableRandomSampler + BatchSamplerShard); do not seed per rank")
+        if recipe.trl_value("average_tokens_across_devices") is False:
+            out.append("WARNING average_tokens_across_devices: false with several ranks: each rank divides its loss by its own "
+                       "token count (num_items_in_batch), so ranks with fewer tokens weigh more; set it true")
+    if L.backend == "ddp" and recipe.gradient_checkpointing and m.use_reentrant and recipe.trl_value("ddp_find_unused_parameters") is not False:
+        out.append("WARNING use_reentrant: true under DDP with gradient checkpointing: Trainer sets find_unused_parameters=True "
+                   "for a PEFT model and reentrant checkpointing then marks parameters ready twice ('Expected to mark a "
+                   "variable ready only once'); set use_reentrant: false (or ddp_find_unused_parameters: false)")
+    if m.use_4bit_quantization and L.backend in ("fsdp", "deepspeed"):
+        compute = mixed_dtype(recipe) or "float32"
+        dtype = load_dtype(recipe)
+        if m.bnb_4bit_quant_storage_dtype != compute or (m.dtype != "auto" and m.dtype != m.bnb_4bit_quant_storage_dtype):
+            out.append(f"WARNING bnb_4bit_quant_storage_dtype {m.bnb_4bit_quant_storage_dtype} differs from the model/mixed-precision "
+                       f"dtype ({dtype}, {compute}): {L.backend} flattens all weights of a unit into one dtype; "
+                       f"set bnb_4bit_quant_storage_dtype: {compute}")
+    if L.backend == "fsdp" and L.fsdp_state_dict_type == "FULL_STATE_DICT":
+        shape = model_shape(m.model_name_or_path)
+        need = shape.params * (load_bytes(recipe) if m.use_peft_lora else trainable_bytes(recipe, setup(recipe))) / GB
+        if L.cpu_ram_gb is None or need + PROCESS_CPU_GB * L.gpus_per_node > L.cpu_ram_gb:
+            have = "launch.cpu_ram_gb is not set" if L.cpu_ram_gb is None else f"rank 0's node has {L.cpu_ram_gb:g} GB"
+            out.append(f"WARNING fsdp_state_dict_type FULL_STATE_DICT gathers the whole model ({need:.0f} GB) on rank 0's CPU and "
+                       f"{have}; use SHARDED_STATE_DICT for checkpoints")
+    return out

@@ -1,0 +1,87 @@
+"""The strategies table: other ways to run the same model and batch (DDP, ZeRO stages, FSDP, offload, more GPUs, QLoRA,
+a shorter context), each estimated like the recipe itself and ranked by fit, then by the time its network and
+host<->device traffic takes at assumed bandwidths (torch-free).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from .estimate import Plan, estimate
+from .recipe import Recipe
+from .sharding import GB, setup
+
+# bandwidths used only to rank strategies (bytes per second per GPU): NVLink ring, InfiniBand 200 Gb/s, PCIe
+NVLINK, INFINIBAND, PCIE = 150e9, 25e9, 20e9
+
+
+@dataclass
+class Strategy:
+    name: str
+    gpus: int
+    gpu_gb: float
+    fits: bool | None
+    comm_gb: float  # per GPU per optimizer step, network
+    pcie_gb: float  # per GPU per optimizer step, host <-> device
+    seconds: float  # comm + transfer time at the assumed bandwidths, the ranking key
+    cpu_gb: float
+    note: str = ""
+
+
+def _variant(recipe: Recipe, **changes) -> Recipe:
+    r = copy.deepcopy(recipe)
+    for k, v in changes.items():
+        section, _, name = k.rpartition(".")
+        if section:
+            setattr(getattr(r, section), name, v)
+        elif k in ("use_4bit_quantization", "use_nested_quant", "bnb_4bit_quant_storage_dtype", "bnb_4bit_compute_dtype"):
+            setattr(r.model, k, v)
+        else:
+            r.trl[k] = v
+    return r
+
+
+def alternatives(recipe: Recipe, plan: Plan) -> list[Strategy]:
+    """Strategies for the same model and batch, each planned by estimate.estimate, ranked: fitting first, then by the
+    time their network and host<->device traffic takes at the assumed bandwidths (compute per GPU is the same)."""
+    L, N = recipe.launch, plan.world
+    ds = {"launch.backend": "deepspeed", "launch.offload_optimizer": False, "launch.offload_params": False}
+    fs = {"launch.backend": "fsdp", "launch.fsdp_offload_params": False}
+    cands: list[tuple[str, dict]] = []
+    if N > 1:
+        cands += [("DDP", {"launch.backend": "ddp"}),
+                  *[(f"ZeRO-{z}", {**ds, "launch.zero_stage": z}) for z in (1, 2, 3)],
+                  ("FSDP FULL_SHARD", {**fs, "launch.fsdp_sharding_strategy": "FULL_SHARD"}),
+                  ("FSDP SHARD_GRAD_OP", {**fs, "launch.fsdp_sharding_strategy": "SHARD_GRAD_OP"})]
+    cands += [("ZeRO-3 + offload optimizer", {**ds, "launch.zero_stage": 3, "launch.offload_optimizer": True}),
+              ("ZeRO-3 + offload optimizer + params", {**ds, "launch.zero_stage": 3, "launch.offload_optimizer": True, "launch.offload_params": True})]
+    for mult in (2, 4):
+        more = {"launch.num_machines": L.num_machines * mult} if L.num_machines > 1 or L.gpus_per_node >= 8 else {"launch.gpus_per_node": L.gpus_per_node * mult}
+        cands += [(f"ZeRO-3 on {N * mult} GPUs", {**ds, "launch.zero_stage": 3, **more}),
+                  (f"FSDP FULL_SHARD on {N * mult} GPUs", {**fs, "launch.fsdp_sharding_strategy": "FULL_SHARD", **more})]
+    if recipe.model.use_peft_lora and not recipe.model.use_4bit_quantization:
+        cands.append(("QLoRA (4-bit nf4 base, nested quant)*", {"use_4bit_quantization": True, "use_nested_quant": True,
+                      "bnb_4bit_quant_storage_dtype": "bfloat16", "bnb_4bit_compute_dtype": "bfloat16"}))
+    seq = recipe.trl_value("max_length")
+    if seq and seq >= 256:
+        cands.append((f"max_length {seq // 2}*", {"max_length": seq // 2}))
+    out = []
+    for name, changes in cands:
+        r = _variant(recipe, **changes)
+        if r.launch.backend != "deepspeed":
+            r.launch.offload_optimizer = r.launch.offload_params = False
+        p = estimate(r)
+        s = setup(r)
+        pcie = 0.0
+        if s.offload_opt:  # grads down, updated params up, once per step
+            pcie += p.trainable * (2 + 2) / s.shard_o / GB
+        if s.offload_params:  # every gather fetches the shard from host memory
+            pcie += recipe.trl_value("gradient_accumulation_steps") * 2 * p.weights_shard_gb
+        bw = NVLINK if r.launch.num_machines == 1 else INFINIBAND
+        secs = p.comm_gb * GB / bw + pcie * GB / PCIE
+        out.append(Strategy(name, p.world, p.gpu_total_gb, p.fits, p.comm_gb, pcie, secs, p.cpu_total_gb,
+                            "" if p.cpu_fits in (None, True) else "needs more CPU RAM than launch.cpu_ram_gb"))
+    # * changes what is trained (quantized base, shorter context): after the strategies that train the same thing
+    out.sort(key=lambda x: (x.fits is False, x.note != "", x.name.endswith("*"), x.seconds, x.gpus))
+    return out
