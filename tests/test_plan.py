@@ -244,7 +244,7 @@ def test_full_state_dict_too_big_for_rank0_cpu_ram(tmp_path):
 
 
 def test_trained_weights_at_rest_follow_one_precision_rule(tmp_path):
-    """plan.trainable_bytes decides the bytes of the trained weights for the model states and for the FULL_STATE_DICT
+    """sharding.trainable_bytes decides the bytes of the trained weights for the model states and for the FULL_STATE_DICT
     gather alike: memory_constrained keeps them in the bf16 load dtype (half of the 276 GB gathered); an explicit
     dtype: bfloat16 under fp32_trainable is loaded in bf16 (half the loading RAM) and upcast to fp32 for training
     (backends.apply_precision_policy), so its model states are those of dtype auto."""
