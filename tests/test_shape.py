@@ -12,6 +12,7 @@ import torch
 
 from conftest import ROOT
 from sftrecipes import shape as shapes
+from sftrecipes import sharding
 from sftrecipes.plan import main, plan_recipe
 from sftrecipes.sharding import GB
 from sftrecipes.errors import RecipeError
@@ -225,6 +226,35 @@ def test_memory_constrained_loads_and_plans_in_16_bit():
     p, q = plan_recipe(base, _alternatives=False), plan_recipe(mc, _alternatives=False)
     assert q.model_states_gb == pytest.approx(p.model_states_gb / 2)
     assert q.gpu_total_gb < p.gpu_total_gb - 30
+    # the weights rank 0 reads (fsdp_cpu_ram_efficient_loading) are counted in the dtype they load in: half the RAM
+    loading = [next(i.gb for i in plan.cpu if i.name == "loading") for plan in (p, q)]
+    assert loading == pytest.approx([p.params * 4 / GB, p.params * 2 / GB])
+
+
+FSDP_70B, DDP_7B = "recipes/llama2-70b/fsdp.yaml", "recipes/llama2-7b/ddp.yaml"
+
+
+@pytest.mark.parametrize("argv", [
+    [FSDP_70B], [FSDP_70B, "--precision", "memory_constrained"], [FSDP_70B, "--dtype", "bfloat16"],
+    [FSDP_70B, "--bf16", "false"], [FSDP_70B, "--bf16", "false", "--fp16", "true", "--precision", "memory_constrained"],
+    ["recipes/llama2-70b/lora.yaml"], ["recipes/llama2-70b/qlora-fsdp.yaml"], [DDP_7B, "--bf16", "false"],
+    [DDP_7B, "--use_peft_lora", "true", "--use_8bit_quantization", "true"],
+    [DDP_7B, "--use_peft_lora", "true", "--use_4bit_quantization", "true", "--bnb_4bit_quant_storage_dtype", "uint8"],
+], ids=lambda a: " ".join(a).replace("recipes/", ""))
+def test_planner_counts_the_dtype_the_model_loads_in(argv):
+    """One load-dtype rule (shape.load_dtype) for the loader and the planner: the bytes per weight the planner's
+    loading RAM counts are those of the dtype model.load_dtype loads in, for every precision setting -- a copy of the
+    rule on either side that drifts in one case fails here."""
+    from sftrecipes.model import load_dtype
+
+    recipe = load_recipe(argv)
+    plan = plan_recipe(recipe, _alternatives=False)
+    loading = next(i for i in plan.cpu if i.name == "loading")
+    if "whole model" in loading.note:  # every rank reads the whole model, in the load dtype
+        per_weight = loading.gb * GB / recipe.launch.gpus_per_node / plan.params
+    else:  # fsdp_cpu_ram_efficient_loading: rank 0 reads it; quantized/zero.Init: streamed, so the shard cap hides it
+        per_weight = sharding.load_bytes(recipe) if "stream" in loading.note else loading.gb * GB / plan.params
+    assert per_weight == pytest.approx(load_dtype(recipe).itemsize)
 
 
 def mixtral_fsdp(*flags):
