@@ -336,10 +336,16 @@ def _cpu_ram(recipe: Recipe, shape: Shape, s: Setup, st: ModelStates) -> tuple[l
     if off:
         cpu.append(Item("offloaded states", gpn * off / GB, "per rank x ranks on the node (pinned)"))
     if L.backend == "fsdp" and L.fsdp_state_dict_type == "FULL_STATE_DICT":
-        cpu.append(Item("FULL_STATE_DICT save on rank 0", shape.params * (4 if not s.lora else load_float_b) / GB,
+        cpu.append(Item("FULL_STATE_DICT save on rank 0", full_state_dict_bytes(recipe, shape, s) / GB,
                         "the whole model gathered on rank 0's CPU"))
     # loading and training do not overlap: the node peak is processes + max(loading, offload + saving)
     return cpu, cpu[0].gb + max(cpu[1].gb, sum(i.gb for i in cpu[2:]))
+
+
+def full_state_dict_bytes(recipe: Recipe, shape: Shape, s: Setup) -> float:
+    """Bytes an FSDP FULL_STATE_DICT save gathers on rank 0's CPU: every weight in its dtype at rest (LoRA: the base in
+    its load dtype; full fine-tuning: sharding.trainable_bytes, so memory_constrained gathers 16-bit weights)."""
+    return shape.params * (s.load_bytes if s.lora else trainable_bytes(recipe, s))
 
 
 # ----------------------------------------------------------------------------------------------- 5. communication

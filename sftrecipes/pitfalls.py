@@ -5,10 +5,10 @@ at start, the plan command and the launchers' pre-flight print them under the pl
 from __future__ import annotations
 
 from .errors import RecipeError
-from .estimate import PROCESS_CPU_GB
+from .estimate import PROCESS_CPU_GB, full_state_dict_bytes
 from .recipe import Recipe, load_recipe
 from .shape import load_dtype, mixed_dtype, model_shape
-from .sharding import GB, load_bytes, setup, trainable_bytes
+from .sharding import GB, setup
 
 
 def pitfalls(recipe: Recipe) -> list[str]:
@@ -53,8 +53,7 @@ def pitfalls(recipe: Recipe) -> list[str]:
                        f"dtype ({dtype}, {compute}): {L.backend} flattens all weights of a unit into one dtype; "
                        f"set bnb_4bit_quant_storage_dtype: {compute}")
     if L.backend == "fsdp" and L.fsdp_state_dict_type == "FULL_STATE_DICT":
-        shape = model_shape(m.model_name_or_path)
-        need = shape.params * (load_bytes(recipe) if m.use_peft_lora else trainable_bytes(recipe, setup(recipe))) / GB
+        need = full_state_dict_bytes(recipe, model_shape(m.model_name_or_path), setup(recipe)) / GB
         if L.cpu_ram_gb is None or need + PROCESS_CPU_GB * L.gpus_per_node > L.cpu_ram_gb:
             have = "launch.cpu_ram_gb is not set" if L.cpu_ram_gb is None else f"rank 0's node has {L.cpu_ram_gb:g} GB"
             out.append(f"WARNING fsdp_state_dict_type FULL_STATE_DICT gathers the whole model ({need:.0f} GB) on rank 0's CPU and "

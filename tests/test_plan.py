@@ -245,14 +245,18 @@ def test_full_state_dict_too_big_for_rank0_cpu_ram(tmp_path):
 
 def test_trained_weights_at_rest_follow_one_precision_rule(tmp_path):
     """sharding.trainable_bytes decides the bytes of the trained weights for the model states and for the FULL_STATE_DICT
-    gather alike: memory_constrained keeps them in the bf16 load dtype (half of the 276 GB gathered); an explicit
+    gather (the CPU RAM table and the pitfall) alike: memory_constrained keeps them in the bf16 load dtype (half of the 276 GB gathered); an explicit
     dtype: bfloat16 under fp32_trainable is loaded in bf16 (half the loading RAM) and upcast to fp32 for training
     (backends.apply_precision_policy), so its model states are those of dtype auto."""
     auto = full_recipe(tmp_path, backend="fsdp", fsdp_state_dict_type="FULL_STATE_DICT", cpu_ram_gb=128)
     path = str(tmp_path / "full70b.yaml")
-    gathers = [x for x in pitfalls(load_recipe([path, "--precision", "memory_constrained"])) if "FULL_STATE_DICT" in x]
+    constrained = load_recipe([path, "--precision", "memory_constrained"])
+    gathers = [x for x in pitfalls(constrained) if "FULL_STATE_DICT" in x]
     assert len(gathers) == 1 and "(138 GB)" in gathers[0], gathers
     p, q = plan_recipe(auto, _alternatives=False), plan_recipe(load_recipe([path, "--dtype", "bfloat16"]), _alternatives=False)
+    # the plan's CPU RAM table counts the same gather as the warning printed under it (estimate.full_state_dict_bytes)
+    saves = [next(i.gb for i in plan.cpu if i.name.startswith("FULL_STATE_DICT")) for plan in (p, plan_recipe(constrained, _alternatives=False))]
+    assert [round(gb) for gb in saves] == [276, 138]
     assert q.model_states_gb == pytest.approx(p.model_states_gb)
     loading = [next(i.gb for i in plan.cpu if i.name == "loading") for plan in (p, q)]
     assert loading[1] == pytest.approx(loading[0] / 2)
