@@ -84,33 +84,35 @@ class Plan:
 
 def estimate(recipe: Recipe) -> Plan:
     """Memory per GPU and per node of one training step of the recipe on its launch hardware, and the verdict."""
-    shape = model_shape(recipe.model.model_name_or_path)
-    s = setup(recipe)
-    L = recipe.launch
+    shape, s, L = model_shape(recipe.model.model_name_or_path), setup(recipe), recipe.launch
     notes: list[str] = []
-    st = _model_states(recipe, shape, s)
-    live = _live_phases(recipe, shape, s, st, activations(recipe, shape, s, st.adapted))
-    phases, peak_phase, allowance = _peak(recipe, shape, s, st, live, notes)
-    tensor_peak = phases[peak_phase]
-    total = tensor_peak + allowance
-    cpu, cpu_total = _cpu_ram(recipe, shape, s, st)
+    st = _model_states(recipe, shape, s)  # 1
+    live = _live_phases(recipe, shape, s, st, activations(recipe, shape, s, st.adapted))  # 2
+    phases, peak_phase, allowance = _peak(recipe, shape, s, st, live, notes)  # 3
+    cpu, cpu_total = _cpu_ram(recipe, shape, s, st)  # 4
     ga = recipe.trl_value("gradient_accumulation_steps")
-    comm, comm_gb = _communication(recipe, shape, s, st.trainable * (2 if s.mixed16 else st.g_b),
+    comm, comm_gb = _communication(recipe, shape, s, st.trainable * (2 if s.mixed16 else st.g_b),  # 5
                                    shape.params * st.gather_b, ga)
-    limit, cpu_limit = L.gpu_memory_gb, L.cpu_ram_gb
-    if limit is None:
+    total = phases[peak_phase] + allowance
+    if L.gpu_memory_gb is None:
         notes.append("launch.gpu_memory_gb is not set: this is the requirement only (set it, e.g. 80, for a verdict)")
-    plan = Plan(shape.name, shape.params, st.trainable, s.world, s.gpn, L.num_machines, _backend_name(recipe), st.items,
-                [Item(n, v / GB, note) for n, v, note in live[peak_phase] if v != 0], peak_phase, phases, tensor_peak,
-                allowance, total, limit, None if limit is None else total <= limit, cpu, cpu_total, cpu_limit,
-                None if cpu_limit is None else cpu_total <= cpu_limit, comm, comm_gb,
-                recipe.trl_value("per_device_train_batch_size") * ga * s.world, notes)
-    plan.weights_shard_gb = (st.frozen + st.trainable * st.p_b) / s.shard_w / GB
-    plan.live = {k: [Item(n, v / GB, note) for n, v, note in items if v != 0] for k, items in live.items()}
-    plan.active_params = shape.active_params
     if shape.moe:
         notes += _moe_notes(shape, s, st.adapted, st.float_b, recipe.model.lora_target_modules)
-    return plan
+    return Plan(
+        model=shape.name, params=shape.params, trainable=st.trainable, world=s.world, gpus_per_node=s.gpn,
+        nodes=L.num_machines, backend=_backend_name(recipe), states=st.items, peak=_items(live[peak_phase]),
+        peak_phase=peak_phase, phases=phases, tensor_peak_gb=phases[peak_phase], allowance_gb=allowance,
+        gpu_total_gb=total, gpu_limit_gb=L.gpu_memory_gb, fits=None if L.gpu_memory_gb is None else total <= L.gpu_memory_gb,
+        cpu=cpu, cpu_total_gb=cpu_total, cpu_limit_gb=L.cpu_ram_gb,
+        cpu_fits=None if L.cpu_ram_gb is None else cpu_total <= L.cpu_ram_gb, comm=comm, comm_gb=comm_gb,
+        global_batch=recipe.trl_value("per_device_train_batch_size") * ga * s.world, notes=notes,
+        weights_shard_gb=(st.frozen + st.trainable * st.p_b) / s.shard_w / GB, active_params=shape.active_params,
+        live={k: _items(v) for k, v in live.items()})
+
+
+def _items(live: list[tuple]) -> list[Item]:
+    """(name, bytes, note) entries as the report's items in GB, those that are there (not 0) only."""
+    return [Item(n, v / GB, note) for n, v, note in live if v != 0]
 
 
 # ----------------------------------------------------------------------------------------------- 1. model states
