@@ -36,7 +36,8 @@ def run(recipe, life=None):
     process's lifecycle.RunLife (main() enters it: lock, signals, heartbeats); callers without one get a plain run."""
     from trl import SFTTrainer
 
-    from sftrecipes import backends, checkpoints, data, metrics, model as models, pitfalls
+    from sftrecipes import backends, checkpoints, data, metrics, model as models
+    from sftrecipes.plan.pitfalls import pitfalls
 
     # 1. where we run: the cpu target sets use_cpu/gloo/threads so GPU command lines work as written
     backends.check_world_size(recipe)
@@ -51,7 +52,7 @@ def run(recipe, life=None):
     models.check_model_files(recipe)  # tokenizer files present, safetensors whole: named here, not deep in a loader
     push_later = backends.prepare_hub(args)  # token out of saved files; no push attempt when the hub is unreachable
     if args.process_index == 0:
-        for line in pitfalls.pitfalls(recipe):  # the global batch first, then any warning
+        for line in pitfalls(recipe):  # the global batch first, then any warning
             (log.warning if line.startswith("WARNING") else log.info)("%s", line)
     for alias, key in recipe.renamed.items():
         log.info("recipe: '%s' is read as '%s'", alias, key)

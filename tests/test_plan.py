@@ -10,9 +10,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from sftrecipes.pitfalls import pitfalls
+from sftrecipes.plan.pitfalls import pitfalls
 from sftrecipes.plan import format_plan, main, pipeline_bubble, plan_recipe, preflight
-from sftrecipes.sharding import GB
+from sftrecipes.plan.sharding import GB
 from sftrecipes.errors import RecipeError
 from sftrecipes.recipe import load_recipe
 from sftrecipes.shape import model_shape

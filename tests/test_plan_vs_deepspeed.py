@@ -24,7 +24,7 @@ import pytest
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from sftrecipes import plan  # noqa: E402
-from sftrecipes.estimate import DS_SUB_GROUP_SIZE  # noqa: E402
+from sftrecipes.plan.estimate import DS_SUB_GROUP_SIZE  # noqa: E402
 from sftrecipes.recipe import load_recipe  # noqa: E402
 from sftrecipes.shape import model_shape  # noqa: E402
 

@@ -12,9 +12,9 @@ import torch
 
 from conftest import ROOT
 from sftrecipes import shape as shapes
-from sftrecipes import sharding
+from sftrecipes.plan import sharding
 from sftrecipes.plan import main, plan_recipe
-from sftrecipes.sharding import GB
+from sftrecipes.plan.sharding import GB
 from sftrecipes.errors import RecipeError
 from sftrecipes.recipe import load_recipe
 from sftrecipes.shape import model_shape, read_config

@@ -9,7 +9,7 @@ import copy
 from dataclasses import dataclass
 
 from .estimate import Plan, estimate
-from .recipe import Recipe
+from ..recipe import Recipe
 from .sharding import GB, setup
 
 # bandwidths used only to rank strategies (bytes per second per GPU): NVLink ring, InfiniBand 200 Gb/s, PCIe

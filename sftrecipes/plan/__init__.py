@@ -4,8 +4,8 @@ and the pitfalls, printed (torch-free).
     python -m sftrecipes plan RECIPE.yaml [--key value ...]     exit 0 fits (or no gpu_memory_gb), 2 does not fit
 
 The model's shape comes from config.json through sftrecipes/shape.py (a local folder, or sftrecipes/model_configs/
-for hub ids) and every byte is arithmetic on that shape and the recipe (docs/planner.md), in the modules below this
-one: sharding.py (ranks and bytes per parameter), activations.py (what backward keeps), estimate.py (one training
+for hub ids) and every byte is arithmetic on that shape and the recipe (docs/planner.md), in this package's
+modules: sharding.py (ranks and bytes per parameter), activations.py (what backward keeps), estimate.py (one training
 step of one configuration, per GPU and per node), strategies.py (the other configurations, ranked); pitfalls.py
 adds the configuration traps.
 """
@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import sys
 
-from .errors import RecipeError
+from ..errors import RecipeError
 from .estimate import CUDA_CONTEXT_GB, FRAGMENTATION, Plan, estimate
 from .pitfalls import pitfalls
-from .recipe import Recipe, load_recipe
+from ..recipe import Recipe, load_recipe
 from .strategies import INFINIBAND, NVLINK, PCIE, alternatives
 
 

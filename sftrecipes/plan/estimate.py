@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .activations import TRL_VOCAB_TILE, Activations, activations, layer_lora_params
-from .recipe import Recipe
-from .shape import Shape, model_shape
+from ..recipe import Recipe
+from ..shape import Shape, model_shape
 from .sharding import GB, Setup, quant_bytes_per_param, setup, trainable_bytes
 
 if TYPE_CHECKING:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .recipe import Recipe
-from .shape import Layer, Shape, Weight
+from ..recipe import Recipe
+from ..shape import Layer, Shape, Weight
 from .sharding import Setup
 
 TRL_TOKEN_TILE, TRL_VOCAB_TILE = 4096, 32768  # trl.kernels.chunked_logprob tile of the fused LM head

@@ -4,10 +4,10 @@ at start, the plan command and the launchers' pre-flight print them under the pl
 
 from __future__ import annotations
 
-from .errors import RecipeError
+from ..errors import RecipeError
 from .estimate import PROCESS_CPU_GB, full_state_dict_bytes
-from .recipe import Recipe, load_recipe
-from .shape import load_dtype, mixed_dtype, model_shape
+from ..recipe import Recipe, load_recipe
+from ..shape import load_dtype, mixed_dtype, model_shape
 from .sharding import GB, setup
 
 
