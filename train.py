@@ -26,7 +26,8 @@ if __name__ == "__main__":  # first thing: a SIGTERM/SIGUSR1 while this process 
 
 from sftrecipes.checkpoints import TrainingStopped  # noqa: E402
 from sftrecipes.errors import RecipeError
-from sftrecipes.recipe import help_text, load_recipe  # noqa: E402
+from sftrecipes.options_doc import help_text  # noqa: E402
+from sftrecipes.recipe import load_recipe  # noqa: E402
 
 log = logging.getLogger("sftrecipes")
 

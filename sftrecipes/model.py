@@ -569,7 +569,7 @@ def lora_targets(recipe: Recipe, model) -> dict:
         selected = [n for n in selected if check_target_module_exists(probe, n) is True
                     and check_target_module_exists(module_probe, n.rpartition(".")[0]) is True]
         params = selected
-    if params and (m.lora_dropout or p.get("use_dora")):  # recipe.validate catches these when config.json is at hand
+    if params and (m.lora_dropout or p.get("use_dora")):  # validation.validate catches these when config.json is at hand
         key = "lora_dropout" if m.lora_dropout else "use_dora"
         raise RecipeError(f"{key}: {getattr(m, key, p.get(key))} cannot apply to the parameters LoRA adapts here ({', '.join(params[:3])}): "
                           f"peft's parameter wrapper has no dropout and no DoRA; set {key}: {'0.0' if key == 'lora_dropout' else 'false'}")
