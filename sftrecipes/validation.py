@@ -244,7 +244,7 @@ def moe_experts(model_name_or_path: str) -> int | None:
 
 
 # Names a target list may use for the fused expert tensors of transformers 5 MoE models: the tensors' own names and
-# the per-projection names they were fused from (Llama/Qwen spelling, Mixtral's w1/w2/w3). model.lora_config maps
+# the per-projection names they were fused from (Llama/Qwen spelling, Mixtral's w1/w2/w3). lora.lora_config maps
 # them onto the model's real parameters; here they only tell, before loading, that parameters will be adapted.
 EXPERT_TARGET_NAMES = ("gate_up_proj", "down_proj", "gate_proj", "up_proj", "w1", "w2", "w3")
 ROUTER_NAMES = ("gate", "router")
