@@ -134,7 +134,7 @@ def validate(r: Recipe) -> None:
     splits = [s.strip() for s in d.splits.split(",") if s.strip()]
     if not splits or not any("train" in s for s in splits):
         raise RecipeError(f"splits: '{d.splits}' names no training split; include one with 'train' in its name, e.g. train,test")
-    from .data import check_eval_split  # noqa: PLC0415 - data imports this module
+    from .data import check_eval_split  # noqa: PLC0415 - data imports recipe, which imports this module
 
     check_eval_split(r)
     if r.trl_value("packing") and r.trl_value("max_length") is None:
