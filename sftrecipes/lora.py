@@ -1,6 +1,8 @@
 """LoRA: the peft LoraConfig a recipe asks for, its targets resolved on the loaded model (dense or mixture-of-experts).
 
 Also describe_adapter: the one line a run logs on what LoRA adapted.
+peft is imported inside the functions that use it: export imports pattern_value from here and stays free of
+peft's ~5 s import (and the bitsandbytes line it prints on stderr).
 """
 
 from __future__ import annotations
@@ -9,9 +11,6 @@ import re
 import types
 
 import torch
-from peft import LoraConfig
-from peft.tuners.lora import LoraLayer, ParamWrapper
-from peft.tuners.tuners_utils import check_target_module_exists
 
 from .errors import RecipeError
 from .recipe import Recipe
@@ -74,6 +73,8 @@ def lora_targets(recipe: Recipe, model) -> dict:
     expert tensors). The router is adapted only with lora_target_router: true, never by naming it. layers_to_transform,
     layers_pattern, exclude_modules and modules_to_save also select among expert parameters (peft applies them to
     modules only), by passing the selected parameters by full name."""
+    from peft.tuners.tuners_utils import check_target_module_exists  # noqa: PLC0415 - peft: export imports pattern_value; importing peft costs ~5 s and a bitsandbytes line on stderr
+
     m, p = recipe.model, recipe.peft
     spec = m.lora_target_modules.strip()
     listed = None if spec == "all-linear" else list(dict.fromkeys(t.strip() for t in spec.split(",") if t.strip()))
@@ -185,6 +186,8 @@ def lora_config(recipe: Recipe, added_tokens: list[int], model=None):
     m = recipe.model
     if not m.use_peft_lora:
         return None
+    from peft import LoraConfig  # noqa: PLC0415 - peft: export imports pattern_value; importing peft costs ~5 s and a bitsandbytes line on stderr
+
     kwargs = dict(recipe.peft)
     if model is not None:
         kwargs.update(lora_targets(recipe, model))
@@ -208,6 +211,8 @@ def lora_config(recipe: Recipe, added_tokens: list[int], model=None):
 def describe_adapter(model, recipe: Recipe) -> str:
     """One line on what LoRA adapted in the peft model the trainer built: linear modules, expert parameters (with
     their rank), the router or not, and the trainable parameter count."""
+    from peft.tuners.lora import LoraLayer, ParamWrapper  # noqa: PLC0415 - peft: export imports pattern_value; importing peft costs ~5 s and a bitsandbytes line on stderr
+
     experts, routers = moe_layout(model)
     mods: dict[str, set] = {}
     params: dict[str, set] = {}
