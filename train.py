@@ -26,7 +26,8 @@ if __name__ == "__main__":  # first thing: a SIGTERM/SIGUSR1 while this process 
 
 from sftrecipes.checkpoints import TrainingStopped  # noqa: E402
 from sftrecipes.errors import RecipeError
-from sftrecipes.recipe import help_text, load_recipe  # noqa: E402
+from sftrecipes.options_doc import help_text  # noqa: E402
+from sftrecipes.recipe import load_recipe  # noqa: E402
 
 log = logging.getLogger("sftrecipes")
 
@@ -36,8 +37,9 @@ def run(recipe, life=None):
     process's lifecycle.RunLife (main() enters it: lock, signals, heartbeats); callers without one get a plain run."""
     from trl import SFTTrainer
 
-    from sftrecipes import backends, checkpoints, data, metrics, model as models
+    from sftrecipes import backends, checkpoints, data, lora, metrics, model as models
     from sftrecipes.plan.pitfalls import pitfalls
+    from sftrecipes.tokenizer import load_tokenizer
 
     # 1. where we run: the cpu target sets use_cpu/gloo/threads so GPU command lines work as written
     backends.check_world_size(recipe)
@@ -60,7 +62,7 @@ def run(recipe, life=None):
         log.warning("trust_remote_code: on — the model's own Python code from %s will run", recipe.model.model_name_or_path)
 
     # 2. tokenizer (chat template, special tokens) and data: the main process prepares, the others reuse its cache
-    tokenizer, end_of_turn, added_tokens = models.load_tokenizer(recipe)
+    tokenizer, end_of_turn, added_tokens = load_tokenizer(recipe)
     with args.main_process_first(desc="dataset preparation"):
         train_ds, eval_ds, prompt, data_counts = data.load_datasets(recipe, tokenizer, end_of_turn)
 
@@ -73,14 +75,14 @@ def run(recipe, life=None):
         train_dataset=train_ds,
         eval_dataset=eval_ds,
         processing_class=tokenizer,
-        peft_config=models.lora_config(recipe, added_tokens, model),
+        peft_config=lora.lora_config(recipe, added_tokens, model),
         callbacks=[load_probe := backends.load_memory_probe(), precision := backends.precision_probe(recipe),
                    throughput := metrics.ThroughputCallback(peak_tflops=recipe.launch.peak_tflops),
                    guard := checkpoints.nonfinite_guard(recipe.run.nan_patience), life.callback()],
     )
     precision.trainer = trainer
     if recipe.model.use_peft_lora and args.process_index == 0:
-        log.info("%s", models.describe_adapter(trainer.model, recipe))  # what LoRA adapted: modules, experts, router
+        log.info("%s", lora.describe_adapter(trainer.model, recipe))  # what LoRA adapted: modules, experts, router
     checkpoints.make_checkpoints_atomic(trainer)  # a marker written last; rotation never drops the last complete one
     backends.apply_precision_policy(trainer, recipe)  # trainable params fp32 under mixed precision (logged)
 

@@ -62,7 +62,7 @@ def _schema(ns) -> int:
         schema.write_peft_snapshot()
         print(f"wrote {schema.TRL_SNAPSHOT} and {schema.PEFT_SNAPSHOT}")
     if ns.docs or ns.refresh:
-        from .recipe import options_markdown
+        from .options_doc import options_markdown
         from .paths import ROOT
 
         (ROOT / "docs" / "options.md").write_text(options_markdown())

@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 
 from .dcpio import DCPSource, read_exactly
-from .model import DTYPES, pattern_value
+from .lora import pattern_value
+from .model import DTYPES
 from .errors import RecipeError
 
 log = logging.getLogger("sftrecipes")

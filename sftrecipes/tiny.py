@@ -105,7 +105,7 @@ def build_tokenizer(vocab_size: int = 512):
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
                                    pad_token="<pad>", additional_special_tokens=["<|im_start|>", "<|im_end|>"])
-    from .model import CHATML_TEMPLATE  # noqa: PLC0415
+    from .tokenizer import CHATML_TEMPLATE  # noqa: PLC0415
 
     fast.chat_template = CHATML_TEMPLATE
     return fast

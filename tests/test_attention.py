@@ -11,6 +11,7 @@ import torch
 
 from sftrecipes import attention, model as models
 from sftrecipes.recipe import load_recipe
+from sftrecipes.tokenizer import load_tokenizer
 
 WINDOW = 4  # sliding windows small enough to cut into the packed samples below
 LENGTHS = [7, 12, 1, 9, 3, 12, 1, 1]  # unequal lengths (several groups), pad-like 1-token segments
@@ -207,7 +208,7 @@ def test_cuda_varlen_kernel_matches_the_segment_path(family, family_models):
 
 def test_auto_picks_varlen_for_packed_recipes_and_the_model_reports_it(tiny_model, caplog):
     r = load_recipe(["recipes/tiny/lora.yaml"])
-    tok, _, _ = models.load_tokenizer(r)
+    tok, _, _ = load_tokenizer(r)
     with caplog.at_level(logging.INFO, logger="sftrecipes"):
         model = models.load_model(r, tok, "cpu")
     assert model.config._attn_implementation == attention.NAME
@@ -223,7 +224,7 @@ def test_gemma2_soft_capping_falls_back_in_one_line(family_models, caplog):
     assert impl == "eager" and "soft-capping" in why and why.startswith("fallback")
     for flags, level in (([], logging.INFO), (["--attn_implementation", "sft_varlen"], logging.WARNING)):
         r = load_recipe([*gemma2, *flags])
-        tok, _, _ = models.load_tokenizer(r)
+        tok, _, _ = load_tokenizer(r)
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="sftrecipes"):
             model = models.load_model(r, tok, "cpu")

@@ -8,6 +8,7 @@ import torch
 from sftrecipes import backends, data, model as models
 from sftrecipes.errors import RecipeError
 from sftrecipes.recipe import load_recipe
+from sftrecipes.tokenizer import load_tokenizer
 
 BASE = ["--model_name_or_path", ".assets/tiny-llama", "--dataset_name", "data/tiny_chat", "--output_dir", "outputs/t"]
 CONV = {"messages": [
@@ -21,7 +22,7 @@ CONV = {"messages": [
 
 def build(*flags):
     r = load_recipe(BASE + [str(f) for f in flags])
-    tok, eot, added = models.load_tokenizer(r)
+    tok, eot, added = load_tokenizer(r)
     return r, tok, eot, added
 
 
@@ -259,7 +260,7 @@ def test_the_fix_each_error_names_trains_what_was_meant(tiny_model, tmp_path):
     """Following the advice of the conversational and shape errors gives a run that trains the answers."""
     f = write_jsonl(tmp_path / "d.jsonl", [{"question": "What is 2 plus 3?", "answer": " 5."}])
     r = load_recipe(BASE[:2] + ["--output_dir", "o", "--datasets", json.dumps([{"path": str(f), "columns": {"question": "prompt", "answer": "completion"}}])])
-    tok, eot, _ = models.load_tokenizer(r)
+    tok, eot, _ = load_tokenizer(r)
     train, _, _, _ = data.load_datasets(r, tok, eot)
     assert trained_text(tok, train[0]) == " 5.</s>"
     r, tok, eot, _ = build("--chat_template_format", "tokenizer", "--splits", "train")  # the shipped chat data
@@ -345,14 +346,14 @@ def test_trl_cuts_nothing_twice_and_packed_rows_are_counted(tiny_model, tmp_path
 # ------------------------------------------------------------------------------------------ BOS and end tokens
 
 CHAT = {"messages": CONV["messages"][1:]}  # user, assistant, user, assistant
-# the end-of-turn token of each family's template (model.end_of_turn's job; given here so the test checks data.py)
+# the end-of-turn token of each family's template (tokenizer.end_of_turn's job; given here so the test checks data.py)
 EOT = {"llama3": "<|eot_id|>", "gemma2": "<end_of_turn>", "mistral": "</s>", "qwen2": "<|im_end|>", "phi3": "<|end|>"}
 
 
 def family_build(folder, *flags):
     r = load_recipe(["--model_name_or_path", str(folder), "--dataset_name", "data/tiny_chat", "--output_dir", "o",
                      "--chat_template_format", "tokenizer", *flags])
-    tok, _, _ = models.load_tokenizer(r)
+    tok, _, _ = load_tokenizer(r)
     return r, tok
 
 
@@ -415,7 +416,7 @@ def test_plain_text_end_of_turn_is_recognised_on_ids_and_text(tiny_model):
 
 def mixture(entries, *flags):
     r = load_recipe(BASE[:2] + ["--output_dir", "o", "--chat_template_format", "chatml", "--datasets", json.dumps(entries), *flags])
-    tok, eot, _ = models.load_tokenizer(r)
+    tok, eot, _ = load_tokenizer(r)
     return tok, data.load_datasets(r, tok, eot)
 
 

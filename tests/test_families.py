@@ -19,6 +19,7 @@ from sftrecipes.export import export, merge_lora
 from sftrecipes.errors import RecipeError
 from sftrecipes.recipe import load_recipe
 from sftrecipes.tiny import FAMILIES as SPECS
+from sftrecipes.tokenizer import end_of_turn, load_tokenizer, set_generation_stop
 from test_launch import sft
 
 MOE = {"qwen3_moe", "mixtral"}
@@ -222,13 +223,13 @@ def test_fsdp2_full_with_ram_efficient_loading_on_two_ranks(family, family_model
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_end_of_turn_is_read_from_the_template(family, family_models):
-    tok, eot, _ = models.load_tokenizer(load_recipe(["recipes/tiny/lora.yaml", "--model_name_or_path",
+    tok, eot, _ = load_tokenizer(load_recipe(["recipes/tiny/lora.yaml", "--model_name_or_path",
                                                      str(family_models[family]), "--chat_template_format", "tokenizer"]))
     assert eot == SPECS[family].end_of_turn == tok.eos_token
     from transformers import AutoTokenizer
 
     raw = AutoTokenizer.from_pretrained(family_models[family])  # as shipped: Llama-3 does not list <|eot_id|>
-    assert models.end_of_turn(raw) == (SPECS[family].end_of_turn, "added token" if family == "llama3" else "special token")
+    assert end_of_turn(raw) == (SPECS[family].end_of_turn, "added token" if family == "llama3" else "special token")
 
 
 @pytest.mark.parametrize("template, want", [
@@ -241,7 +242,7 @@ def test_end_of_turn_as_plain_text_or_nothing(tiny_model, template, want):
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
     tok.chat_template = template
-    assert models.end_of_turn(tok) == want
+    assert end_of_turn(tok) == want
 
 
 def test_textual_end_of_turn_becomes_a_stop_string(tiny_model, tmp_path):
@@ -254,9 +255,9 @@ def test_textual_end_of_turn_becomes_a_stop_string(tiny_model, tmp_path):
     tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<END>\n{% endfor %}"
     tok.save_pretrained(folder)
     r = load_recipe(["recipes/tiny/lora.yaml", "--tokenizer_name_or_path", str(folder), "--chat_template_format", "tokenizer"])
-    tok, eot, _ = models.load_tokenizer(r)
+    tok, eot, _ = load_tokenizer(r)
     gen = GenerationConfig(eos_token_id=2)
-    assert eot == "<END>" and models.set_generation_stop(gen, tok) == [tok.eos_token_id] and gen.stop_strings == ["<END>"]
+    assert eot == "<END>" and set_generation_stop(gen, tok) == [tok.eos_token_id] and gen.stop_strings == ["<END>"]
 
 
 @pytest.mark.parametrize("family, want", [("gemma2", "eager"), ("gemma3", "sdpa"), ("qwen3_moe", "sdpa"), ("phi3", "sdpa")])
@@ -287,7 +288,7 @@ def test_model_init_kwargs_are_taken_not_overwritten(tiny_model):
     assert r.model.attn_implementation == "eager" and r.model.dtype == "bfloat16"
     assert r.trl["model_init_kwargs"] == {"low_cpu_mem_usage": True}
     assert r.renamed["model_init_kwargs.attn_implementation"] == "attn_implementation"
-    tok, _, _ = models.load_tokenizer(r)
+    tok, _, _ = load_tokenizer(r)
     model = models.load_model(r, tok, "cpu")
     assert model.config._attn_implementation == "eager" and model.dtype == torch.bfloat16
     for flags, match in (

@@ -156,18 +156,18 @@ def test_lora_config_on_the_model_refuses_what_validation_could_not_see(family_m
     handed the MoE model)."""
     from transformers import AutoModelForCausalLM
 
-    from sftrecipes import model as models
+    from sftrecipes.lora import lora_config
 
     r = load_recipe(["recipes/tiny/lora.yaml", "--lora_dropout", "0.1"])
     with pytest.raises(RecipeError, match=r"^lora_dropout: 0.1 cannot apply to the parameters .*set lora_dropout: 0.0$"):
-        models.lora_config(r, [], AutoModelForCausalLM.from_pretrained(family_models["qwen3_moe"]))
+        lora_config(r, [], AutoModelForCausalLM.from_pretrained(family_models["qwen3_moe"]))
     # names that match nothing are one line too, not peft's error after loading (or a silently smaller adapter)
     llama = AutoModelForCausalLM.from_pretrained(family_models["llama3"])
     with pytest.raises(RecipeError, match="target_parameters: 'mlp.nothing.weight' matches no parameter"):
-        models.lora_config(load_recipe(["recipes/tiny/lora.yaml", "--lora_target_modules", "q_proj", "--target_parameters",
+        lora_config(load_recipe(["recipes/tiny/lora.yaml", "--lora_target_modules", "q_proj", "--target_parameters",
                                         "mlp.nothing.weight"]), [], llama)
     with pytest.raises(RecipeError, match="lora_target_modules: 'qkv_proj' matches no module .* its linear layers are down_proj"):
-        models.lora_config(load_recipe(["recipes/tiny/lora.yaml", "--lora_target_modules", "qkv_proj,o_proj"]), [], llama)
+        lora_config(load_recipe(["recipes/tiny/lora.yaml", "--lora_target_modules", "qkv_proj,o_proj"]), [], llama)
 
 
 @pytest.mark.parametrize("family", MOE)
@@ -236,13 +236,13 @@ def test_moe_target_lists(family_models, family):
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from sftrecipes import model as models
+    from sftrecipes.lora import lora_config
 
     path = str(family_models[family])
 
     def adapted(targets):
         r = load_recipe(["recipes/tiny/lora.yaml", "--model_name_or_path", path, "--lora_target_modules", targets])
-        peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(path), models.lora_config(r, [], AutoModelForCausalLM.from_pretrained(path)))
+        peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(path), lora_config(r, [], AutoModelForCausalLM.from_pretrained(path)))
         return {n: tuple(p.shape) for n, p in peft_model.named_parameters() if p.requires_grad}
 
     everything = adapted("all-linear")

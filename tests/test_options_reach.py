@@ -13,8 +13,10 @@ import torch
 
 from sftrecipes import backends, data, model as models
 from sftrecipes.errors import RecipeError
+from sftrecipes.lora import lora_config
 from sftrecipes.recipe import load_recipe
 from sftrecipes.schema import all_options
+from sftrecipes.tokenizer import load_tokenizer
 
 BASE = ["--model_name_or_path", ".assets/tiny-llama", "--dataset_name", "data/tiny_chat", "--output_dir", "outputs/reach"]
 
@@ -95,7 +97,7 @@ def recipe(*flags):
 
 
 def tokenized(r):
-    tok, eot, _ = models.load_tokenizer(r)
+    tok, eot, _ = load_tokenizer(r)
     train, _ = data.load_raw(r)
     return tok, data.prepare(r, tok, eot, train.select(range(min(3, len(train)))), "train")
 
@@ -106,7 +108,7 @@ def obs_model_name(tiny_model, tmp_path):
     other = tmp_path / "copy"
     shutil.copytree(tiny_model, other)
     r = recipe("--model_name_or_path", other)
-    tok, _, _ = models.load_tokenizer(r)
+    tok, _, _ = load_tokenizer(r)
     assert models.load_model(r, tok, "cpu").name_or_path == str(other) and tok.name_or_path == str(other)
 
 
@@ -115,13 +117,13 @@ def obs_tokenizer_name(tiny_model, tmp_path):
 
     other = tmp_path / "tok"
     shutil.copytree(tiny_model, other)
-    tok, _, _ = models.load_tokenizer(recipe("--tokenizer_name_or_path", other))
+    tok, _, _ = load_tokenizer(recipe("--tokenizer_name_or_path", other))
     assert tok.name_or_path == str(other)
 
 
 def obs_dtype(tiny_model, tmp_path):
     r = recipe("--dtype", "bfloat16")
-    tok, _, _ = models.load_tokenizer(r)
+    tok, _, _ = load_tokenizer(r)
     assert models.load_model(r, tok, "cpu").dtype == torch.bfloat16
     assert models.load_dtype(recipe()) == torch.float32
 
@@ -145,7 +147,7 @@ def obs_use_flash_attn(tiny_model, tmp_path, caplog=None):
 
 def obs_attn_implementation(tiny_model, tmp_path):
     r = recipe("--attn_implementation", "eager")
-    tok, _, _ = models.load_tokenizer(r)
+    tok, _, _ = load_tokenizer(r)
     assert models.load_model(r, tok, "cpu").config._attn_implementation == "eager"
     assert models.load_model(recipe(), tok, "cpu").config._attn_implementation == "sdpa"  # auto, for a Llama
     assert models.load_model(recipe("--attn_implementation", "sft_varlen"), tok, "cpu").config._attn_implementation == "sft_varlen"
@@ -153,11 +155,11 @@ def obs_attn_implementation(tiny_model, tmp_path):
 
 
 def lora(*flags):
-    return models.lora_config(recipe("--use_peft_lora", "True", *flags), [])
+    return lora_config(recipe("--use_peft_lora", "True", *flags), [])
 
 
 def obs_use_peft_lora(tiny_model, tmp_path):
-    assert models.lora_config(recipe(), []) is None and lora() is not None
+    assert lora_config(recipe(), []) is None and lora() is not None
 
 
 def obs_lora_r(tiny_model, tmp_path):
@@ -188,7 +190,7 @@ def obs_lora_target_router(tiny_model, tmp_path):
 
     def router_adapted(*flags):
         r = load_recipe(["recipes/tiny/lora.yaml", "--model_name_or_path", moe, *flags])
-        model = get_peft_model(AutoModelForCausalLM.from_pretrained(moe), models.lora_config(r, [], AutoModelForCausalLM.from_pretrained(moe)))
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(moe), lora_config(r, [], AutoModelForCausalLM.from_pretrained(moe)))
         return any(".mlp.gate.lora_A" in n for n, p in model.named_parameters() if p.requires_grad)
 
     assert router_adapted("--lora_target_router", "true") and not router_adapted()
@@ -255,7 +257,7 @@ def obs_datasets(tiny_model, tmp_path):
     entries = [{"path": "data/tiny_chat", "samples": 7}, {"path": "data/tiny_chat", "split": "test", "weight": 0.5}]
     r = load_recipe(["--model_name_or_path", ".assets/tiny-llama", "--output_dir", "outputs/reach", "--chat_template_format",
                      "chatml", "--datasets", json.dumps(entries)])
-    tok, eot, _ = models.load_tokenizer(r)
+    tok, eot, _ = load_tokenizer(r)
     train, _, _, counts = data.load_datasets(r, tok, eot)
     assert len(train) == 7 + 20 and [s["rows"] for s in counts["mixture"]["sources"]] == [7, 20]
 

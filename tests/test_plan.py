@@ -325,7 +325,8 @@ def test_calibration_plan_vs_measured_peak_on_cpu(tmp_path, family, lora, ckpt):
     from transformers import AutoConfig, AutoModelForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
-    from sftrecipes.model import load_dtype, lora_config
+    from sftrecipes.lora import lora_config
+    from sftrecipes.model import load_dtype
 
     cfg = AutoConfig.for_model(**(CAL if family == "llama" else CAL_MOE[family]))
     cfg.save_pretrained(tmp_path / "model")

@@ -56,6 +56,6 @@ def test_tiny_model_build_is_deterministic(tmp_path, tiny_model):
 
 
 def test_options_doc_is_current():
-    from sftrecipes.recipe import options_markdown
+    from sftrecipes.options_doc import options_markdown
 
     assert (ROOT / "docs" / "options.md").read_text() == options_markdown(), "run: make docs"

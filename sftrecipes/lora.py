@@ -1,0 +1,242 @@
+"""LoRA: the peft LoraConfig a recipe asks for, its targets resolved on the loaded model (dense or mixture-of-experts).
+
+Also describe_adapter: the one line a run logs on what LoRA adapted.
+peft is imported inside the functions that use it: export imports pattern_value from here and stays free of
+peft's ~5 s import (and the bitsandbytes line it prints on stderr).
+"""
+
+from __future__ import annotations
+
+import re
+import types
+
+import torch
+
+from .errors import RecipeError
+from .recipe import Recipe
+
+# transformers 5 fuses the experts of a mixture-of-experts layer into 3-D parameters (mlp.experts.gate_up_proj
+# [E, 2*inter, hidden], mlp.experts.down_proj [E, hidden, inter]) behind a router (mlp.gate, [E, hidden]). peft adapts
+# such parameters with its ParamWrapper (target_parameters), which allows no dropout and no DoRA (validation.py
+# refuses both before loading). A target list may name the fused tensors, or the projections they were fused from:
+EXPERT_ALIASES = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj"}
+FUSED_FROM = {"gate_up_proj": (("gate_proj", "up_proj"), ("w1", "w3"))}  # two projections in one tensor: rank and alpha x2
+
+
+def _clean(name: str) -> str:
+    """A parameter or module name without peft's wrapper segments (the name it has in the base model)."""
+    return re.sub(r"\.base_layer(?=\.|$)", "", name.removeprefix("base_model.model."))
+
+
+def moe_layout(model) -> tuple[dict[str, tuple[int, ...]], dict[str, bool]]:
+    """(expert parameters: name -> [E, ., .] shape, routers: module name -> is an nn.Linear) of a model, by structure:
+    experts are the 3-D parameters; a router is a sibling module of the experts' module whose own 2-D parameter has E
+    rows. Names as in the base model (peft's wrappers looked through); shapes also under ZeRO-3 partitioning."""
+    params = {}
+    for n, p in model.named_parameters():
+        if not any(mark in n for mark in ("lora_", ".modules_to_save.", ".original_module.", ".token_adapter.")):
+            params[_clean(n)] = tuple(getattr(p, "ds_shape", p.shape))
+    experts = {n: s for n, s in params.items() if len(s) == 3}
+    routers: dict[str, bool] = {}
+    for container in {n.rpartition(".")[0] for n in experts}:
+        e = next(s[0] for n, s in experts.items() if n.rpartition(".")[0] == container)
+        block = container.rpartition(".")[0]
+        for n, s in params.items():
+            module = n.rpartition(".")[0]
+            if module != container and module.rpartition(".")[0] == block and len(s) == 2 and s[0] == e:
+                try:
+                    routers[module] = isinstance(model.get_submodule(module), torch.nn.Linear)
+                except AttributeError:  # a peft model: the path runs through wrappers
+                    routers[module] = False
+    return experts, routers
+
+
+def pattern_value(pattern: dict | None, key: str, default: int) -> int:
+    """peft's rank_pattern/alpha_pattern lookup (peft.utils.other.get_pattern_key): the first key, in order, that
+    matches the end of `key` at a dot boundary, as a regex. `key` is the module's name in the base model (a targeted
+    parameter's own name for peft's parameter targets)."""
+    for k, v in (pattern or {}).items():
+        if re.match(rf"(.*\.)?({k})$", key):
+            return v
+    return default
+
+
+def lora_targets(recipe: Recipe, model) -> dict:
+    """target_modules, target_parameters, rank_pattern and alpha_pattern for LoraConfig, resolved on the model.
+
+    Dense models: lora_target_modules as given ('all-linear': every linear layer but the output head, as peft reads
+    it), each listed name checked to exist.
+    Mixture-of-experts models: 'all-linear' adapts every linear layer but the router, and the fused expert tensors (as
+    peft does under all-linear: gate_up_proj at rank 2r and alpha 2*alpha, i.e. r per projection; user rank/alpha
+    patterns are merged, and one matching gate_up_proj is doubled the same way). A list may name linear layers, the
+    expert tensors (gate_up_proj, down_proj) or the projections fused into them (gate_proj+up_proj, w1+w3, w2: the
+    expert tensors). The router is adapted only with lora_target_router: true, never by naming it. layers_to_transform,
+    layers_pattern, exclude_modules and modules_to_save also select among expert parameters (peft applies them to
+    modules only), by passing the selected parameters by full name."""
+    from peft.tuners.tuners_utils import check_target_module_exists  # noqa: PLC0415 - peft: export imports pattern_value; importing peft costs ~5 s and a bitsandbytes line on stderr
+
+    m, p = recipe.model, recipe.peft
+    spec = m.lora_target_modules.strip()
+    listed = None if spec == "all-linear" else list(dict.fromkeys(t.strip() for t in spec.split(",") if t.strip()))
+    experts, routers = moe_layout(model)
+    out_emb = model.get_output_embeddings()
+    modules = {n: mod for n, mod in model.named_modules() if n}
+    linear = [n for n, mod in modules.items() if isinstance(mod, torch.nn.Linear) and mod is not out_emb]
+
+    def hits(t: str, names) -> list[str]:
+        return [n for n in names if n == t or n.endswith("." + t)]
+
+    params: list[str] = []
+    if not experts:
+        # all-linear resolved to the layers' names here, not by peft: peft's resolution (full names) would bypass
+        # layers_to_transform, which it applies only to names it matches by suffix
+        target_modules: list[str] = sorted({n.rsplit(".", 1)[-1] for n in linear}) if listed is None else listed
+        for t in listed or []:
+            if not hits(t, modules):
+                raise RecipeError(f"lora_target_modules: '{t}' matches no module of {m.model_name_or_path}; "
+                                  f"its linear layers are {', '.join(sorted({n.rsplit('.', 1)[-1] for n in linear}))}")
+    else:
+        expert_leaves = {n.rsplit(".", 1)[-1] for n in experts}
+        router_leaves = {r.rsplit(".", 1)[-1] for r in routers}
+        if listed is None:
+            target_modules = sorted({n.rsplit(".", 1)[-1] for n in linear if n not in routers})
+            params = sorted(expert_leaves)
+        else:
+            target_modules, aliases = [], set()
+            for t in listed:
+                if hits(t, routers) or t in router_leaves:
+                    raise RecipeError(f"lora_target_modules: '{t}' is the router of this mixture-of-experts model; remove it and set lora_target_router: true")
+                leaf = t.rsplit(".", 1)[-1]
+                module_hits = hits(t, [n for n in modules if n not in routers])
+                if module_hits:
+                    target_modules.append(t)
+                if hits(t, experts):
+                    params.append(t)
+                elif not module_hits and EXPERT_ALIASES.get(leaf) in expert_leaves:
+                    aliases.add(leaf)
+                    params.append(EXPERT_ALIASES[leaf])
+                elif not module_hits:
+                    raise RecipeError(f"lora_target_modules: '{t}' matches no module or expert parameter of {m.model_name_or_path}; "
+                                      f"its linear layers are {', '.join(sorted({n.rsplit('.', 1)[-1] for n in linear} - router_leaves))}, "
+                                      f"its expert parameters {', '.join(sorted(expert_leaves))}")
+            for fused, groups in FUSED_FROM.items():
+                for group in groups:
+                    have = aliases & set(group)
+                    if have and have != set(group):
+                        raise RecipeError(f"lora_target_modules: {' and '.join(group)} are one tensor ({fused}) in this model; list both, or {fused}")
+        if m.lora_target_router:
+            for r, is_linear in sorted(routers.items()):
+                leaf = r.rsplit(".", 1)[-1]
+                if is_linear:
+                    target_modules.append(leaf)
+                else:
+                    params.append(f"{leaf}.weight")
+        target_modules = list(dict.fromkeys(target_modules))
+    params = list(dict.fromkeys(params + list(p.get("target_parameters") or [])))
+
+    # the parameters these names select, as peft would match them, narrowed as peft narrows modules
+    names = [n for n, _ in model.named_parameters()] if params else []
+    names = [_clean(n) for n in names if "lora_" not in n]
+    selected = [n for n in names if hits_any(n, params)]
+    for t in p.get("target_parameters") or []:
+        if not any(hits_any(n, [t]) for n in names):
+            raise RecipeError(f"target_parameters: '{t}' matches no parameter of {m.model_name_or_path}; give a parameter's "
+                              "name or its dotted end, e.g. mlp.down_proj.weight")
+    narrowing = p.get("layers_to_transform") is not None or p.get("exclude_modules") or p.get("modules_to_save")
+    if selected and narrowing:
+        probe = types.SimpleNamespace(exclude_modules=p.get("exclude_modules"), modules_to_save=p.get("modules_to_save"),
+                                      target_modules=[n.rsplit(".", 1)[-1] for n in selected], target_parameters=None,
+                                      layers_to_transform=p.get("layers_to_transform"), layers_pattern=p.get("layers_pattern"))
+        module_probe = types.SimpleNamespace(**{**vars(probe), "target_modules": [n.rpartition(".")[0] for n in selected]})
+        selected = [n for n in selected if check_target_module_exists(probe, n) is True
+                    and check_target_module_exists(module_probe, n.rpartition(".")[0]) is True]
+        params = selected
+    if params and (m.lora_dropout or p.get("use_dora")):  # validation.validate catches these when config.json is at hand
+        key = "lora_dropout" if m.lora_dropout else "use_dora"
+        raise RecipeError(f"{key}: {getattr(m, key, p.get(key))} cannot apply to the parameters LoRA adapts here ({', '.join(params[:3])}): "
+                          f"peft's parameter wrapper has no dropout and no DoRA; set {key}: {'0.0' if key == 'lora_dropout' else 'false'}")
+    adapted = {n for n in modules if hits_any(n, target_modules)}
+    for n in selected:
+        if n.rpartition(".")[0] in adapted:
+            raise RecipeError(f"target_parameters: '{n}' belongs to a module lora_target_modules also adapts; adapt it one way: remove it from one of the two")
+
+    # ranks and alphas: the fused gate/up tensor gets twice the rank and alpha that apply to it (its own pattern, or r)
+    rank_pattern, alpha_pattern = dict(p.get("rank_pattern") or {}), dict(p.get("alpha_pattern") or {})
+    fused = {n: (2 * pattern_value(rank_pattern, n, m.lora_r), 2 * pattern_value(alpha_pattern, n, m.lora_alpha))
+             for n in selected if n.rsplit(".", 1)[-1] in FUSED_FROM}
+    if fused:
+        keys = ({r".*\.gate_up_proj": next(iter(fused.values()))} if len(set(fused.values())) == 1
+                else {re.escape(n): v for n, v in fused.items()})
+        # peft takes the first pattern that matches: the fused tensor's own keys go first
+        rank_pattern = {**{k: v[0] for k, v in keys.items()}, **{k: v for k, v in rank_pattern.items() if k not in keys}}
+        alpha_pattern = {**{k: v[1] for k, v in keys.items()}, **{k: v for k, v in alpha_pattern.items() if k not in keys}}
+    return {"target_modules": target_modules, "target_parameters": params or None,
+            "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern}
+
+
+def hits_any(name: str, targets: list[str]) -> bool:
+    """peft's target_parameters match: the full name, or a dotted suffix of it."""
+    return any(name == t or name.endswith("." + t) for t in targets)
+
+
+def lora_config(recipe: Recipe, added_tokens: list[int], model=None):
+    """peft's LoraConfig for the recipe: the project's LoRA keys, the recipe's peft keys (recipe.peft) as given, the
+    targets resolved on `model` (lora_targets; without a model, lora_target_modules as written), and the rows of
+    tokens a chat template added."""
+    m = recipe.model
+    if not m.use_peft_lora:
+        return None
+    from peft import LoraConfig  # noqa: PLC0415 - peft: export imports pattern_value; importing peft costs ~5 s and a bitsandbytes line on stderr
+
+    kwargs = dict(recipe.peft)
+    if model is not None:
+        kwargs.update(lora_targets(recipe, model))
+    else:
+        targets = m.lora_target_modules.strip()
+        kwargs["target_modules"] = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
+    if added_tokens:
+        # New special tokens start with random rows: train just those rows (input and output embeddings), not the
+        # whole matrices. PEFT then saves the resized embeddings with the adapter, so it merges on its own. A matrix
+        # the recipe trains whole (modules_to_save) already holds its new rows.
+        rows = sorted(set(added_tokens))
+        whole = set(recipe.peft.get("modules_to_save") or [])
+        heads = ["embed_tokens"]
+        if model is None or not model.config.get_text_config().tie_word_embeddings:
+            heads.append("lm_head")
+        kwargs["trainable_token_indices"] = {h: rows for h in heads if h not in whole} or None
+    kwargs.setdefault("bias", "none")
+    return LoraConfig(r=m.lora_r, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout, task_type="CAUSAL_LM", **kwargs)
+
+
+def describe_adapter(model, recipe: Recipe) -> str:
+    """One line on what LoRA adapted in the peft model the trainer built: linear modules, expert parameters (with
+    their rank), the router or not, and the trainable parameter count."""
+    from peft.tuners.lora import LoraLayer, ParamWrapper  # noqa: PLC0415 - peft: export imports pattern_value; importing peft costs ~5 s and a bitsandbytes line on stderr
+
+    experts, routers = moe_layout(model)
+    mods: dict[str, set] = {}
+    params: dict[str, set] = {}
+    router: dict[str, set] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, LoraLayer) or not module.r:
+            continue
+        ranks = set(module.r.values())
+        if isinstance(module, ParamWrapper):
+            target = f"{_clean(name)}.{module.parameter_name}"
+            owner = target.rpartition(".")[0]
+            short = ".".join(target.split(".")[-2:]) if target not in experts else target.rsplit(".", 1)[-1]
+            (router if owner in routers else params).setdefault(short, set()).update(ranks)
+        else:
+            (router if _clean(name) in routers else mods).setdefault(name.rsplit(".", 1)[-1], set()).update(ranks)
+
+    def fmt(d: dict) -> str:
+        return ", ".join(f"{k} (r {'/'.join(map(str, sorted(v)))})" for k, v in sorted(d.items()))
+
+    trainable, total = model.get_nb_trainable_parameters()
+    parts = [f"LoRA adapts modules {fmt(mods) or 'none'}"]
+    if params:
+        parts.append(f"{'expert parameters' if experts else 'parameters'} {fmt(params)}")
+    if routers:
+        parts.append(f"router {fmt(router) if router else 'not adapted'} (lora_target_router: {str(recipe.model.lora_target_router).lower()})")
+    parts.append(f"{trainable:,} trainable parameters of {total:,} ({100 * trainable / max(total, 1):.2f}%)")
+    return "; ".join(parts)

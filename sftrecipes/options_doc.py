@@ -1,0 +1,45 @@
+"""Option documentation: the `--help` text and docs/options.md, both rendered from the schema."""
+
+from __future__ import annotations
+
+from .schema import ALIASES, Option, all_options
+
+
+GROUP_TITLES = {"model": "Model, LoRA, quantization", "peft": "peft `LoraConfig` (LoRA only: with use_peft_lora; defaults as peft sets them)",
+                "data": "Data", "run": "Run", "launch": "Launch (`launch:` section)",
+                "trl": "TRL `SFTConfig` / transformers `TrainingArguments` (defaults as TRL sets them)"}
+
+
+def grouped_options() -> list[tuple[str, list[Option]]]:
+    """(title, options) per owner, in the order --help and docs/options.md show them."""
+    groups: dict[str, list[Option]] = {}
+    for o in all_options().values():
+        groups.setdefault(o.owner, []).append(o)
+    return [(GROUP_TITLES[owner], groups.get(owner, [])) for owner in GROUP_TITLES]
+
+
+def help_text() -> str:
+    lines = ["usage: python train.py RECIPE.yaml [--key value ...]", "",
+             "Every key below is a YAML key and a --flag. Launch keys go under `launch:` (flag --launch.KEY).", ""]
+    for title, options in grouped_options():
+        lines += [f"{title.replace('`', '')}:"] + [f"  --{o.name}  {o.describe()}" for o in options] + [""]
+    lines.append("Aliases: " + ", ".join(f"{a} -> {c}" for a, c in ALIASES.items()))
+    return "\n".join(lines)
+
+
+def options_markdown() -> str:
+    """docs/options.md: the option table, generated from the schema (tests fail when the file is stale)."""
+    out = ["# Recipe options", "",
+           "Generated from `sftrecipes/schema.py` and TRL's `SFTConfig` by `make docs`; do not edit by hand.",
+           "Every key is a YAML key and a `--flag`; launch keys live under `launch:` (flag `--launch.KEY`).", ""]
+    for title, options in grouped_options():
+        out += [f"## {title}", "", "| key | type | default | help |", "|---|---|---|---|"]
+        for o in options:
+            choices = f" One of: {', '.join(f'`{c}`' for c in o.choices)}." if o.choices else ""
+            help_ = (o.help + choices).replace("|", "\\|")
+            kind = o.kind.replace("|", "\\|")
+            out.append(f"| `{o.name}` | {kind} | `{o.default!r}` | {help_} |")
+        out.append("")
+    out += ["## Aliases", "", "Accepted and mapped (the run logs the mapping):", ""]
+    out += [f"- `{a}` → `{c}`" for a, c in ALIASES.items()]
+    return "\n".join(out) + "\n"

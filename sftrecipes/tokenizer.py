@@ -1,0 +1,131 @@
+"""Tokenizer: the recipe's tokenizer set up for its chat template (end-of-turn and pad tokens, where generation stops)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from transformers import AutoTokenizer
+
+from .errors import RecipeError
+from .recipe import Recipe
+
+log = logging.getLogger("sftrecipes")
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+ZEPHYR_TEMPLATE = (
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+# format -> (template, special tokens it needs, end-of-turn token: None = the tokenizer's eos)
+TEMPLATES = {
+    "chatml": (CHATML_TEMPLATE, ["<|im_start|>", "<|im_end|>"], "<|im_end|>"),
+    "zephyr": (ZEPHYR_TEMPLATE, ["<|user|>", "<|assistant|>", "<|system|>"], None),
+}
+
+
+PAD_CANDIDATES = ("<pad>", "<|finetune_right_pad_id|>", "<|pad|>")  # existing pad-like tokens (Llama-3.1 ships the 2nd)
+
+
+def load_tokenizer(recipe: Recipe):
+    """Tokenizer with the recipe's chat template. Returns (tokenizer, end_of_turn, added_token_ids): end_of_turn is the
+    token (or, rarely, the text) that closes an assistant turn; when it is a token, it becomes the eos token so
+    training data and generation agree, and load_model puts it (with the original eos) into the generation config."""
+    m = recipe.model
+    name = m.tokenizer_name_or_path or m.model_name_or_path
+    tok = AutoTokenizer.from_pretrained(name, trust_remote_code=bool(recipe.trl_value("trust_remote_code")))
+    original_eos = tok.eos_token
+    added: list[int] = []
+    fmt = m.chat_template_format
+    if fmt in TEMPLATES:
+        template, specials, _ = TEMPLATES[fmt]
+        missing = [t for t in specials if t not in tok.get_vocab()]
+        if missing:
+            tok.add_special_tokens({"additional_special_tokens": missing}, replace_extra_special_tokens=False)
+            added = tok.convert_tokens_to_ids(missing)
+        tok.chat_template = template
+    elif fmt == "tokenizer" and recipe.trl.get("chat_template_path"):  # the file's template, for the data and the save
+        with open(recipe.trl["chat_template_path"], encoding="utf-8") as f:
+            tok.chat_template = f.read()
+        log.info("chat template: %s", recipe.trl["chat_template_path"])
+    elif fmt == "tokenizer" and not tok.chat_template:
+        raise RecipeError(f"chat_template_format: 'tokenizer' but {name} has no chat template; use chatml or zephyr")
+    eot, kind = None, "none"
+    if fmt != "none":
+        eot, kind = end_of_turn(tok)
+        if kind == "none":
+            log.warning("chat template: assistant turns end with no token; generation stops only at eos (%s), which the "
+                        "formatted data does not contain: set append_concat_token: true or use a template that closes turns", tok.eos_token)
+        elif kind == "text":
+            log.warning("chat template: assistant turns end with the text %r, not one token; generation stops on it only through "
+                        "the saved generation config's stop_strings (passed to generate with the tokenizer)", eot)
+        else:
+            if eot != tok.eos_token:
+                tok.eos_token = eot
+            log.info("chat template: end of turn is %s (%s); eos token: %s%s", eot, kind, eot,
+                     f" (was {original_eos})" if original_eos not in (None, eot) else "")
+    if recipe.trl.get("eos_token"):
+        if recipe.trl["eos_token"] not in tok.get_vocab():
+            raise RecipeError(f"eos_token: '{recipe.trl['eos_token']}' is not in the tokenizer's vocabulary; pick a token it has")
+        tok.eos_token = recipe.trl["eos_token"]
+    if tok.pad_token is None:
+        vocab = tok.get_vocab()
+        have = next((t for t in PAD_CANDIDATES if t in vocab), None)
+        if have is None:
+            tok.add_special_tokens({"pad_token": "<pad>"})
+            added.append(tok.pad_token_id)
+        else:
+            tok.pad_token = have
+    # what generation must stop on (set_generation_stop): eos as now set, then the original eos; a textual end of turn
+    stop_ids = [i for i in (tok.eos_token_id, tok.convert_tokens_to_ids(original_eos) if original_eos else None) if i is not None]
+    tok._sftrecipes_stop = (list(dict.fromkeys(stop_ids)), [eot] if kind == "text" else [])
+    return tok, tok.eos_token if kind == "none" or recipe.trl.get("eos_token") else eot, added
+
+
+SENTINELS = ("SENTINEL-ONE", "SENTINEL-TWO")
+
+
+def end_of_turn(tok) -> tuple[str | None, str]:
+    """What a chat template closes an assistant turn with, and what kind of thing it is: ('<|eot_id|>', 'added token')
+    for a special token the tokenizer does not list (Llama-3), 'special token' (<|im_end|>, <end_of_turn>, </s>),
+    'token' (one ordinary vocabulary entry), 'text' (several tokens), or (None, 'none').
+
+    The same assistant turn is rendered twice: last in the conversation, and followed by another user turn. What both
+    renderings put right after its content is the turn's closing text (Phi-3 appends eos after the last turn only; a
+    closing newline belongs to the turn); its first special token, else the text itself, is the end of turn."""
+    one, two = SENTINELS
+    turn = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": one}]
+    last = tok.apply_chat_template(turn, tokenize=False)
+    more = tok.apply_chat_template(turn + [{"role": "user", "content": "again"}, {"role": "assistant", "content": two}], tokenize=False)
+    after_last, after_more = (t[t.index(one) + len(one):] for t in (last, more))
+    closing = os.path.commonprefix([after_last, after_more])
+    ids = tok(closing, add_special_tokens=False)["input_ids"]
+    listed = set(tok.all_special_ids)
+    special_added = {i for i, t in tok.added_tokens_decoder.items() if t.special}
+    for i in ids:
+        if i in listed:
+            return tok.convert_ids_to_tokens(i), "special token"
+        if i in special_added:
+            return tok.convert_ids_to_tokens(i), "added token"
+    text = closing.strip()
+    if not text:
+        return None, "none"
+    if text in tok.get_vocab():
+        return text, "token"
+    return text, "text"
+
+
+
+def set_generation_stop(gen, tokenizer) -> list[int]:
+    """Generation stops at the end of turn and at eos: the ids load_tokenizer recorded (end of turn, original eos)
+    before the model's own eos ids; a multi-token textual end of turn goes to stop_strings. Returns the eos ids."""
+    ids, texts = getattr(tokenizer, "_sftrecipes_stop", ([tokenizer.eos_token_id], []))
+    own = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id] if gen.eos_token_id is not None else []
+    ids = list(dict.fromkeys([i for i in ids if i is not None] + own))
+    gen.eos_token_id = ids if len(ids) > 1 else (ids[0] if ids else None)
+    if texts:
+        gen.stop_strings = texts
+    return ids
