@@ -34,6 +34,52 @@ SHAPES = ("messages (column 'messages': role/content turns), conversations (colu
 KEPT, FULLY_MASKED, CUT_AWAY, CUT_KEPT = 0, 1, 2, 3
 
 
+# Every SFTConfig/TrainingArguments field TRL 1.16's SFTTrainer reads while it prepares data (__init__'s tokenizer and
+# collator set-up, _prepare_dataset, the collator), and what becomes of it here: "pipeline" (applied by this
+# package's own tokenization, which TRL then leaves alone: the data reaching TRL already has input_ids + labels),
+# "trainer" (still acts inside SFTTrainer on the prepared data: packing, shuffling, collating), "refused" (a one-line
+# RecipeError from check_trl_data_keys). tests/test_data.py fails when TRL reads a field this table does not classify,
+# and shows each key's effect in the tokens, labels, prepared rows or batches.
+TRL_DATA_KEYS: dict[str, tuple[str, str]] = {
+    "chat_template_path": ("pipeline", "model.load_tokenizer makes the .jinja file the template the data is rendered "
+                           "with (and saved); not passed to TRL, which would apply it to untokenized data only"),
+    "dataset_text_field": ("pipeline", "the column text data is read from, and the column the rendered text is kept in"),
+    "assistant_only_loss": ("pipeline", "labels of everything but assistant turns are -100 here; not passed to TRL"),
+    "completion_only_loss": ("pipeline", "labels of the prompt are -100 here; not passed to TRL"),
+    "max_length": ("pipeline", "samples are cut here (counted); TRL's own cut then changes nothing; also the packed "
+                   "row length of TRL's packing"),
+    "truncation_mode": ("pipeline", "which end the cut here keeps; TRL's cut then changes nothing"),
+    "eos_token": ("pipeline", "model.load_tokenizer makes it the tokenizer's eos, the token text samples end with"),
+    "dataset_num_proc": ("pipeline", "processes of this package's map over the rows, and of TRL's packing"),
+    "dataset_kwargs": ("refused", "its only key, skip_prepare_dataset, would skip TRL's packing and shuffle_dataset, "
+                       "and the data is formatted here whatever it says"),
+    "packing": ("trainer", "TRL packs the prepared rows (each kept whole by bfd/bfd_split: none exceeds max_length)"),
+    "packing_strategy": ("trainer", "how TRL packs the prepared rows; wrapped rows are counted here"),
+    "eval_packing": ("trainer", "whether TRL packs the prepared eval rows (None: as packing)"),
+    "shuffle_dataset": ("trainer", "TRL shuffles the prepared rows under seed"),
+    "seed": ("trainer", "shuffle_dataset's order in TRL; the mixture's draws here"),
+    "padding_free": ("trainer", "TRL's collator flattens a batch into one row with position_ids; without packing "
+                     "TRL refuses it while max_length is set, so that combination is refused first"),
+    "pad_to_multiple_of": ("trainer", "TRL's collator pads each batch to a multiple of it"),
+    "pad_token": ("trainer", "TRL's collator pads with it (and the saved tokenizer names it); deprecated by TRL"),
+    "per_device_train_batch_size": ("trainer", "read by TRL's data set-up only for a padding-free warning"),
+}
+
+
+def check_trl_data_keys(recipe: Recipe) -> None:
+    """The TRL data-preparation keys TRL_DATA_KEYS refuses, or refuses in a combination: one line, before anything runs."""
+    kwargs = recipe.trl.get("dataset_kwargs")
+    if kwargs:
+        raise RecipeError(f"dataset_kwargs: {kwargs} is not used: the data is formatted and tokenized by sftrecipes "
+                          "(data.py) and skip_prepare_dataset would skip packing and shuffle_dataset; remove dataset_kwargs")
+    packing, max_length = recipe.trl_value("packing"), recipe.trl_value("max_length")
+    if recipe.trl_value("padding_free") and not packing and max_length is not None:
+        raise RecipeError("padding_free: true without packing is refused by TRL while max_length is set (the data is cut to "
+                          "max_length here already); set packing: true (its bfd strategy is padding-free) or max_length: null")
+    if recipe.trl_value("eval_packing") and max_length is None:
+        raise RecipeError("eval_packing: true needs max_length to set the packed length; set max_length: 2048")
+
+
 @dataclass
 class Source:
     """One dataset of the run: `dataset_name`, or one entry of `datasets` (schema.DATASET_ENTRY_KEYS)."""

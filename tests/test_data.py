@@ -490,3 +490,165 @@ def test_prompt_completion_run_trains_on_the_completion_only(tiny_model, shapes,
     answers = {" " + r["messages"][-1]["content"] + "</s>" for r in ROWS}
     for ids, labels in zip(batch["input_ids"].tolist(), batch["labels"].tolist()):
         assert tok.decode([t for t, label in zip(ids, labels) if label != -100]) in answers
+
+
+# ------------------------------------------------------------------------------------------ TRL's data-preparation keys
+# data.TRL_DATA_KEYS says what becomes of every key TRL reads while it prepares data; these tests keep it complete
+# and show each effect where it lands: the tokens and labels made here, the rows SFTTrainer prepares, its batches.
+
+# What SFTTrainer.__init__/_prepare_dataset/evaluate read that is not about the data (covered elsewhere).
+NOT_DATA_PREP = {
+    "accelerator_config": "accelerate's set-up", "activation_offloading": "activation memory (a model wrapper)",
+    "ddp_find_unused_parameters": "DDP wrapping", "deepspeed_plugin": "DeepSpeed set-up", "distributed_state": "process group",
+    "gradient_checkpointing": "activation memory", "gradient_checkpointing_kwargs": "activation memory",
+    "hub_token": "hub push", "label_smoothing_factor": "the loss (test_options_reach.py effect test)",
+    "liger_kernel_config": "Liger kernels (GPU)", "use_liger_kernel": "Liger kernels (GPU)",
+    "loss_type": "the loss (test_options_reach.py effect test)", "model_init_kwargs": "model loading (model.py)",
+    "n_gpu": "device count", "router_aux_loss_coef": "MoE loss (test_lora.py / test_families.py)",
+    "to_dict": "a method, not a field", "trust_remote_code": "model/tokenizer loading (model.py)",
+}
+
+
+def trl_reads() -> set[str]:
+    """Every `args.X` / `self.args.X` SFTTrainer's data set-up reads, plus every field SFTConfig adds to TrainingArguments."""
+    import ast
+    import dataclasses
+    import inspect
+    import textwrap
+
+    from transformers import TrainingArguments
+    from trl import SFTConfig, SFTTrainer
+
+    names = set()
+    for fn in (SFTTrainer.__init__, SFTTrainer._prepare_dataset, SFTTrainer.evaluate):
+        for n in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(fn)))):
+            if isinstance(n, ast.Attribute) and (
+                    (isinstance(n.value, ast.Name) and n.value.id == "args")
+                    or (isinstance(n.value, ast.Attribute) and n.value.attr == "args" and getattr(n.value.value, "id", "") == "self")):
+                names.add(n.attr)
+    own = {f.name for f in dataclasses.fields(SFTConfig)} - {f.name for f in dataclasses.fields(TrainingArguments)}
+    return names | (own - {"learning_rate"})
+
+
+def test_every_trl_data_key_is_classified():
+    """A TRL upgrade that reads a new field while preparing data fails here until TRL_DATA_KEYS says what becomes of it."""
+    import dataclasses
+
+    from trl import SFTConfig
+
+    reads = trl_reads()
+    unclassified = reads - set(data.TRL_DATA_KEYS) - set(NOT_DATA_PREP)
+    assert not unclassified, f"classify in data.TRL_DATA_KEYS (pipeline/trainer/refused, with the reason): {sorted(unclassified)}"
+    fields = {f.name for f in dataclasses.fields(SFTConfig)}
+    assert set(data.TRL_DATA_KEYS) <= fields and set(data.TRL_DATA_KEYS) <= reads | {"dataset_num_proc"}
+    assert {how for how, _ in data.TRL_DATA_KEYS.values()} == {"pipeline", "trainer", "refused"}
+    consumed = {k for k in backends.CONSUMED_BY_PIPELINE}  # applied here, so never handed to TRL to apply again
+    assert consumed <= {k for k, (how, _) in data.TRL_DATA_KEYS.items() if how == "pipeline"}
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--dataset_kwargs", '{"skip_prepare_dataset": true}'], "dataset_kwargs: .* remove dataset_kwargs"),
+    (["--dataset_kwargs", '{"num_proc": 2}'], "dataset_kwargs: .* remove dataset_kwargs"),
+    (["--padding_free", "True"], "padding_free: true without packing .* set packing: true .* or max_length: null"),
+    (["--eval_packing", "True", "--max_length", "null"], "eval_packing: true needs max_length"),
+])
+def test_refused_data_keys_are_one_line_errors_and_the_fix_loads(flags, fragment):
+    with pytest.raises(RecipeError, match="^" + fragment) as e:
+        load_recipe(BASE + flags)
+    assert "\n" not in str(e.value)
+    fix = {"--padding_free": ["--packing", "True"], "--eval_packing": ["--max_length", "64"]}.get(flags[0])
+    if fix:
+        load_recipe(BASE + flags[:2] + fix)
+
+
+def trainer_for(tmp_path, *flags):
+    """(trainer, our prepared train split, our eval split or None): SFTTrainer built as train.py builds it."""
+    from trl import SFTTrainer
+
+    r, tok, eot, _ = build("--chat_template_format", "chatml", "--max_length", "48", "--output_dir", str(tmp_path / "o"),
+                           "--launch.hardware", "cpu", "--per_device_train_batch_size", "4", *flags)
+    train, evals, _, _ = data.load_datasets(r, tok, eot)
+    trainer = SFTTrainer(model=models.load_model(r, tok, "cpu"), args=backends.training_args(r, "cpu"),
+                         train_dataset=train, eval_dataset=evals, processing_class=tok)
+    return trainer, train, evals
+
+
+def first_batch(trainer):
+    return next(iter(trainer.get_train_dataloader()))
+
+
+def test_pad_to_multiple_of_and_pad_token_shape_the_batches(tiny_model, tmp_path):
+    """Both act in TRL's collator: the batch is padded to a multiple of 13 with the named pad token (the default pads
+    to the longest sample with the tokenizer's own pad)."""
+    trainer, _, _ = trainer_for(tmp_path, "--splits", "train", "--pad_to_multiple_of", "13", "--pad_token", "<unk>")
+    tok = trainer.processing_class
+    unk = tok.convert_tokens_to_ids("<unk>")
+    for batch in [first_batch(trainer) for _ in range(3)]:
+        width, longest = batch["input_ids"].shape[1], int(batch["attention_mask"].sum(1).max())
+        assert width == -(-longest // 13) * 13 and width % 13 == 0
+        pads = batch["input_ids"][batch["attention_mask"] == 0]
+        assert len(pads) and (pads == unk).all() and (batch["labels"][batch["attention_mask"] == 0] == -100).all()
+    assert tok.pad_token == "<unk>" and trainer.model.config.pad_token_id == unk
+    default, _, _ = trainer_for(tmp_path, "--splits", "train")
+    batch = first_batch(default)
+    assert batch["input_ids"].shape[1] == int(batch["attention_mask"].sum(1).max())
+    assert (batch["input_ids"][batch["attention_mask"] == 0] == default.processing_class.pad_token_id).all()
+    assert default.processing_class.pad_token_id != unk
+
+
+def test_padding_free_flattens_each_batch(tiny_model, tmp_path):
+    """padding_free (with wrapped packing, which is not padding-free by itself): one row, position_ids restarting at
+    each packed row, no attention mask, no pad."""
+    flags = ("--splits", "train", "--packing", "True", "--packing_strategy", "wrapped")
+    padded = first_batch(trainer_for(tmp_path, *flags)[0])
+    assert padded["input_ids"].shape[0] == 4 and "attention_mask" in padded
+    trainer, _, _ = trainer_for(tmp_path, *flags, "--padding_free", "True")
+    flat = first_batch(trainer)
+    assert flat["input_ids"].shape[0] == 1 and "attention_mask" not in flat
+    assert flat["input_ids"].shape[1] == 4 * 48 and (flat["position_ids"][0] == 0).sum() >= 4
+
+
+def test_shuffle_dataset_orders_the_prepared_rows_under_seed(tiny_model, tmp_path):
+    trainer, ours, _ = trainer_for(tmp_path, "--splits", "train", "--shuffle_dataset", "True", "--seed", "5")
+    theirs = trainer.train_dataset["input_ids"]
+    assert theirs == ours.shuffle(seed=5)["input_ids"] and theirs != ours["input_ids"]
+    assert sorted(map(tuple, theirs)) == sorted(map(tuple, ours["input_ids"]))  # the same rows, another order
+    plain, ours, _ = trainer_for(tmp_path, "--splits", "train")
+    assert plain.train_dataset["input_ids"] == ours["input_ids"]
+
+
+@pytest.mark.parametrize("packing, eval_packing", [("False", "True"), ("True", "False")])
+def test_eval_packing_packs_the_eval_split_alone(tiny_model, tmp_path, packing, eval_packing):
+    trainer, train, evals = trainer_for(tmp_path, "--splits", "train,test", "--packing", packing, "--eval_packing", eval_packing)
+    packed = {"train": "seq_lengths" in trainer.train_dataset.column_names, "eval": "seq_lengths" in trainer.eval_dataset.column_names}
+    assert packed == {"train": packing == "True", "eval": eval_packing == "True"}
+    n_eval = len(trainer.eval_dataset)
+    assert (n_eval < len(evals)) if eval_packing == "True" else (n_eval == len(evals))
+
+
+def test_eos_token_ends_text_samples(tiny_model, tmp_path):
+    f = write_jsonl(tmp_path / "t.jsonl", [{"text": "plain words"}])
+    for eos in ("<|im_end|>", "<|im_start|>"):
+        r, tok, eot, _ = build("--dataset_name", str(f), "--splits", "train", "--append_concat_token", "True", "--eos_token", eos)
+        row = data.prepare(r, tok, eot, data.load_raw(r)[0], "train")[0]
+        assert row["input_ids"][-1] == tok.convert_tokens_to_ids(eos) and tok.eos_token == eos
+
+
+def test_dataset_num_proc_maps_in_that_many_processes(tiny_model, tmp_path, monkeypatch):
+    import os
+
+    seen = tmp_path / "pids"
+    seen.mkdir()
+    real = data._prepare_row
+
+    def spy(example, *a, **kw):
+        (seen / str(os.getpid())).touch()
+        return real(example, *a, **kw)
+
+    monkeypatch.setattr(data, "_prepare_row", spy)
+    for n in (1, 2):
+        for p in seen.iterdir():
+            p.unlink()
+        r, tok, eot, _ = build("--splits", "train", "--chat_template_format", "chatml", "--dataset_num_proc", str(n))
+        data.load_datasets(r, tok, eot)
+        assert len(list(seen.iterdir())) == n
