@@ -548,6 +548,9 @@ def load_datasets(recipe: Recipe, tokenizer, eot: str):
     masked, kept, packing) and the mixture's draws; train.py writes them into run_summary.json."""
     import datasets  # noqa: PLC0415
 
+    pad = recipe.trl.get("pad_token")
+    if pad and pad not in tokenizer.get_vocab():  # TRL would refuse it after the model load
+        raise RecipeError(f"pad_token: '{pad}' is not in the tokenizer's vocabulary; pick a token it has, or remove pad_token")
     srcs = sources(recipe)
     mixture = bool(recipe.data.datasets)
     seed = int(recipe.trl_value("seed"))

@@ -626,6 +626,12 @@ def test_eval_packing_packs_the_eval_split_alone(tiny_model, tmp_path, packing, 
     assert (n_eval < len(evals)) if eval_packing == "True" else (n_eval == len(evals))
 
 
+def test_pad_token_outside_the_vocabulary_is_refused_before_the_model_loads(tiny_model):
+    r, tok, eot, _ = build("--pad_token", "<nope>")
+    with pytest.raises(RecipeError, match="^pad_token: '<nope>' is not in the tokenizer's vocabulary; pick a token it has"):
+        data.load_datasets(r, tok, eot)
+
+
 def test_eos_token_ends_text_samples(tiny_model, tmp_path):
     f = write_jsonl(tmp_path / "t.jsonl", [{"text": "plain words"}])
     for eos in ("<|im_end|>", "<|im_start|>"):

@@ -479,3 +479,70 @@ def test_every_project_option_has_an_observer():
 @pytest.mark.parametrize("key", sorted(OBSERVERS))
 def test_project_option_reaches_its_target(tiny_model, tmp_path, key):
     OBSERVERS[key](tiny_model, tmp_path)
+
+
+# ------------------------------------------------------------------------------------------ effects inside the trainer
+# The reach test above shows a TRL key arrives in SFTConfig; for the keys that act inside the trainer these show the
+# effect in what a run produces: its logged losses and learning rates, its loss on a batch. The collator, padding and
+# data-order keys: test_data.py (TRL's data-preparation keys).
+
+def tiny_run(tmp_path, *flags):
+    import train
+
+    return train.run(recipe("--chat_template_format", "chatml", "--output_dir", tmp_path, "--max_steps", 6,
+                            "--sample_max_new_tokens", 0, "--per_device_train_batch_size", 2, *flags))[1]
+
+
+@pytest.fixture(scope="module")
+def scheduled(tmp_path_factory):
+    """One 6-step run with a warmed-up linear schedule, logged every 2 steps."""
+    import train
+
+    out = tmp_path_factory.mktemp("scheduled")
+    trainer, summary = train.run(recipe("--chat_template_format", "chatml", "--output_dir", out, "--max_steps", 6,
+                                        "--sample_max_new_tokens", 0, "--per_device_train_batch_size", 2, "--logging_steps", 2,
+                                        "--learning_rate", 0.004, "--lr_scheduler_type", "linear", "--warmup_steps", 3, "--seed", 11))
+    return trainer.state.log_history, summary
+
+
+def test_logging_steps_and_the_lr_schedule_shape_the_log(scheduled):
+    """logging_steps 2 of 6 steps: losses logged at steps 2, 4, 6; learning_rate 0.004 with linear decay after 3
+    warm-up steps: the rate each logged step used, from the schedule's formula."""
+    history, summary = scheduled
+    logged = [(e["step"], e["learning_rate"]) for e in history if "loss" in e]
+    assert [s for s, _ in logged] == [2, 4, 6] and len(summary["losses"]) == 3
+
+    def linear(step, peak=0.004, warmup=3, total=6):
+        return peak * (step / warmup if step < warmup else (total - step) / (total - warmup))
+
+    assert [lr for _, lr in logged] == pytest.approx([linear(s - 1) for s, _ in logged])  # the rate step s trained with
+
+
+def test_seed_decides_the_run(scheduled, tmp_path):
+    """The same seed gives the same losses (data order, initialisation of anything new); another seed does not."""
+    _, first = scheduled
+    flags = ("--logging_steps", 2, "--learning_rate", 0.004, "--lr_scheduler_type", "linear", "--warmup_steps", 3)
+    assert tiny_run(tmp_path / "same", *flags, "--seed", 11)["losses"] == first["losses"]
+    assert tiny_run(tmp_path / "other", *flags, "--seed", 12)["losses"] != first["losses"]
+
+
+@pytest.mark.parametrize("flags, expect", [
+    ((), "nll"), (("--loss_type", "dft"), "dft"), (("--label_smoothing_factor", 0.2), "smoothed")])
+def test_loss_keys_set_the_loss_of_a_batch(tiny_model, tmp_path, flags, expect):
+    """The loss SFTTrainer computes for one batch equals the formula the key names, from the model's own logits."""
+    from test_data import first_batch, trainer_for
+
+    trainer, _, _ = trainer_for(tmp_path, "--splits", "train", *[str(f) for f in flags])
+    trainer.model.eval()
+    batch = first_batch(trainer)
+    with torch.no_grad():
+        got = trainer.compute_loss(trainer.model, dict(batch))
+        logits = trainer.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logp = torch.log_softmax(logits[:, :-1].float(), -1)
+    target = batch["labels"][:, 1:]
+    mask = target != -100
+    nll = -logp.gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)[mask]
+    want = {"nll": nll.mean(), "dft": (nll * torch.exp(-nll)).mean(),
+            "smoothed": 0.8 * nll.mean() + 0.2 * (-logp.sum(-1)[mask] / logp.shape[-1]).mean()}
+    torch.testing.assert_close(got, want[expect], atol=1e-4, rtol=1e-4)
+    assert all(not torch.allclose(got, v, atol=1e-4) for k, v in want.items() if k != expect)
