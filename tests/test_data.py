@@ -1,13 +1,24 @@
 """Formatting and tokenization: templates, special tokens, end-of-turn counts, loss masks, packing."""
 
+import ast
+import dataclasses
+import inspect
 import json
+import os
+import textwrap
 
+import datasets
 import pytest
 import torch
+from transformers import AutoTokenizer, TrainingArguments
+from trl import SFTConfig, SFTTrainer
+from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-from sftrecipes import backends, data, model as models
+import train as train_script
+from sftrecipes import backends, data, model as models, tokenization
 from sftrecipes.errors import RecipeError
 from sftrecipes.recipe import load_recipe
+
 
 BASE = ["--model_name_or_path", ".assets/tiny-llama", "--dataset_name", "data/tiny_chat", "--output_dir", "outputs/t"]
 CONV = {"messages": [
@@ -30,7 +41,7 @@ def build(*flags):
 @pytest.mark.parametrize("special", [False, True])
 def test_exactly_one_end_of_turn_per_turn(tiny_model, fmt, append, special):
     r, tok, eot, _ = build("--chat_template_format", fmt, "--append_concat_token", str(append), "--add_special_tokens", str(special))
-    out = data.tokenize_example(CONV, tok, r, eot)
+    out = tokenization.tokenize_example(CONV, tok, r, eot)
     eot_id = tok.convert_tokens_to_ids(eot)
     assert out["input_ids"].count(eot_id) == len(CONV["messages"]), tok.decode(out["input_ids"])
     assert (out["input_ids"][0] == tok.bos_token_id) == special  # add_special_tokens reaches the tokenizer call
@@ -39,12 +50,12 @@ def test_exactly_one_end_of_turn_per_turn(tiny_model, fmt, append, special):
 
 def test_append_concat_token_on_text_data(tiny_model, tmp_path):
     r, tok, eot, _ = build("--append_concat_token", "True")
-    out = data.tokenize_example({"text": "just some text"}, tok, r, eot)
+    out = tokenization.tokenize_example({"text": "just some text"}, tok, r, eot)
     assert out["input_ids"][-1] == tok.eos_token_id and out["input_ids"].count(tok.eos_token_id) == 1
     r2, *_ = build("--append_concat_token", "False")
-    assert tok.eos_token_id not in data.tokenize_example({"text": "just some text"}, tok, r2, eot)["input_ids"]
+    assert tok.eos_token_id not in tokenization.tokenize_example({"text": "just some text"}, tok, r2, eot)["input_ids"]
     # text that already ends with EOS gets no second one
-    out = data.tokenize_example({"text": "done</s>"}, tok, r, eot)
+    out = tokenization.tokenize_example({"text": "done</s>"}, tok, r, eot)
     assert out["input_ids"].count(tok.eos_token_id) == 1
 
 
@@ -57,7 +68,7 @@ def test_chatml_sets_end_of_turn_as_eos_and_zephyr_adds_tokens(tiny_model):
 
 def test_assistant_only_loss_masks_everything_but_assistant_turns(tiny_model):
     r, tok, eot, _ = build("--chat_template_format", "chatml", "--assistant_only_loss", "True")
-    out = data.tokenize_example(CONV, tok, r, eot)
+    out = tokenization.tokenize_example(CONV, tok, r, eot)
     trained = tok.decode([t for t, ln in zip(out["input_ids"], out["labels"]) if ln != -100])
     assert "2 plus 3 is 5." in trained and "Snow is white." in trained
     assert "What color" not in trained and "You answer briefly" not in trained and "user" not in trained
@@ -73,11 +84,10 @@ def test_chat_template_path_is_the_template_the_data_is_tokenized_with(tiny_mode
                         "{% if add_generation_prompt %}[[assistant]] {% endif %}")
     r, tok, eot, _ = build("--chat_template_format", "tokenizer", "--chat_template_path", str(template))
     assert tok.chat_template == template.read_text() and eot == "<|im_end|>"
-    out = data.tokenize_example(CONV, tok, r, eot)
+    out = tokenization.tokenize_example(CONV, tok, r, eot)
     text = tok.decode(out["input_ids"])
     assert "[[user]] What color is snow?" in text and "[[assistant]] Snow is white.<|im_end|>" in text
     tok.save_pretrained(tmp_path / "saved")
-    from transformers import AutoTokenizer
 
     assert AutoTokenizer.from_pretrained(tmp_path / "saved").chat_template == template.read_text()
     assert "chat_template_path" not in backends.training_kwargs(r, "cpu")  # applied here, not again by TRL
@@ -94,7 +104,7 @@ def test_chat_template_path_is_the_template_the_data_is_tokenized_with(tiny_mode
 def test_dataset_text_field_holds_the_formatted_text(tiny_model):
     r, tok, eot, _ = build("--chat_template_format", "chatml", "--dataset_text_field", "content")
     train, _ = data.load_raw(r)
-    ds = data.prepare(r, tok, eot, train.select(range(4)), "train")
+    ds = tokenization.prepare(r, tok, eot, train.select(range(4)), "train")
     assert set(ds.column_names) == {"content", "input_ids", "labels"}
     assert ds[0]["content"].startswith("<|im_start|>")
 
@@ -140,7 +150,6 @@ def test_packed_batch_has_no_cross_sample_attention(tiny_model, attn):
     sft_varlen attends per sample, so a packed sequence gives exactly the logits of its samples run alone. sdpa's
     detection is skipped when a KV cache exists (transformers' default use_cache=True), hence load_model turns the
     cache off for training; sft_varlen reads the boundaries itself, cache or not."""
-    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
     r, tok, _, _ = build("--packing", "True", "--attn_implementation", attn)
     model = models.load_model(r, tok, "cpu").train()  # as the trainer runs it
@@ -312,9 +321,6 @@ def test_every_sample_lost_to_the_cut_is_an_error(tiny_model, tmp_path):
 def test_trl_cuts_nothing_twice_and_packed_rows_are_counted(tiny_model, tmp_path, packing):
     """What SFTTrainer does after the project's preparation: no further cut, no drop, and the packed rows the
     counts announce (bfd: none fully masked; wrapped: exactly the counted number)."""
-    from trl import SFTTrainer
-
-    from sftrecipes import backends
 
     # masked runs longer than max_length across sample boundaries (a long masked user tail, then a long user
     # prompt), which wrapped packing can cut into rows of their own; and one sample longer than max_length
@@ -362,22 +368,20 @@ def test_one_bos_whatever_add_special_tokens_says(family_models, family, caplog)
     r0, tok = family_build(family_models[family], "--add_special_tokens", "False")
     r1, _ = family_build(family_models[family], "--add_special_tokens", "True")
     assert tok.apply_chat_template(CHAT["messages"], tokenize=False).startswith(tok.bos_token or "\0") == writes_bos
-    plain = data.tokenize_example(CHAT, tok, r0, EOT[family])
+    plain = tokenization.tokenize_example(CHAT, tok, r0, EOT[family])
     with caplog.at_level("INFO", logger="sftrecipes"):
-        ds = data.prepare(r1, tok, EOT[family], datasets_from([CHAT] * 3), "train split")
+        ds = tokenization.prepare(r1, tok, EOT[family], datasets_from([CHAT] * 3), "train split")
     assert ds[0]["input_ids"] == plain["input_ids"]  # one BOS either way (qwen2 has none to add)
     if writes_bos:
         assert plain["input_ids"][0] == tok.bos_token_id != plain["input_ids"][1]
     notes = [m for m in caplog.messages if m.startswith("add_special_tokens:")]
     assert len(notes) == int(writes_bos) and (not notes or "3 samples" in notes[0] and "add_special_tokens: false" in notes[0])
     if tok.bos_token is not None:  # text that starts with BOS: the same
-        text = data.tokenize_example({"text": tok.bos_token + "plain words"}, tok, r1, EOT[family], fmt="text")["input_ids"]
+        text = tokenization.tokenize_example({"text": tok.bos_token + "plain words"}, tok, r1, EOT[family], fmt="text")["input_ids"]
         assert text[0] == tok.bos_token_id != text[1]
 
 
 def datasets_from(rows):
-    import datasets
-
     return datasets.Dataset.from_list(rows)
 
 
@@ -387,10 +391,10 @@ def test_append_concat_token_never_stacks_a_second_end(family_models, family):
     r_on, _ = family_build(family_models[family], "--append_concat_token", "True")
     eot = EOT[family]
     # a conversation ends with the end of turn (phi3: then EOS): nothing appended
-    assert data.tokenize_example(CHAT, tok, r_on, eot)["input_ids"] == data.tokenize_example(CHAT, tok, r_off, eot)["input_ids"]
+    assert tokenization.tokenize_example(CHAT, tok, r_on, eot)["input_ids"] == tokenization.tokenize_example(CHAT, tok, r_off, eot)["input_ids"]
     for text in ("some words", "some words" + eot, "some words" + eot + "\n", "some words" + tok.eos_token):
-        off = data.tokenize_example({"text": text}, tok, r_off, eot, fmt="text")["input_ids"]
-        on = data.tokenize_example({"text": text}, tok, r_on, eot, fmt="text")["input_ids"]
+        off = tokenization.tokenize_example({"text": text}, tok, r_off, eot, fmt="text")["input_ids"]
+        on = tokenization.tokenize_example({"text": text}, tok, r_on, eot, fmt="text")["input_ids"]
         assert on == (off + [tok.eos_token_id] if text == "some words" else off), (text, on, off)
 
 
@@ -402,11 +406,11 @@ def test_plain_text_end_of_turn_is_recognised_on_ids_and_text(tiny_model):
     alone = tok(eot, add_special_tokens=False)["input_ids"]
     assert eot not in tok.get_vocab() and tok("the " + eot, add_special_tokens=False)["input_ids"][-len(alone):] != alone  # merges
     for text in ("yes\nAnswer end", "yes Answer end \n", "the Answer end"):
-        assert tok.eos_token_id not in data.tokenize_example({"text": text}, tok, r, eot, fmt="text")["input_ids"], text
-    assert data.tokenize_example({"text": "answer"}, tok, r, eot, fmt="text")["input_ids"][-1] == tok.eos_token_id
+        assert tok.eos_token_id not in tokenization.tokenize_example({"text": text}, tok, r, eot, fmt="text")["input_ids"], text
+    assert tokenization.tokenize_example({"text": "answer"}, tok, r, eot, fmt="text")["input_ids"][-1] == tok.eos_token_id
     # a template that makes another token EOS (chatml: <|im_end|>): text ending with the model's own EOS gets none
     r, tok, eot, _ = build("--append_concat_token", "True", "--chat_template_format", "chatml")
-    ids = data.tokenize_example({"text": "done</s>"}, tok, r, eot, fmt="text")["input_ids"]
+    ids = tokenization.tokenize_example({"text": "done</s>"}, tok, r, eot, fmt="text")["input_ids"]
     assert tok.eos_token == "<|im_end|>" and tok.convert_ids_to_tokens(ids[-1:]) == ["</s>"]
 
 
@@ -476,8 +480,6 @@ def test_mixture_entries_are_validated_torch_free(entries, flags, fragment):
 
 
 def test_prompt_completion_run_trains_on_the_completion_only(tiny_model, shapes, tmp_path):
-    import train as train_script
-
     trainer, summary = train_script.run(load_recipe(
         ["--model_name_or_path", ".assets/tiny-llama", "--dataset_name", str(shapes["prompt_completion"]), "--splits", "train",
          "--output_dir", str(tmp_path), "--max_steps", "2", "--per_device_train_batch_size", "4", "--logging_steps", "1",
@@ -511,13 +513,6 @@ NOT_DATA_PREP = {
 
 def trl_reads() -> set[str]:
     """Every `args.X` / `self.args.X` SFTTrainer's data set-up reads, plus every field SFTConfig adds to TrainingArguments."""
-    import ast
-    import dataclasses
-    import inspect
-    import textwrap
-
-    from transformers import TrainingArguments
-    from trl import SFTConfig, SFTTrainer
 
     names = set()
     for fn in (SFTTrainer.__init__, SFTTrainer._prepare_dataset, SFTTrainer.evaluate):
@@ -532,9 +527,6 @@ def trl_reads() -> set[str]:
 
 def test_every_trl_data_key_is_classified():
     """A TRL upgrade that reads a new field while preparing data fails here until TRL_DATA_KEYS says what becomes of it."""
-    import dataclasses
-
-    from trl import SFTConfig
 
     reads = trl_reads()
     unclassified = reads - set(data.TRL_DATA_KEYS) - set(NOT_DATA_PREP)
@@ -563,7 +555,6 @@ def test_refused_data_keys_are_one_line_errors_and_the_fix_loads(flags, fragment
 
 def trainer_for(tmp_path, *flags):
     """(trainer, our prepared train split, our eval split or None): SFTTrainer built as train.py builds it."""
-    from trl import SFTTrainer
 
     r, tok, eot, _ = build("--chat_template_format", "chatml", "--max_length", "48", "--output_dir", str(tmp_path / "o"),
                            "--launch.hardware", "cpu", "--per_device_train_batch_size", "4", *flags)
@@ -636,22 +627,20 @@ def test_eos_token_ends_text_samples(tiny_model, tmp_path):
     f = write_jsonl(tmp_path / "t.jsonl", [{"text": "plain words"}])
     for eos in ("<|im_end|>", "<|im_start|>"):
         r, tok, eot, _ = build("--dataset_name", str(f), "--splits", "train", "--append_concat_token", "True", "--eos_token", eos)
-        row = data.prepare(r, tok, eot, data.load_raw(r)[0], "train")[0]
+        row = tokenization.prepare(r, tok, eot, data.load_raw(r)[0], "train")[0]
         assert row["input_ids"][-1] == tok.convert_tokens_to_ids(eos) and tok.eos_token == eos
 
 
 def test_dataset_num_proc_maps_in_that_many_processes(tiny_model, tmp_path, monkeypatch):
-    import os
-
     seen = tmp_path / "pids"
     seen.mkdir()
-    real = data._prepare_row
+    real = tokenization._prepare_row
 
     def spy(example, *a, **kw):
         (seen / str(os.getpid())).touch()
         return real(example, *a, **kw)
 
-    monkeypatch.setattr(data, "_prepare_row", spy)
+    monkeypatch.setattr(tokenization, "_prepare_row", spy)
     for n in (1, 2):
         for p in seen.iterdir():
             p.unlink()

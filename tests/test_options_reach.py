@@ -6,15 +6,25 @@
   trainer arguments. A new option without an observer fails `test_every_project_option_has_an_observer`.
 """
 
+import json
+import shutil
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
 import torch
+from peft import get_peft_model
+from test_data import first_batch, trainer_for
+from test_lifecycle import fake_agent_preemption
+from transformers import AutoModelForCausalLM, TrainerControl, TrainerState
 
-from sftrecipes import backends, data, model as models
+import train
+from sftrecipes import backends, checkpoints, data, launch, lifecycle, model as models, plan, tokenization
 from sftrecipes.errors import RecipeError
 from sftrecipes.recipe import load_recipe
 from sftrecipes.schema import all_options
+from sftrecipes.tiny import ensure_family
+
 
 BASE = ["--model_name_or_path", ".assets/tiny-llama", "--dataset_name", "data/tiny_chat", "--output_dir", "outputs/reach"]
 
@@ -99,12 +109,10 @@ def recipe(*flags):
 def tokenized(r):
     tok, eot, _ = models.load_tokenizer(r)
     train, _ = data.load_raw(r)
-    return tok, data.prepare(r, tok, eot, train.select(range(min(3, len(train)))), "train")
+    return tok, tokenization.prepare(r, tok, eot, train.select(range(min(3, len(train)))), "train")
 
 
 def obs_model_name(tiny_model, tmp_path):
-    import shutil
-
     other = tmp_path / "copy"
     shutil.copytree(tiny_model, other)
     r = recipe("--model_name_or_path", other)
@@ -113,8 +121,6 @@ def obs_model_name(tiny_model, tmp_path):
 
 
 def obs_tokenizer_name(tiny_model, tmp_path):
-    import shutil
-
     other = tmp_path / "tok"
     shutil.copytree(tiny_model, other)
     tok, _, _ = models.load_tokenizer(recipe("--tokenizer_name_or_path", other))
@@ -137,7 +143,6 @@ def obs_use_flash_attn(tiny_model, tmp_path, caplog=None):
     r = recipe("--use_flash_attn", "True")
     assert models.attn_implementation(recipe(), "gpu") == "sdpa"
     assert models.attn_implementation(r, "cpu") == "sdpa"  # asked, but no GPU: the warned fallback
-    from unittest import mock
 
     with mock.patch.object(models, "flash_attn_installed", return_value=True):
         assert models.attn_implementation(recipe("--use_flash_attn", "True", "--bf16", "True"), "gpu") == "flash_attention_2"
@@ -181,10 +186,6 @@ def obs_lora_target_modules(tiny_model, tmp_path):
 
 def obs_lora_target_router(tiny_model, tmp_path):
     """The router of an MoE model gets LoRA only with the key (the MoE runs in test_lora.py see it in the adapter)."""
-    from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from sftrecipes.tiny import ensure_family
 
     moe = str(ensure_family("qwen3_moe"))
 
@@ -232,8 +233,6 @@ def obs_use_reentrant(tiny_model, tmp_path):
 
 
 def obs_dataset_name(tiny_model, tmp_path):
-    import json
-
     f = tmp_path / "d.jsonl"
     f.write_text(json.dumps({"messages": [{"role": "user", "content": "zebra"}]}) + "\n")
     tok, ds = tokenized(recipe("--dataset_name", f, "--splits", "train", "--chat_template_format", "chatml"))
@@ -241,8 +240,6 @@ def obs_dataset_name(tiny_model, tmp_path):
 
 
 def obs_dataset_format(tiny_model, tmp_path):
-    import json
-
     f = tmp_path / "both.jsonl"
     f.write_text(json.dumps({"prompt": "Question?", "completion": " Answer.", "text": "Other words."}) + "\n")
     tok, ds = tokenized(recipe("--dataset_name", f, "--splits", "train"))  # auto: prompt/completion, completion trained
@@ -252,8 +249,6 @@ def obs_dataset_format(tiny_model, tmp_path):
 
 
 def obs_datasets(tiny_model, tmp_path):
-    import json
-
     entries = [{"path": "data/tiny_chat", "samples": 7}, {"path": "data/tiny_chat", "split": "test", "weight": 0.5}]
     r = load_recipe(["--model_name_or_path", ".assets/tiny-llama", "--output_dir", "outputs/reach", "--chat_template_format",
                      "chatml", "--datasets", json.dumps(entries)])
@@ -272,8 +267,6 @@ def obs_add_special_tokens(tiny_model, tmp_path):
 
 
 def obs_append_concat_token(tiny_model, tmp_path):
-    import json
-
     f = tmp_path / "t.jsonl"
     f.write_text(json.dumps({"text": "plain text"}) + "\n")
     tok, ds = tokenized(recipe("--dataset_name", f, "--splits", "train", "--append_concat_token", "True"))
@@ -289,15 +282,11 @@ def obs_launch_cpu_threads(tiny_model, tmp_path):
 
 
 def obs_launch_num_machines(tiny_model, tmp_path):
-    from sftrecipes.errors import RecipeError
-
     with pytest.raises(RecipeError, match="describes 2 processes"):
         backends.check_world_size(recipe("--launch.backend", "ddp", "--launch.num_machines", 2))
 
 
 def obs_launch_gpus_per_node(tiny_model, tmp_path):
-    from sftrecipes.errors import RecipeError
-
     with pytest.raises(RecipeError, match="describes 4 processes"):
         backends.check_world_size(recipe("--launch.backend", "ddp", "--launch.gpus_per_node", 4))
     assert backends.check_world_size(recipe()) == 1
@@ -314,8 +303,6 @@ def obs_launch_backend(tiny_model, tmp_path):
 
 
 def obs_launch_gpu_memory_gb(tiny_model, tmp_path):
-    from sftrecipes.errors import RecipeError
-
     with pytest.raises(RecipeError, match="needs 2 GPU\\(s\\) of 41 GB per node"):
         backends.preflight(recipe("--launch.backend", "ddp", "--launch.gpus_per_node", 2, "--launch.gpu_memory_gb", 41))
 
@@ -375,8 +362,6 @@ def obs_launch_fsdp_offload_params(tiny_model, tmp_path):
 
 
 def slurm_text(*flags):
-    from sftrecipes import launch
-
     r = recipe("--launch.backend", "ddp", "--launch.num_machines", 2, *flags)
     return launch.slurm_script(r, "recipes/x.yaml", "x")
 
@@ -390,16 +375,12 @@ def obs_launch_slurm_time(tiny_model, tmp_path):
 
 
 def obs_launch_cpu_ram_gb(tiny_model, tmp_path):
-    from sftrecipes import plan
-
     flags = ("--launch.backend", "ddp", "--launch.gpus_per_node", 2)
     assert plan.plan_recipe(recipe(*flags, "--launch.cpu_ram_gb", 0.001)).cpu_fits is False
     assert plan.plan_recipe(recipe(*flags, "--launch.cpu_ram_gb", 1000)).cpu_fits is True
 
 
 def obs_sample_max_new_tokens(tiny_model, tmp_path):
-    import train
-
     common = ["--max_steps", 1, "--output_dir", tmp_path, "--launch.hardware", "cpu"]
     _, summary = train.run(recipe("--chat_template_format", "chatml", "--sample_max_new_tokens", 3, *common))
     assert 0 < len(summary["sample"]["reply"]) and summary["sample"]["prompt"][-1]["role"] == "user"
@@ -408,8 +389,6 @@ def obs_sample_max_new_tokens(tiny_model, tmp_path):
 
 
 def obs_launch_peak_tflops(tiny_model, tmp_path):
-    import train
-
     _, summary = train.run(recipe("--chat_template_format", "chatml", "--max_steps", 3, "--output_dir", tmp_path, "--launch.peak_tflops", 0.5,
                                   "--sample_max_new_tokens", 0))
     t = summary["throughput"]
@@ -425,12 +404,6 @@ def obs_precision(tiny_model, tmp_path):
 
 
 def obs_nan_patience(tiny_model, tmp_path):
-    from types import SimpleNamespace
-
-    from transformers import TrainerControl, TrainerState
-
-    from sftrecipes import checkpoints
-
     guard = checkpoints.nonfinite_guard(recipe("--nan_patience", 2).run.nan_patience)
     control, state = TrainerControl(), TrainerState()
     for _ in range(3):
@@ -440,25 +413,17 @@ def obs_nan_patience(tiny_model, tmp_path):
 
 
 def obs_preempt_timeout(tiny_model, tmp_path):
-    from test_lifecycle import fake_agent_preemption
-
     code, waited, agent_sees = fake_agent_preemption(tmp_path, preempt_timeout=2)  # a save that never comes
     assert code == 1 and 2 <= waited < 4 and agent_sees == "2"
 
 
 def obs_heartbeat_timeout(tiny_model, tmp_path):
-    from sftrecipes import lifecycle
-
     lifecycle.Heartbeat(tmp_path, rank=1)
     watch = lifecycle.Watch(tmp_path, recipe("--heartbeat_timeout", 5).run.heartbeat_timeout)
     assert watch.stale(now=0) == [] and watch.stale(now=4.9) == [] and watch.stale(now=5)[0]["rank"] == 1
 
 
 def obs_force_lock(tiny_model, tmp_path):
-    import json
-
-    from sftrecipes import lifecycle
-
     (tmp_path / lifecycle.LOCK).write_text(json.dumps({"host": "another-host", "pid": 1, "since": "then", "token": "t"}))
     with pytest.raises(RecipeError, match="another host"):
         lifecycle.take_lock(tmp_path, recipe().run.force_lock)
@@ -487,8 +452,6 @@ def test_project_option_reaches_its_target(tiny_model, tmp_path, key):
 # data-order keys: test_data.py (TRL's data-preparation keys).
 
 def tiny_run(tmp_path, *flags):
-    import train
-
     return train.run(recipe("--chat_template_format", "chatml", "--output_dir", tmp_path, "--max_steps", 6,
                             "--sample_max_new_tokens", 0, "--per_device_train_batch_size", 2, *flags))[1]
 
@@ -496,7 +459,6 @@ def tiny_run(tmp_path, *flags):
 @pytest.fixture(scope="module")
 def scheduled(tmp_path_factory):
     """One 6-step run with a warmed-up linear schedule, logged every 2 steps."""
-    import train
 
     out = tmp_path_factory.mktemp("scheduled")
     trainer, summary = train.run(recipe("--chat_template_format", "chatml", "--output_dir", out, "--max_steps", 6,
@@ -530,7 +492,6 @@ def test_seed_decides_the_run(scheduled, tmp_path):
     ((), "nll"), (("--loss_type", "dft"), "dft"), (("--label_smoothing_factor", 0.2), "smoothed")])
 def test_loss_keys_set_the_loss_of_a_batch(tiny_model, tmp_path, flags, expect):
     """The loss SFTTrainer computes for one batch equals the formula the key names, from the model's own logits."""
-    from test_data import first_batch, trainer_for
 
     trainer, _, _ = trainer_for(tmp_path, "--splits", "train", *[str(f) for f in flags])
     trainer.model.eval()
