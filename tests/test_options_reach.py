@@ -451,28 +451,27 @@ def test_project_option_reaches_its_target(tiny_model, tmp_path, key):
 # effect in what a run produces: its logged losses and learning rates, its loss on a batch. The collator, padding and
 # data-order keys: test_data.py (TRL's data-preparation keys).
 
-def tiny_run(tmp_path, *flags):
-    return train.run(recipe("--chat_template_format", "chatml", "--output_dir", tmp_path, "--max_steps", 6,
-                            "--sample_max_new_tokens", 0, "--per_device_train_batch_size", 2, *flags))[1]
+# one 6-step run: a warmed-up linear schedule, logged every 2 steps and at the first, 2 micro-batches of 2 per step,
+# a checkpoint every 2 steps of which the last 2 are kept
+SCHEDULED = ("--chat_template_format", "chatml", "--max_steps", 6, "--sample_max_new_tokens", 0, "--per_device_train_batch_size", 2,
+             "--gradient_accumulation_steps", 2, "--logging_steps", 2, "--logging_first_step", True, "--learning_rate", 0.004,
+             "--lr_scheduler_type", "linear", "--warmup_steps", 3, "--save_strategy", "steps", "--save_steps", 2,
+             "--save_total_limit", 2, "--seed", 11)
 
 
 @pytest.fixture(scope="module")
 def scheduled(tmp_path_factory):
-    """One 6-step run with a warmed-up linear schedule, logged every 2 steps."""
-
     out = tmp_path_factory.mktemp("scheduled")
-    trainer, summary = train.run(recipe("--chat_template_format", "chatml", "--output_dir", out, "--max_steps", 6,
-                                        "--sample_max_new_tokens", 0, "--per_device_train_batch_size", 2, "--logging_steps", 2,
-                                        "--learning_rate", 0.004, "--lr_scheduler_type", "linear", "--warmup_steps", 3, "--seed", 11))
-    return trainer.state.log_history, summary
+    trainer, summary = train.run(recipe(*SCHEDULED, "--output_dir", out))
+    return trainer.state.log_history, summary, out
 
 
 def test_logging_steps_and_the_lr_schedule_shape_the_log(scheduled):
-    """logging_steps 2 of 6 steps: losses logged at steps 2, 4, 6; learning_rate 0.004 with linear decay after 3
-    warm-up steps: the rate each logged step used, from the schedule's formula."""
-    history, summary = scheduled
+    """logging_steps 2 of 6 steps and logging_first_step: losses logged at steps 1, 2, 4, 6; learning_rate 0.004 with
+    linear decay after 3 warm-up steps: the rate each logged step used, from the schedule's formula."""
+    history, summary, _ = scheduled
     logged = [(e["step"], e["learning_rate"]) for e in history if "loss" in e]
-    assert [s for s, _ in logged] == [2, 4, 6] and len(summary["losses"]) == 3
+    assert [s for s, _ in logged] == [1, 2, 4, 6] and len(summary["losses"]) == 4
 
     def linear(step, peak=0.004, warmup=3, total=6):
         return peak * (step / warmup if step < warmup else (total - step) / (total - warmup))
@@ -480,12 +479,25 @@ def test_logging_steps_and_the_lr_schedule_shape_the_log(scheduled):
     assert [lr for _, lr in logged] == pytest.approx([linear(s - 1) for s, _ in logged])  # the rate step s trained with
 
 
+def test_gradient_accumulation_sets_the_samples_per_step(scheduled):
+    """Each optimizer step takes gradient_accumulation_steps x per_device_train_batch_size samples: 4, so the epoch
+    logged at step s is 4s / the train split's size."""
+    history, summary, _ = scheduled
+    rows = summary["data"]["train"]["kept"]
+    assert [e["epoch"] for e in history if "loss" in e] == pytest.approx([4 * e["step"] / rows for e in history if "loss" in e], rel=0.02)
+
+
+def test_save_steps_and_save_total_limit_leave_the_last_checkpoints(scheduled):
+    _, _, out = scheduled
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-6"]
+
+
 def test_seed_decides_the_run(scheduled, tmp_path):
     """The same seed gives the same losses (data order, initialisation of anything new); another seed does not."""
-    _, first = scheduled
-    flags = ("--logging_steps", 2, "--learning_rate", 0.004, "--lr_scheduler_type", "linear", "--warmup_steps", 3)
-    assert tiny_run(tmp_path / "same", *flags, "--seed", 11)["losses"] == first["losses"]
-    assert tiny_run(tmp_path / "other", *flags, "--seed", 12)["losses"] != first["losses"]
+    _, first, _ = scheduled
+    same = train.run(recipe(*SCHEDULED, "--output_dir", tmp_path / "same"))[1]
+    other = train.run(recipe(*SCHEDULED, "--seed", 12, "--output_dir", tmp_path / "other"))[1]
+    assert same["losses"] == first["losses"] and other["losses"] != first["losses"]
 
 
 @pytest.mark.parametrize("flags, expect", [
