@@ -39,7 +39,8 @@ TRL_DATA_KEYS: dict[str, tuple[str, str]] = {
     "max_length": ("pipeline", "samples are cut here (counted); TRL's own cut then changes nothing; also the packed "
                    "row length of TRL's packing"),
     "truncation_mode": ("pipeline", "which end the cut here keeps; TRL's cut then changes nothing"),
-    "eos_token": ("pipeline", "model.load_tokenizer makes it the tokenizer's eos, the token text samples end with"),
+    "eos_token": ("pipeline", "model.load_tokenizer makes it the tokenizer's eos, the token text samples end with; "
+                  "TRL sets the same eos again and mirrors it into the model's config"),
     "dataset_num_proc": ("pipeline", "processes of this package's map over the rows, and of TRL's packing"),
     "dataset_kwargs": ("refused", "its only key, skip_prepare_dataset, would skip TRL's packing and shuffle_dataset, "
                        "and the data is formatted here whatever it says"),
@@ -52,7 +53,6 @@ TRL_DATA_KEYS: dict[str, tuple[str, str]] = {
                      "TRL refuses it while max_length is set, so that combination is refused first"),
     "pad_to_multiple_of": ("trainer", "TRL's collator pads each batch to a multiple of it"),
     "pad_token": ("trainer", "TRL's collator pads with it (and the saved tokenizer names it); deprecated by TRL"),
-    "per_device_train_batch_size": ("trainer", "read by TRL's data set-up only for a padding-free warning"),
 }
 
 

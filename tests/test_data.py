@@ -506,7 +506,7 @@ NOT_DATA_PREP = {
     "hub_token": "hub push", "label_smoothing_factor": "the loss (test_options_reach.py effect test)",
     "liger_kernel_config": "Liger kernels (GPU)", "use_liger_kernel": "Liger kernels (GPU)",
     "loss_type": "the loss (test_options_reach.py effect test)", "model_init_kwargs": "model loading (model.py)",
-    "n_gpu": "device count", "router_aux_loss_coef": "MoE loss (test_lora.py / test_families.py)",
+    "n_gpu": "device count", "per_device_train_batch_size": "the batch (read by TRL's data set-up for a warning only)", "router_aux_loss_coef": "MoE loss (test_lora.py / test_families.py)",
     "to_dict": "a method, not a field", "trust_remote_code": "model/tokenizer loading (model.py)",
 }
 
@@ -532,7 +532,7 @@ def test_every_trl_data_key_is_classified():
     unclassified = reads - set(data.TRL_DATA_KEYS) - set(NOT_DATA_PREP)
     assert not unclassified, f"classify in data.TRL_DATA_KEYS (pipeline/trainer/refused, with the reason): {sorted(unclassified)}"
     fields = {f.name for f in dataclasses.fields(SFTConfig)}
-    assert set(data.TRL_DATA_KEYS) <= fields and set(data.TRL_DATA_KEYS) <= reads | {"dataset_num_proc"}
+    assert set(data.TRL_DATA_KEYS) <= fields and set(data.TRL_DATA_KEYS) <= reads
     assert {how for how, _ in data.TRL_DATA_KEYS.values()} == {"pipeline", "trainer", "refused"}
     consumed = {k for k in backends.CONSUMED_BY_PIPELINE}  # applied here, so never handed to TRL to apply again
     assert consumed <= {k for k, (how, _) in data.TRL_DATA_KEYS.items() if how == "pipeline"}
