@@ -1,5 +1,5 @@
-"""Data formats: which shape a split has (messages, ShareGPT conversations, prompt/completion, text), checked against
-the recipe, and its rows read as chat messages or text.
+"""Data formats: the four shapes a split may have (messages, ShareGPT conversations, prompt/completion, text), told
+apart by their columns.
 
 `dataset_format: auto` reads the shape from the columns; an asked format is checked against them. Conversational data
 needs a chat template. ShareGPT turns (from/value) become role/content messages.

@@ -1,5 +1,5 @@
-"""Tokenization: each sample rendered, tokenized and labelled (which tokens the loss trains on), cut at max_length,
-and a split's count of what was cut, masked and dropped.
+"""Tokenization: each sample made into the input_ids and labels SFTTrainer trains on (rendered, tokenized, masked, cut
+at max_length), counted per split.
 
 The project formats, tokenizes and truncates itself and hands SFTTrainer `input_ids` + `labels`, so that every data
 option has a defined effect (TRL 1.16 ignores `add_special_tokens`/`append_concat_token` and appends a second

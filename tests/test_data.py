@@ -1,4 +1,4 @@
-"""Formatting and tokenization: templates, special tokens, end-of-turn counts, loss masks, packing."""
+"""Formatting and tokenization: templates, special tokens, end-of-turn counts, loss masks, packing; TRL's data-preparation keys."""
 
 import ast
 import dataclasses
