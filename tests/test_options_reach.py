@@ -14,6 +14,7 @@ from unittest import mock
 import pytest
 import torch
 from peft import get_peft_model
+from safetensors.torch import load_file
 from test_data import first_batch, trainer_for
 from test_lifecycle import fake_agent_preemption
 from transformers import AutoModelForCausalLM, TrainerControl, TrainerState
@@ -498,6 +499,19 @@ def test_seed_decides_the_run(scheduled, tmp_path):
     same = train.run(recipe(*SCHEDULED, "--output_dir", tmp_path / "same"))[1]
     other = train.run(recipe(*SCHEDULED, "--seed", 12, "--output_dir", tmp_path / "other"))[1]
     assert same["losses"] == first["losses"] and other["losses"] != first["losses"]
+
+
+def test_optim_lr_and_max_grad_norm_set_the_update(tiny_model, tmp_path):
+    """One plain-SGD step at a constant learning rate 2 with gradients clipped to norm 0.001 moves the weights by
+    exactly 2 x 0.001 (the gradient was larger: logged grad_norm), whatever the gradient was."""
+    out = tmp_path / "sgd"
+    trainer, summary = train.run(recipe("--chat_template_format", "chatml", "--output_dir", out, "--max_steps", 1, "--optim", "sgd",
+                                        "--learning_rate", 2.0, "--lr_scheduler_type", "constant", "--max_grad_norm", 0.001,
+                                        "--logging_steps", 1, "--sample_max_new_tokens", 0))
+    before, after = load_file(str(tiny_model / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    moved = torch.sqrt(sum(((after[k].float() - before[k].float()) ** 2).sum() for k in before))
+    assert moved.item() == pytest.approx(2 * 0.001, rel=1e-3)
+    assert next(e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e) > 0.001
 
 
 @pytest.mark.parametrize("flags, expect", [
