@@ -134,7 +134,7 @@ def validate(r: Recipe) -> None:
     splits = [s.strip() for s in d.splits.split(",") if s.strip()]
     if not splits or not any("train" in s for s in splits):
         raise RecipeError(f"splits: '{d.splits}' names no training split; include one with 'train' in its name, e.g. train,test")
-    from .data import check_eval_split  # noqa: PLC0415 - data imports recipe, which imports this module
+    from .data import check_eval_split, check_trl_data_keys  # noqa: PLC0415 - data imports recipe, which imports this module
 
     check_eval_split(r)
     if r.trl_value("packing") and r.trl_value("max_length") is None:
@@ -151,8 +151,7 @@ def validate(r: Recipe) -> None:
         raise RecipeError(f"completion_only_loss: applies to prompt/completion data, but dataset_format is {', '.join(sorted(formats))}; remove it (for conversations, assistant_only_loss: true trains on the assistant turns only)")
     if r.trl.get("assistant_only_loss") and formats == {"text"}:
         raise RecipeError("assistant_only_loss: text data has no assistant turns; remove it, or use conversational data (dataset_format: messages)")
-    if r.trl.get("dataset_kwargs") and isinstance(r.trl["dataset_kwargs"], dict) and r.trl["dataset_kwargs"].get("skip_prepare_dataset"):
-        raise RecipeError("dataset_kwargs.skip_prepare_dataset: would skip truncation and packing of the tokenized data; remove it")
+    check_trl_data_keys(r)
 
     # resume
     resume = r.trl.get("resume_from_checkpoint")

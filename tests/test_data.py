@@ -1,14 +1,25 @@
-"""Formatting and tokenization: templates, special tokens, end-of-turn counts, loss masks, packing."""
+"""Formatting and tokenization: templates, special tokens, end-of-turn counts, loss masks, packing; TRL's data-preparation keys."""
 
+import ast
+import dataclasses
+import inspect
 import json
+import os
+import textwrap
 
+import datasets
 import pytest
 import torch
+from transformers import AutoTokenizer, TrainingArguments
+from trl import SFTConfig, SFTTrainer
+from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-from sftrecipes import backends, data, model as models
+import train as train_script
+from sftrecipes import backends, data, model as models, tokenization
 from sftrecipes.errors import RecipeError
 from sftrecipes.recipe import load_recipe
 from sftrecipes.tokenizer import load_tokenizer
+
 
 BASE = ["--model_name_or_path", ".assets/tiny-llama", "--dataset_name", "data/tiny_chat", "--output_dir", "outputs/t"]
 CONV = {"messages": [
@@ -31,7 +42,7 @@ def build(*flags):
 @pytest.mark.parametrize("special", [False, True])
 def test_exactly_one_end_of_turn_per_turn(tiny_model, fmt, append, special):
     r, tok, eot, _ = build("--chat_template_format", fmt, "--append_concat_token", str(append), "--add_special_tokens", str(special))
-    out = data.tokenize_example(CONV, tok, r, eot)
+    out = tokenization.tokenize_example(CONV, tok, r, eot)
     eot_id = tok.convert_tokens_to_ids(eot)
     assert out["input_ids"].count(eot_id) == len(CONV["messages"]), tok.decode(out["input_ids"])
     assert (out["input_ids"][0] == tok.bos_token_id) == special  # add_special_tokens reaches the tokenizer call
@@ -40,12 +51,12 @@ def test_exactly_one_end_of_turn_per_turn(tiny_model, fmt, append, special):
 
 def test_append_concat_token_on_text_data(tiny_model, tmp_path):
     r, tok, eot, _ = build("--append_concat_token", "True")
-    out = data.tokenize_example({"text": "just some text"}, tok, r, eot)
+    out = tokenization.tokenize_example({"text": "just some text"}, tok, r, eot)
     assert out["input_ids"][-1] == tok.eos_token_id and out["input_ids"].count(tok.eos_token_id) == 1
     r2, *_ = build("--append_concat_token", "False")
-    assert tok.eos_token_id not in data.tokenize_example({"text": "just some text"}, tok, r2, eot)["input_ids"]
+    assert tok.eos_token_id not in tokenization.tokenize_example({"text": "just some text"}, tok, r2, eot)["input_ids"]
     # text that already ends with EOS gets no second one
-    out = data.tokenize_example({"text": "done</s>"}, tok, r, eot)
+    out = tokenization.tokenize_example({"text": "done</s>"}, tok, r, eot)
     assert out["input_ids"].count(tok.eos_token_id) == 1
 
 
@@ -58,7 +69,7 @@ def test_chatml_sets_end_of_turn_as_eos_and_zephyr_adds_tokens(tiny_model):
 
 def test_assistant_only_loss_masks_everything_but_assistant_turns(tiny_model):
     r, tok, eot, _ = build("--chat_template_format", "chatml", "--assistant_only_loss", "True")
-    out = data.tokenize_example(CONV, tok, r, eot)
+    out = tokenization.tokenize_example(CONV, tok, r, eot)
     trained = tok.decode([t for t, ln in zip(out["input_ids"], out["labels"]) if ln != -100])
     assert "2 plus 3 is 5." in trained and "Snow is white." in trained
     assert "What color" not in trained and "You answer briefly" not in trained and "user" not in trained
@@ -74,11 +85,10 @@ def test_chat_template_path_is_the_template_the_data_is_tokenized_with(tiny_mode
                         "{% if add_generation_prompt %}[[assistant]] {% endif %}")
     r, tok, eot, _ = build("--chat_template_format", "tokenizer", "--chat_template_path", str(template))
     assert tok.chat_template == template.read_text() and eot == "<|im_end|>"
-    out = data.tokenize_example(CONV, tok, r, eot)
+    out = tokenization.tokenize_example(CONV, tok, r, eot)
     text = tok.decode(out["input_ids"])
     assert "[[user]] What color is snow?" in text and "[[assistant]] Snow is white.<|im_end|>" in text
     tok.save_pretrained(tmp_path / "saved")
-    from transformers import AutoTokenizer
 
     assert AutoTokenizer.from_pretrained(tmp_path / "saved").chat_template == template.read_text()
     assert "chat_template_path" not in backends.training_kwargs(r, "cpu")  # applied here, not again by TRL
@@ -95,7 +105,7 @@ def test_chat_template_path_is_the_template_the_data_is_tokenized_with(tiny_mode
 def test_dataset_text_field_holds_the_formatted_text(tiny_model):
     r, tok, eot, _ = build("--chat_template_format", "chatml", "--dataset_text_field", "content")
     train, _ = data.load_raw(r)
-    ds = data.prepare(r, tok, eot, train.select(range(4)), "train")
+    ds = tokenization.prepare(r, tok, eot, train.select(range(4)), "train")
     assert set(ds.column_names) == {"content", "input_ids", "labels"}
     assert ds[0]["content"].startswith("<|im_start|>")
 
@@ -141,7 +151,6 @@ def test_packed_batch_has_no_cross_sample_attention(tiny_model, attn):
     sft_varlen attends per sample, so a packed sequence gives exactly the logits of its samples run alone. sdpa's
     detection is skipped when a KV cache exists (transformers' default use_cache=True), hence load_model turns the
     cache off for training; sft_varlen reads the boundaries itself, cache or not."""
-    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
     r, tok, _, _ = build("--packing", "True", "--attn_implementation", attn)
     model = models.load_model(r, tok, "cpu").train()  # as the trainer runs it
@@ -313,9 +322,6 @@ def test_every_sample_lost_to_the_cut_is_an_error(tiny_model, tmp_path):
 def test_trl_cuts_nothing_twice_and_packed_rows_are_counted(tiny_model, tmp_path, packing):
     """What SFTTrainer does after the project's preparation: no further cut, no drop, and the packed rows the
     counts announce (bfd: none fully masked; wrapped: exactly the counted number)."""
-    from trl import SFTTrainer
-
-    from sftrecipes import backends
 
     # masked runs longer than max_length across sample boundaries (a long masked user tail, then a long user
     # prompt), which wrapped packing can cut into rows of their own; and one sample longer than max_length
@@ -363,22 +369,20 @@ def test_one_bos_whatever_add_special_tokens_says(family_models, family, caplog)
     r0, tok = family_build(family_models[family], "--add_special_tokens", "False")
     r1, _ = family_build(family_models[family], "--add_special_tokens", "True")
     assert tok.apply_chat_template(CHAT["messages"], tokenize=False).startswith(tok.bos_token or "\0") == writes_bos
-    plain = data.tokenize_example(CHAT, tok, r0, EOT[family])
+    plain = tokenization.tokenize_example(CHAT, tok, r0, EOT[family])
     with caplog.at_level("INFO", logger="sftrecipes"):
-        ds = data.prepare(r1, tok, EOT[family], datasets_from([CHAT] * 3), "train split")
+        ds = tokenization.prepare(r1, tok, EOT[family], datasets_from([CHAT] * 3), "train split")
     assert ds[0]["input_ids"] == plain["input_ids"]  # one BOS either way (qwen2 has none to add)
     if writes_bos:
         assert plain["input_ids"][0] == tok.bos_token_id != plain["input_ids"][1]
     notes = [m for m in caplog.messages if m.startswith("add_special_tokens:")]
     assert len(notes) == int(writes_bos) and (not notes or "3 samples" in notes[0] and "add_special_tokens: false" in notes[0])
     if tok.bos_token is not None:  # text that starts with BOS: the same
-        text = data.tokenize_example({"text": tok.bos_token + "plain words"}, tok, r1, EOT[family], fmt="text")["input_ids"]
+        text = tokenization.tokenize_example({"text": tok.bos_token + "plain words"}, tok, r1, EOT[family], fmt="text")["input_ids"]
         assert text[0] == tok.bos_token_id != text[1]
 
 
 def datasets_from(rows):
-    import datasets
-
     return datasets.Dataset.from_list(rows)
 
 
@@ -388,10 +392,10 @@ def test_append_concat_token_never_stacks_a_second_end(family_models, family):
     r_on, _ = family_build(family_models[family], "--append_concat_token", "True")
     eot = EOT[family]
     # a conversation ends with the end of turn (phi3: then EOS): nothing appended
-    assert data.tokenize_example(CHAT, tok, r_on, eot)["input_ids"] == data.tokenize_example(CHAT, tok, r_off, eot)["input_ids"]
+    assert tokenization.tokenize_example(CHAT, tok, r_on, eot)["input_ids"] == tokenization.tokenize_example(CHAT, tok, r_off, eot)["input_ids"]
     for text in ("some words", "some words" + eot, "some words" + eot + "\n", "some words" + tok.eos_token):
-        off = data.tokenize_example({"text": text}, tok, r_off, eot, fmt="text")["input_ids"]
-        on = data.tokenize_example({"text": text}, tok, r_on, eot, fmt="text")["input_ids"]
+        off = tokenization.tokenize_example({"text": text}, tok, r_off, eot, fmt="text")["input_ids"]
+        on = tokenization.tokenize_example({"text": text}, tok, r_on, eot, fmt="text")["input_ids"]
         assert on == (off + [tok.eos_token_id] if text == "some words" else off), (text, on, off)
 
 
@@ -403,11 +407,11 @@ def test_plain_text_end_of_turn_is_recognised_on_ids_and_text(tiny_model):
     alone = tok(eot, add_special_tokens=False)["input_ids"]
     assert eot not in tok.get_vocab() and tok("the " + eot, add_special_tokens=False)["input_ids"][-len(alone):] != alone  # merges
     for text in ("yes\nAnswer end", "yes Answer end \n", "the Answer end"):
-        assert tok.eos_token_id not in data.tokenize_example({"text": text}, tok, r, eot, fmt="text")["input_ids"], text
-    assert data.tokenize_example({"text": "answer"}, tok, r, eot, fmt="text")["input_ids"][-1] == tok.eos_token_id
+        assert tok.eos_token_id not in tokenization.tokenize_example({"text": text}, tok, r, eot, fmt="text")["input_ids"], text
+    assert tokenization.tokenize_example({"text": "answer"}, tok, r, eot, fmt="text")["input_ids"][-1] == tok.eos_token_id
     # a template that makes another token EOS (chatml: <|im_end|>): text ending with the model's own EOS gets none
     r, tok, eot, _ = build("--append_concat_token", "True", "--chat_template_format", "chatml")
-    ids = data.tokenize_example({"text": "done</s>"}, tok, r, eot, fmt="text")["input_ids"]
+    ids = tokenization.tokenize_example({"text": "done</s>"}, tok, r, eot, fmt="text")["input_ids"]
     assert tok.eos_token == "<|im_end|>" and tok.convert_ids_to_tokens(ids[-1:]) == ["</s>"]
 
 
@@ -477,8 +481,6 @@ def test_mixture_entries_are_validated_torch_free(entries, flags, fragment):
 
 
 def test_prompt_completion_run_trains_on_the_completion_only(tiny_model, shapes, tmp_path):
-    import train as train_script
-
     trainer, summary = train_script.run(load_recipe(
         ["--model_name_or_path", ".assets/tiny-llama", "--dataset_name", str(shapes["prompt_completion"]), "--splits", "train",
          "--output_dir", str(tmp_path), "--max_steps", "2", "--per_device_train_batch_size", "4", "--logging_steps", "1",
@@ -491,3 +493,158 @@ def test_prompt_completion_run_trains_on_the_completion_only(tiny_model, shapes,
     answers = {" " + r["messages"][-1]["content"] + "</s>" for r in ROWS}
     for ids, labels in zip(batch["input_ids"].tolist(), batch["labels"].tolist()):
         assert tok.decode([t for t, label in zip(ids, labels) if label != -100]) in answers
+
+
+# ------------------------------------------------------------------------------------------ TRL's data-preparation keys
+# data.TRL_DATA_KEYS says what becomes of every key TRL reads while it prepares data; these tests keep it complete
+# and show each effect where it lands: the tokens and labels made here, the rows SFTTrainer prepares, its batches.
+
+# What SFTTrainer.__init__/_prepare_dataset/evaluate read that is not about the data (covered elsewhere).
+NOT_DATA_PREP = {
+    "accelerator_config": "accelerate's set-up", "activation_offloading": "activation memory (a model wrapper)",
+    "ddp_find_unused_parameters": "DDP wrapping", "deepspeed_plugin": "DeepSpeed set-up", "distributed_state": "process group",
+    "gradient_checkpointing": "activation memory", "gradient_checkpointing_kwargs": "activation memory",
+    "hub_token": "hub push", "label_smoothing_factor": "the loss (test_options_reach.py effect test)",
+    "liger_kernel_config": "Liger kernels (GPU)", "use_liger_kernel": "Liger kernels (GPU)",
+    "loss_type": "the loss (test_options_reach.py effect test)", "model_init_kwargs": "model loading (model.py)",
+    "n_gpu": "device count", "per_device_train_batch_size": "the batch (read by TRL's data set-up for a warning only)", "router_aux_loss_coef": "MoE loss (test_lora.py / test_families.py)",
+    "to_dict": "a method, not a field", "trust_remote_code": "model/tokenizer loading (model.py)",
+}
+
+
+def trl_reads() -> set[str]:
+    """Every `args.X` / `self.args.X` SFTTrainer's data set-up reads, plus every field SFTConfig adds to TrainingArguments."""
+
+    names = set()
+    for fn in (SFTTrainer.__init__, SFTTrainer._prepare_dataset, SFTTrainer.evaluate):
+        for n in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(fn)))):
+            if isinstance(n, ast.Attribute) and (
+                    (isinstance(n.value, ast.Name) and n.value.id == "args")
+                    or (isinstance(n.value, ast.Attribute) and n.value.attr == "args" and getattr(n.value.value, "id", "") == "self")):
+                names.add(n.attr)
+    own = {f.name for f in dataclasses.fields(SFTConfig)} - {f.name for f in dataclasses.fields(TrainingArguments)}
+    return names | (own - {"learning_rate"})
+
+
+def test_every_trl_data_key_is_classified():
+    """A TRL upgrade that reads a new field while preparing data fails here until TRL_DATA_KEYS says what becomes of it."""
+
+    reads = trl_reads()
+    unclassified = reads - set(data.TRL_DATA_KEYS) - set(NOT_DATA_PREP)
+    assert not unclassified, f"classify in data.TRL_DATA_KEYS (pipeline/trainer/refused, with the reason): {sorted(unclassified)}"
+    fields = {f.name for f in dataclasses.fields(SFTConfig)}
+    assert set(data.TRL_DATA_KEYS) <= fields and set(data.TRL_DATA_KEYS) <= reads
+    assert {how for how, _ in data.TRL_DATA_KEYS.values()} == {"pipeline", "trainer", "refused"}
+    consumed = {k for k in backends.CONSUMED_BY_PIPELINE}  # applied here, so never handed to TRL to apply again
+    assert consumed <= {k for k, (how, _) in data.TRL_DATA_KEYS.items() if how == "pipeline"}
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--dataset_kwargs", '{"skip_prepare_dataset": true}'], "dataset_kwargs: .* remove dataset_kwargs"),
+    (["--dataset_kwargs", '{"num_proc": 2}'], "dataset_kwargs: .* remove dataset_kwargs"),
+    (["--padding_free", "True"], "padding_free: true without packing .* set packing: true .* or max_length: null"),
+    (["--eval_packing", "True", "--max_length", "null"], "eval_packing: true needs max_length"),
+])
+def test_refused_data_keys_are_one_line_errors_and_the_fix_loads(flags, fragment):
+    with pytest.raises(RecipeError, match="^" + fragment) as e:
+        load_recipe(BASE + flags)
+    assert "\n" not in str(e.value)
+    fix = {"--padding_free": ["--packing", "True"], "--eval_packing": ["--max_length", "64"]}.get(flags[0])
+    if fix:
+        load_recipe(BASE + flags[:2] + fix)
+
+
+def trainer_for(tmp_path, *flags):
+    """(trainer, our prepared train split, our eval split or None): SFTTrainer built as train.py builds it."""
+
+    r, tok, eot, _ = build("--chat_template_format", "chatml", "--max_length", "48", "--output_dir", str(tmp_path / "o"),
+                           "--launch.hardware", "cpu", "--per_device_train_batch_size", "4", *flags)
+    train, evals, _, _ = data.load_datasets(r, tok, eot)
+    trainer = SFTTrainer(model=models.load_model(r, tok, "cpu"), args=backends.training_args(r, "cpu"),
+                         train_dataset=train, eval_dataset=evals, processing_class=tok)
+    return trainer, train, evals
+
+
+def first_batch(trainer):
+    return next(iter(trainer.get_train_dataloader()))
+
+
+def test_pad_to_multiple_of_and_pad_token_shape_the_batches(tiny_model, tmp_path):
+    """Both act in TRL's collator: the batch is padded to a multiple of 13 with the named pad token (the default pads
+    to the longest sample with the tokenizer's own pad)."""
+    trainer, _, _ = trainer_for(tmp_path, "--splits", "train", "--pad_to_multiple_of", "13", "--pad_token", "<unk>")
+    tok = trainer.processing_class
+    unk = tok.convert_tokens_to_ids("<unk>")
+    for batch in [first_batch(trainer) for _ in range(3)]:
+        width, longest = batch["input_ids"].shape[1], int(batch["attention_mask"].sum(1).max())
+        assert width == -(-longest // 13) * 13 and width % 13 == 0
+        pads = batch["input_ids"][batch["attention_mask"] == 0]
+        assert len(pads) and (pads == unk).all() and (batch["labels"][batch["attention_mask"] == 0] == -100).all()
+    assert tok.pad_token == "<unk>" and trainer.model.config.pad_token_id == unk
+    default, _, _ = trainer_for(tmp_path, "--splits", "train")
+    batch = first_batch(default)
+    assert batch["input_ids"].shape[1] == int(batch["attention_mask"].sum(1).max())
+    assert (batch["input_ids"][batch["attention_mask"] == 0] == default.processing_class.pad_token_id).all()
+    assert default.processing_class.pad_token_id != unk
+
+
+def test_padding_free_flattens_each_batch(tiny_model, tmp_path):
+    """padding_free (with wrapped packing, which is not padding-free by itself): one row, position_ids restarting at
+    each packed row, no attention mask, no pad."""
+    flags = ("--splits", "train", "--packing", "True", "--packing_strategy", "wrapped")
+    padded = first_batch(trainer_for(tmp_path, *flags)[0])
+    assert padded["input_ids"].shape[0] == 4 and "attention_mask" in padded
+    trainer, _, _ = trainer_for(tmp_path, *flags, "--padding_free", "True")
+    flat = first_batch(trainer)
+    assert flat["input_ids"].shape[0] == 1 and "attention_mask" not in flat
+    assert flat["input_ids"].shape[1] == 4 * 48 and (flat["position_ids"][0] == 0).sum() >= 4
+
+
+def test_shuffle_dataset_orders_the_prepared_rows_under_seed(tiny_model, tmp_path):
+    trainer, ours, _ = trainer_for(tmp_path, "--splits", "train", "--shuffle_dataset", "True", "--seed", "5")
+    theirs = trainer.train_dataset["input_ids"]
+    assert theirs == ours.shuffle(seed=5)["input_ids"] and theirs != ours["input_ids"]
+    assert sorted(map(tuple, theirs)) == sorted(map(tuple, ours["input_ids"]))  # the same rows, another order
+    plain, ours, _ = trainer_for(tmp_path, "--splits", "train")
+    assert plain.train_dataset["input_ids"] == ours["input_ids"]
+
+
+@pytest.mark.parametrize("packing, eval_packing", [("False", "True"), ("True", "False")])
+def test_eval_packing_packs_the_eval_split_alone(tiny_model, tmp_path, packing, eval_packing):
+    trainer, train, evals = trainer_for(tmp_path, "--splits", "train,test", "--packing", packing, "--eval_packing", eval_packing)
+    packed = {"train": "seq_lengths" in trainer.train_dataset.column_names, "eval": "seq_lengths" in trainer.eval_dataset.column_names}
+    assert packed == {"train": packing == "True", "eval": eval_packing == "True"}
+    n_eval = len(trainer.eval_dataset)
+    assert (n_eval < len(evals)) if eval_packing == "True" else (n_eval == len(evals))
+
+
+def test_pad_token_outside_the_vocabulary_is_refused_before_the_model_loads(tiny_model):
+    r, tok, eot, _ = build("--pad_token", "<nope>")
+    with pytest.raises(RecipeError, match="^pad_token: '<nope>' is not in the tokenizer's vocabulary; pick a token it has"):
+        data.load_datasets(r, tok, eot)
+
+
+def test_eos_token_ends_text_samples(tiny_model, tmp_path):
+    f = write_jsonl(tmp_path / "t.jsonl", [{"text": "plain words"}])
+    for eos in ("<|im_end|>", "<|im_start|>"):
+        r, tok, eot, _ = build("--dataset_name", str(f), "--splits", "train", "--append_concat_token", "True", "--eos_token", eos)
+        row = tokenization.prepare(r, tok, eot, data.load_raw(r)[0], "train")[0]
+        assert row["input_ids"][-1] == tok.convert_tokens_to_ids(eos) and tok.eos_token == eos
+
+
+def test_dataset_num_proc_maps_in_that_many_processes(tiny_model, tmp_path, monkeypatch):
+    seen = tmp_path / "pids"
+    seen.mkdir()
+    real = tokenization._prepare_row
+
+    def spy(example, *a, **kw):
+        (seen / str(os.getpid())).touch()
+        return real(example, *a, **kw)
+
+    monkeypatch.setattr(tokenization, "_prepare_row", spy)
+    for n in (1, 2):
+        for p in seen.iterdir():
+            p.unlink()
+        r, tok, eot, _ = build("--splits", "train", "--chat_template_format", "chatml", "--dataset_num_proc", str(n))
+        data.load_datasets(r, tok, eot)
+        assert len(list(seen.iterdir())) == n

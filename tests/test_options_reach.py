@@ -6,17 +6,28 @@
   trainer arguments. A new option without an observer fails `test_every_project_option_has_an_observer`.
 """
 
+import json
+import shutil
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
 import torch
+from peft import get_peft_model
+from safetensors.torch import load_file
+from test_data import first_batch, trainer_for
+from test_lifecycle import fake_agent_preemption
+from transformers import AutoModelForCausalLM, TrainerControl, TrainerState
 
-from sftrecipes import backends, data, model as models
+import train
+from sftrecipes import backends, checkpoints, data, launch, lifecycle, model as models, plan, tokenization
 from sftrecipes.errors import RecipeError
 from sftrecipes.lora import lora_config
 from sftrecipes.recipe import load_recipe
 from sftrecipes.schema import all_options
+from sftrecipes.tiny import ensure_family
 from sftrecipes.tokenizer import load_tokenizer
+
 
 BASE = ["--model_name_or_path", ".assets/tiny-llama", "--dataset_name", "data/tiny_chat", "--output_dir", "outputs/reach"]
 
@@ -34,6 +45,7 @@ SPECIAL = {
     "fsdp": ("full_shard auto_wrap", {}, lambda a: a.fsdp is True and a.fsdp_config["reshard_after_forward"]),
     "deepspeed": ({"zero_optimization": {"stage": 2}}, {}, lambda a: a.hf_deepspeed_config.config["zero_optimization"]["stage"] == 2),
     "use_liger_kernel": (True, {"bf16": False}, lambda a: a.use_liger_kernel is True),  # gpu target (GPU_ONLY) on a CPU machine
+    "padding_free": (True, {"packing": True}, lambda a: a.padding_free is True),  # without packing: refused (data.TRL_DATA_KEYS)
 }
 # Applied by the data pipeline, not by SFTConfig: observed in tests/test_data.py and tests/test_train.py.
 PIPELINE = {
@@ -62,7 +74,8 @@ def probe_value(o):
 
 
 # Refused with a one-line error (test_recipe.py), so they cannot be silently ignored either.
-REFUSED = {"enable_jit_checkpoint": "the run handles SIGTERM/SIGUSR1 itself (lifecycle.py); test_recipe.py::test_bad_recipe_is_one_line_error"}
+REFUSED = {"enable_jit_checkpoint": "the run handles SIGTERM/SIGUSR1 itself (lifecycle.py); test_recipe.py::test_bad_recipe_is_one_line_error",
+           "dataset_kwargs": "data.TRL_DATA_KEYS; test_data.py::test_refused_data_keys_are_one_line_errors_and_the_fix_loads"}
 # Refused on the cpu target (test_train.py::test_liger_is_refused_without_a_gpu_or_its_package): probed on the gpu
 # target with the package present.
 GPU_ONLY = {"use_liger_kernel"}
@@ -99,12 +112,10 @@ def recipe(*flags):
 def tokenized(r):
     tok, eot, _ = load_tokenizer(r)
     train, _ = data.load_raw(r)
-    return tok, data.prepare(r, tok, eot, train.select(range(min(3, len(train)))), "train")
+    return tok, tokenization.prepare(r, tok, eot, train.select(range(min(3, len(train)))), "train")
 
 
 def obs_model_name(tiny_model, tmp_path):
-    import shutil
-
     other = tmp_path / "copy"
     shutil.copytree(tiny_model, other)
     r = recipe("--model_name_or_path", other)
@@ -113,8 +124,6 @@ def obs_model_name(tiny_model, tmp_path):
 
 
 def obs_tokenizer_name(tiny_model, tmp_path):
-    import shutil
-
     other = tmp_path / "tok"
     shutil.copytree(tiny_model, other)
     tok, _, _ = load_tokenizer(recipe("--tokenizer_name_or_path", other))
@@ -137,7 +146,6 @@ def obs_use_flash_attn(tiny_model, tmp_path, caplog=None):
     r = recipe("--use_flash_attn", "True")
     assert models.attn_implementation(recipe(), "gpu") == "sdpa"
     assert models.attn_implementation(r, "cpu") == "sdpa"  # asked, but no GPU: the warned fallback
-    from unittest import mock
 
     with mock.patch.object(models, "flash_attn_installed", return_value=True):
         assert models.attn_implementation(recipe("--use_flash_attn", "True", "--bf16", "True"), "gpu") == "flash_attention_2"
@@ -181,10 +189,6 @@ def obs_lora_target_modules(tiny_model, tmp_path):
 
 def obs_lora_target_router(tiny_model, tmp_path):
     """The router of an MoE model gets LoRA only with the key (the MoE runs in test_lora.py see it in the adapter)."""
-    from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from sftrecipes.tiny import ensure_family
 
     moe = str(ensure_family("qwen3_moe"))
 
@@ -232,8 +236,6 @@ def obs_use_reentrant(tiny_model, tmp_path):
 
 
 def obs_dataset_name(tiny_model, tmp_path):
-    import json
-
     f = tmp_path / "d.jsonl"
     f.write_text(json.dumps({"messages": [{"role": "user", "content": "zebra"}]}) + "\n")
     tok, ds = tokenized(recipe("--dataset_name", f, "--splits", "train", "--chat_template_format", "chatml"))
@@ -241,8 +243,6 @@ def obs_dataset_name(tiny_model, tmp_path):
 
 
 def obs_dataset_format(tiny_model, tmp_path):
-    import json
-
     f = tmp_path / "both.jsonl"
     f.write_text(json.dumps({"prompt": "Question?", "completion": " Answer.", "text": "Other words."}) + "\n")
     tok, ds = tokenized(recipe("--dataset_name", f, "--splits", "train"))  # auto: prompt/completion, completion trained
@@ -252,8 +252,6 @@ def obs_dataset_format(tiny_model, tmp_path):
 
 
 def obs_datasets(tiny_model, tmp_path):
-    import json
-
     entries = [{"path": "data/tiny_chat", "samples": 7}, {"path": "data/tiny_chat", "split": "test", "weight": 0.5}]
     r = load_recipe(["--model_name_or_path", ".assets/tiny-llama", "--output_dir", "outputs/reach", "--chat_template_format",
                      "chatml", "--datasets", json.dumps(entries)])
@@ -272,8 +270,6 @@ def obs_add_special_tokens(tiny_model, tmp_path):
 
 
 def obs_append_concat_token(tiny_model, tmp_path):
-    import json
-
     f = tmp_path / "t.jsonl"
     f.write_text(json.dumps({"text": "plain text"}) + "\n")
     tok, ds = tokenized(recipe("--dataset_name", f, "--splits", "train", "--append_concat_token", "True"))
@@ -289,15 +285,11 @@ def obs_launch_cpu_threads(tiny_model, tmp_path):
 
 
 def obs_launch_num_machines(tiny_model, tmp_path):
-    from sftrecipes.errors import RecipeError
-
     with pytest.raises(RecipeError, match="describes 2 processes"):
         backends.check_world_size(recipe("--launch.backend", "ddp", "--launch.num_machines", 2))
 
 
 def obs_launch_gpus_per_node(tiny_model, tmp_path):
-    from sftrecipes.errors import RecipeError
-
     with pytest.raises(RecipeError, match="describes 4 processes"):
         backends.check_world_size(recipe("--launch.backend", "ddp", "--launch.gpus_per_node", 4))
     assert backends.check_world_size(recipe()) == 1
@@ -314,8 +306,6 @@ def obs_launch_backend(tiny_model, tmp_path):
 
 
 def obs_launch_gpu_memory_gb(tiny_model, tmp_path):
-    from sftrecipes.errors import RecipeError
-
     with pytest.raises(RecipeError, match="needs 2 GPU\\(s\\) of 41 GB per node"):
         backends.preflight(recipe("--launch.backend", "ddp", "--launch.gpus_per_node", 2, "--launch.gpu_memory_gb", 41))
 
@@ -375,8 +365,6 @@ def obs_launch_fsdp_offload_params(tiny_model, tmp_path):
 
 
 def slurm_text(*flags):
-    from sftrecipes import launch
-
     r = recipe("--launch.backend", "ddp", "--launch.num_machines", 2, *flags)
     return launch.slurm_script(r, "recipes/x.yaml", "x")
 
@@ -390,16 +378,12 @@ def obs_launch_slurm_time(tiny_model, tmp_path):
 
 
 def obs_launch_cpu_ram_gb(tiny_model, tmp_path):
-    from sftrecipes import plan
-
     flags = ("--launch.backend", "ddp", "--launch.gpus_per_node", 2)
     assert plan.plan_recipe(recipe(*flags, "--launch.cpu_ram_gb", 0.001)).cpu_fits is False
     assert plan.plan_recipe(recipe(*flags, "--launch.cpu_ram_gb", 1000)).cpu_fits is True
 
 
 def obs_sample_max_new_tokens(tiny_model, tmp_path):
-    import train
-
     common = ["--max_steps", 1, "--output_dir", tmp_path, "--launch.hardware", "cpu"]
     _, summary = train.run(recipe("--chat_template_format", "chatml", "--sample_max_new_tokens", 3, *common))
     assert 0 < len(summary["sample"]["reply"]) and summary["sample"]["prompt"][-1]["role"] == "user"
@@ -408,8 +392,6 @@ def obs_sample_max_new_tokens(tiny_model, tmp_path):
 
 
 def obs_launch_peak_tflops(tiny_model, tmp_path):
-    import train
-
     _, summary = train.run(recipe("--chat_template_format", "chatml", "--max_steps", 3, "--output_dir", tmp_path, "--launch.peak_tflops", 0.5,
                                   "--sample_max_new_tokens", 0))
     t = summary["throughput"]
@@ -425,12 +407,6 @@ def obs_precision(tiny_model, tmp_path):
 
 
 def obs_nan_patience(tiny_model, tmp_path):
-    from types import SimpleNamespace
-
-    from transformers import TrainerControl, TrainerState
-
-    from sftrecipes import checkpoints
-
     guard = checkpoints.nonfinite_guard(recipe("--nan_patience", 2).run.nan_patience)
     control, state = TrainerControl(), TrainerState()
     for _ in range(3):
@@ -440,25 +416,17 @@ def obs_nan_patience(tiny_model, tmp_path):
 
 
 def obs_preempt_timeout(tiny_model, tmp_path):
-    from test_lifecycle import fake_agent_preemption
-
     code, waited, agent_sees = fake_agent_preemption(tmp_path, preempt_timeout=2)  # a save that never comes
     assert code == 1 and 2 <= waited < 4 and agent_sees == "2"
 
 
 def obs_heartbeat_timeout(tiny_model, tmp_path):
-    from sftrecipes import lifecycle
-
     lifecycle.Heartbeat(tmp_path, rank=1)
     watch = lifecycle.Watch(tmp_path, recipe("--heartbeat_timeout", 5).run.heartbeat_timeout)
     assert watch.stale(now=0) == [] and watch.stale(now=4.9) == [] and watch.stale(now=5)[0]["rank"] == 1
 
 
 def obs_force_lock(tiny_model, tmp_path):
-    import json
-
-    from sftrecipes import lifecycle
-
     (tmp_path / lifecycle.LOCK).write_text(json.dumps({"host": "another-host", "pid": 1, "since": "then", "token": "t"}))
     with pytest.raises(RecipeError, match="another host"):
         lifecycle.take_lock(tmp_path, recipe().run.force_lock)
@@ -479,3 +447,91 @@ def test_every_project_option_has_an_observer():
 @pytest.mark.parametrize("key", sorted(OBSERVERS))
 def test_project_option_reaches_its_target(tiny_model, tmp_path, key):
     OBSERVERS[key](tiny_model, tmp_path)
+
+
+# ------------------------------------------------------------------------------------------ effects inside the trainer
+# The reach test above shows a TRL key arrives in SFTConfig; for the keys that act inside the trainer these show the
+# effect in what a run produces: its logged losses and learning rates, its loss on a batch. The collator, padding and
+# data-order keys: test_data.py (TRL's data-preparation keys).
+
+# one 6-step run: a warmed-up linear schedule, logged every 2 steps and at the first, 2 micro-batches of 2 per step,
+# a checkpoint every 2 steps of which the last 2 are kept
+SCHEDULED = ("--chat_template_format", "chatml", "--max_steps", 6, "--sample_max_new_tokens", 0, "--per_device_train_batch_size", 2,
+             "--gradient_accumulation_steps", 2, "--logging_steps", 2, "--logging_first_step", True, "--learning_rate", 0.004,
+             "--lr_scheduler_type", "linear", "--warmup_steps", 3, "--save_strategy", "steps", "--save_steps", 2,
+             "--save_total_limit", 2, "--seed", 11)
+
+
+@pytest.fixture(scope="module")
+def scheduled(tmp_path_factory):
+    out = tmp_path_factory.mktemp("scheduled")
+    trainer, summary = train.run(recipe(*SCHEDULED, "--output_dir", out))
+    return trainer.state.log_history, summary, out
+
+
+def test_logging_steps_and_the_lr_schedule_shape_the_log(scheduled):
+    """logging_steps 2 of 6 steps and logging_first_step: losses logged at steps 1, 2, 4, 6; learning_rate 0.004 with
+    linear decay after 3 warm-up steps: the rate each logged step used, from the schedule's formula."""
+    history, summary, _ = scheduled
+    logged = [(e["step"], e["learning_rate"]) for e in history if "loss" in e]
+    assert [s for s, _ in logged] == [1, 2, 4, 6] and len(summary["losses"]) == 4
+
+    def linear(step, peak=0.004, warmup=3, total=6):
+        return peak * (step / warmup if step < warmup else (total - step) / (total - warmup))
+
+    assert [lr for _, lr in logged] == pytest.approx([linear(s - 1) for s, _ in logged])  # the rate step s trained with
+
+
+def test_gradient_accumulation_sets_the_samples_per_step(scheduled):
+    """Each optimizer step takes gradient_accumulation_steps x per_device_train_batch_size samples: 4, so the epoch
+    logged at step s is 4s / the train split's size."""
+    history, summary, _ = scheduled
+    rows = summary["data"]["train"]["kept"]
+    assert [e["epoch"] for e in history if "loss" in e] == pytest.approx([4 * e["step"] / rows for e in history if "loss" in e], rel=0.02)
+
+
+def test_save_steps_and_save_total_limit_leave_the_last_checkpoints(scheduled):
+    _, _, out = scheduled
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-6"]
+
+
+def test_seed_decides_the_run(scheduled, tmp_path):
+    """The same seed gives the same losses (data order, initialisation of anything new); another seed does not."""
+    _, first, _ = scheduled
+    same = train.run(recipe(*SCHEDULED, "--output_dir", tmp_path / "same"))[1]
+    other = train.run(recipe(*SCHEDULED, "--seed", 12, "--output_dir", tmp_path / "other"))[1]
+    assert same["losses"] == first["losses"] and other["losses"] != first["losses"]
+
+
+def test_optim_lr_and_max_grad_norm_set_the_update(tiny_model, tmp_path):
+    """One plain-SGD step at a constant learning rate 2 with gradients clipped to norm 0.001 moves the weights by
+    exactly 2 x 0.001 (the gradient was larger: logged grad_norm), whatever the gradient was."""
+    out = tmp_path / "sgd"
+    trainer, summary = train.run(recipe("--chat_template_format", "chatml", "--output_dir", out, "--max_steps", 1, "--optim", "sgd",
+                                        "--learning_rate", 2.0, "--lr_scheduler_type", "constant", "--max_grad_norm", 0.001,
+                                        "--logging_steps", 1, "--sample_max_new_tokens", 0))
+    before, after = load_file(str(tiny_model / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    moved = torch.sqrt(sum(((after[k].float() - before[k].float()) ** 2).sum() for k in before))
+    assert moved.item() == pytest.approx(2 * 0.001, rel=1e-3)
+    assert next(e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e) > 0.001
+
+
+@pytest.mark.parametrize("flags, expect", [
+    ((), "nll"), (("--loss_type", "dft"), "dft"), (("--label_smoothing_factor", 0.2), "smoothed")])
+def test_loss_keys_set_the_loss_of_a_batch(tiny_model, tmp_path, flags, expect):
+    """The loss SFTTrainer computes for one batch equals the formula the key names, from the model's own logits."""
+
+    trainer, _, _ = trainer_for(tmp_path, "--splits", "train", *[str(f) for f in flags])
+    trainer.model.eval()
+    batch = first_batch(trainer)
+    with torch.no_grad():
+        got = trainer.compute_loss(trainer.model, dict(batch))
+        logits = trainer.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logp = torch.log_softmax(logits[:, :-1].float(), -1)
+    target = batch["labels"][:, 1:]
+    mask = target != -100
+    nll = -logp.gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)[mask]
+    want = {"nll": nll.mean(), "dft": (nll * torch.exp(-nll)).mean(),
+            "smoothed": 0.8 * nll.mean() + 0.2 * (-logp.sum(-1)[mask] / logp.shape[-1]).mean()}
+    torch.testing.assert_close(got, want[expect], atol=1e-4, rtol=1e-4)
+    assert all(not torch.allclose(got, v, atol=1e-4) for k, v in want.items() if k != expect)

@@ -1,0 +1,245 @@
+"""Tokenization: each sample made into the input_ids and labels SFTTrainer trains on (rendered, tokenized, masked, cut
+at max_length), counted per split.
+
+The project formats, tokenizes and truncates itself and hands SFTTrainer `input_ids` + `labels`, so that every data
+option has a defined effect (TRL 1.16 ignores `add_special_tokens`/`append_concat_token` and appends a second
+end-of-turn token to ChatML text). Samples are cut at `max_length` as `truncation_mode` says, and samples with no
+trainable label are dropped and counted; what reaches TRL is then never longer than `max_length`, so TRL's own
+truncation and its drop of fully masked samples change nothing, and its packing (`bfd`, `bfd_split`) keeps each sample
+whole. TRL still packs and shuffles (data.TRL_DATA_KEYS).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from .errors import RecipeError
+from .formats import CONVERSATIONAL, check_template, detect_format, from_sharegpt, is_conversational
+from .recipe import Recipe
+
+log = logging.getLogger("sftrecipes")
+
+# what became of one sample (the `_status` column while a split is prepared)
+KEPT, FULLY_MASKED, CUT_AWAY, CUT_KEPT = 0, 1, 2, 3
+
+
+def _assistant_spans(tokenizer, messages: list[dict], text: str) -> list[tuple[int, int]]:
+    """Character spans of the assistant turns in the rendered text (content + end-of-turn)."""
+    spans = []
+    for i, msg in enumerate(messages):
+        if msg["role"] != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
+        through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        if not text.startswith(through) or not through.startswith(before):
+            raise RecipeError(
+                "assistant_only_loss: the chat template renders a conversation's prefix differently from the whole "
+                "conversation, so assistant turns cannot be located; use chatml/zephyr or set assistant_only_loss: false"
+            )
+        spans.append((len(before), len(through)))
+    return spans
+
+
+def render(example: dict, fmt: str, tokenizer, recipe: Recipe) -> tuple[str, list[list[tuple[int, int]]], bool]:
+    """(text, span sets, ends with EOS). A token is trained when it overlaps a span of every set (no set: every
+    token). Plain prompt/completion text always ends with EOS, as TRL writes it."""
+    aol = bool(recipe.trl_value("assistant_only_loss"))
+    completion_only = recipe.trl_value("completion_only_loss") is not False  # TRL: None and True mean completion only
+    if is_conversational(fmt, example):
+        check_template(recipe, fmt, "a row", example)
+    if fmt in CONVERSATIONAL:
+        msgs = example["messages"] if fmt == "messages" else from_sharegpt(example["conversations"], "a conversations row")
+        text = tokenizer.apply_chat_template(msgs, tokenize=False)
+        return text, ([_assistant_spans(tokenizer, msgs, text)] if aol else []), False
+    if fmt == "prompt_completion":
+        prompt, completion = example["prompt"], example["completion"]
+        if isinstance(prompt, list) != isinstance(completion, list):
+            raise RecipeError("dataset_format: prompt_completion needs prompt and completion both text or both lists of messages; fix the data")
+        if not isinstance(prompt, list):
+            text = prompt + completion
+            return text, ([[(len(prompt), len(text))]] if completion_only else []), True
+        msgs = prompt + completion
+        text = tokenizer.apply_chat_template(msgs, tokenize=False)
+        sets = []
+        if completion_only:
+            head = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            if not text.startswith(head):
+                raise RecipeError(
+                    "completion_only_loss: the chat template renders the prompt differently from the start of prompt + "
+                    "completion, so the completion cannot be located; use chatml/zephyr, or completion_only_loss: false to train on the whole sequence"
+                )
+            sets.append([(len(head), len(text))])
+        if aol:
+            sets.append(_assistant_spans(tokenizer, msgs, text))
+        return text, sets, False
+    return example[recipe.trl_value("dataset_text_field")], [], False
+
+
+def end_ids(tokenizer, eot: str) -> tuple[list[list[int]], str | None]:
+    """The id sequences that end a sample (EOS now and as the tokenizer shipped it, the end-of-turn token), and the
+    end-of-turn text when it is not one token (then it is also recognised in the text, whatever its tokenization)."""
+    seqs = [[tokenizer.eos_token_id]] if tokenizer.eos_token_id is not None else []
+    shipped = tokenizer.init_kwargs.get("eos_token")
+    shipped = getattr(shipped, "content", shipped)
+    if isinstance(shipped, str) and shipped in tokenizer.get_vocab():
+        seqs.append([tokenizer.get_vocab()[shipped]])
+    if eot in tokenizer.get_vocab():
+        return seqs + [[tokenizer.get_vocab()[eot]]], None
+    plain = tokenizer(eot, add_special_tokens=False)["input_ids"]
+    return seqs + ([plain] if plain else []), eot
+
+
+def _ends_with_end(ids: list[int], offsets: list, text: str, ends: list[list[int]], eot_text: str | None) -> bool:
+    n = len(ids)
+    while n and offsets[n - 1][0] < offsets[n - 1][1] and text[offsets[n - 1][0]:offsets[n - 1][1]].isspace():
+        n -= 1  # trailing whitespace after the end token (ChatML's '\n')
+    if any(seq and ids[:n][-len(seq):] == seq for seq in ends):
+        return True
+    return bool(eot_text and n and not eot_text.isspace() and text[: offsets[n - 1][1]].endswith(eot_text))
+
+
+def tokenize_example(example: dict, tokenizer, recipe: Recipe, eot: str, fmt: str | None = None,
+                     ends: tuple | None = None) -> dict:
+    """One example -> {dataset_text_field: text, input_ids, labels, _bos_removed}. Pure; mapped over the dataset.
+    fmt: the example's format (None: read from its keys)."""
+    if fmt is None:
+        fmt = detect_format(recipe, list(example), "the example")
+    text, span_sets, force_eos = render(example, fmt, tokenizer, recipe)
+    special = recipe.data.add_special_tokens
+    enc = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
+    ids, offsets = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+    bos = tokenizer.bos_token_id
+    bos_removed = bool(special and bos is not None and ids[:2] == [bos, bos])
+    if bos_removed:  # the text already starts with BOS (a template's {{ bos_token }}); the tokenizer added another
+        ids, offsets = ids[1:], offsets[1:]
+    if (recipe.data.append_concat_token or force_eos) and tokenizer.eos_token_id is not None:
+        seqs, eot_text = ends if ends is not None else end_ids(tokenizer, eot)
+        if not _ends_with_end(ids, offsets, text, seqs, eot_text):
+            ids.append(tokenizer.eos_token_id)
+            offsets.append((len(text), len(text)))
+    end = len(text)
+
+    def trained(a: int, b: int) -> bool:
+        if a == b:  # zero-width: special tokens the tokenizer adds (BOS), or the appended EOS at the very end
+            return all(any(s <= a < e or a == e == end for s, e in spans) for spans in span_sets)
+        return all(any(a < e and b > s for s, e in spans) for spans in span_sets)
+
+    labels = [t if trained(a, b) else -100 for t, (a, b) in zip(ids, offsets)]
+    return {recipe.trl_value("dataset_text_field"): text, "input_ids": ids, "labels": labels, "_bos_removed": bos_removed}
+
+
+def _trainable(labels: list[int]) -> bool:
+    """A label the loss uses: position 0 is never predicted (and the packing collator masks it)."""
+    return any(label != -100 for label in labels[1:])
+
+
+def _prepare_row(example: dict, tokenizer, recipe: Recipe, eot: str, fmt: str, ends: tuple) -> dict:
+    row = tokenize_example(example, tokenizer, recipe, eot, fmt, ends)
+    max_length = recipe.trl_value("max_length")
+    if not _trainable(row["labels"]):
+        return {**row, "_status": FULLY_MASKED}
+    if max_length is None or len(row["input_ids"]) <= max_length:
+        return {**row, "_status": KEPT}
+    cut = slice(None, max_length) if recipe.trl_value("truncation_mode") == "keep_start" else slice(-max_length, None)
+    ids, labels = row["input_ids"][cut], row["labels"][cut]
+    return {**row, "input_ids": ids, "labels": labels, "_status": CUT_KEPT if _trainable(labels) else CUT_AWAY}
+
+
+def tokenize_split(recipe: Recipe, tokenizer, eot: str, dataset, name: str, fmt: str):
+    """Format, tokenize and cut one split; rows keep a `_status` (KEPT, FULLY_MASKED, CUT_AWAY, CUT_KEPT) and
+    `_bos_removed` until finish_split counts and drops."""
+    if recipe.trl_value("assistant_only_loss") and not (fmt in CONVERSATIONAL or (len(dataset) and is_conversational(fmt, dataset[0]))):
+        raise RecipeError(f"assistant_only_loss: {name} is {fmt} text, without assistant turns; remove assistant_only_loss"
+                          + (" (prompt/completion data trains on the completion only by default)" if fmt == "prompt_completion" else ""))
+    return dataset.map(
+        _prepare_row,
+        fn_kwargs={"tokenizer": tokenizer, "recipe": recipe, "eot": eot, "fmt": fmt, "ends": end_ids(tokenizer, eot)},
+        remove_columns=dataset.column_names,
+        num_proc=recipe.trl_value("dataset_num_proc"),
+        desc=f"Formatting and tokenizing {name}",
+    )
+
+
+def _packed_rows(recipe: Recipe, dataset, is_eval: bool) -> dict | None:
+    """What TRL's packing will make of the prepared split: fully masked packed rows (they add no loss)."""
+    packing = recipe.trl_value("packing")
+    if is_eval and recipe.trl_value("eval_packing") is not None:
+        packing = recipe.trl_value("eval_packing")
+    if not packing:
+        return None
+    strategy = recipe.trl_value("packing_strategy")
+    if strategy != "wrapped":
+        # every kept sample has a trainable label past its first position and is no longer than max_length, and
+        # bfd/bfd_split keep such samples whole in one row: no packed row can be fully masked
+        return {"strategy": strategy, "rows": None, "fully_masked_rows": 0}
+    from trl.data_utils import pack_dataset  # noqa: PLC0415 - trl: recipe validation imports data, which imports this module
+
+    ds = dataset.select_columns(["input_ids", "labels"])
+    if recipe.trl_value("shuffle_dataset"):
+        ds = ds.shuffle(seed=recipe.trl_value("seed"))
+    packed = pack_dataset(ds, recipe.trl_value("max_length"), "wrapped", {"num_proc": recipe.trl_value("dataset_num_proc")})
+    masked = sum(not _trainable(row) for row in packed["labels"])
+    return {"strategy": strategy, "rows": len(packed), "fully_masked_rows": masked}
+
+
+def finish_split(recipe: Recipe, dataset, name: str, formats: dict[str, int], is_eval: bool = False):
+    """Count what the cut and the masks did, drop samples with nothing to train, log ONE line. Returns
+    (dataset with text/input_ids/labels, counts)."""
+    status = np.asarray(dataset.with_format("numpy")["_status"], dtype=np.int64)
+    n = np.bincount(status, minlength=4)
+    bos_removed = int(np.asarray(dataset.with_format("numpy")["_bos_removed"], dtype=bool).sum())
+    counts = {
+        "read": int(len(status)), "formats": formats, "truncated": int(n[CUT_AWAY] + n[CUT_KEPT]),
+        "dropped_after_cut": int(n[CUT_AWAY]), "fully_masked": int(n[FULLY_MASKED]),
+        "kept": int(n[KEPT] + n[CUT_KEPT]), "max_length": recipe.trl_value("max_length"),
+        "truncation_mode": recipe.trl_value("truncation_mode"), "duplicate_bos_removed": bos_removed,
+    }
+    if counts["read"] == 0:
+        raise RecipeError(f"dataset_name: the {name} has no rows; check the data and splits")
+    if counts["kept"] == 0:
+        if counts["fully_masked"] == counts["read"]:
+            if recipe.trl_value("assistant_only_loss"):
+                fix = "assistant_only_loss: every {} sample has no assistant token; check the data's roles or set assistant_only_loss: false"
+            elif "prompt_completion" in formats:
+                fix = "completion_only_loss: every {} completion is empty; check the data, or set completion_only_loss: false"
+            else:
+                fix = "dataset_name: every {} sample is empty; check the data"
+            raise RecipeError(fix.format(name))
+        raise RecipeError(
+            f"max_length: no {name} sample keeps a trainable token after the cut at {counts['max_length']} "
+            f"({counts['truncation_mode']}); raise max_length or set truncation_mode: keep_end"
+        )
+    dataset = dataset.filter(lambda s: s in (KEPT, CUT_KEPT), input_columns="_status", desc=f"Dropping untrainable {name} samples")
+    dataset = dataset.remove_columns(["_status", "_bos_removed"])
+    packed = _packed_rows(recipe, dataset, is_eval)
+    if packed is not None:
+        counts["packing"] = packed
+    line = (f"data: {name}: {counts['read']} read ({', '.join(f'{v} {k}' for k, v in formats.items())}), "
+            f"{counts['truncated']} truncated at max_length {counts['max_length']} ({counts['truncation_mode']}), "
+            f"{counts['dropped_after_cut']} dropped after the cut (no trainable token left: the answer lay past max_length), "
+            f"{counts['fully_masked']} fully masked (no trainable token before any cut, e.g. no assistant turn: dropped), "
+            f"{counts['kept']} kept")
+    if packed is not None:
+        line += (f"; packing {packed['strategy']}: {packed['fully_masked_rows']} of {packed['rows']} packed rows fully masked"
+                 if packed["rows"] is not None else f"; packing {packed['strategy']}: every packed row holds whole samples, none fully masked")
+    (log.warning if counts["dropped_after_cut"] or counts["fully_masked"] or (packed or {}).get("fully_masked_rows") else log.info)("%s", line)
+    return dataset, counts
+
+
+def prepare(recipe: Recipe, tokenizer, eot: str, dataset, name: str, fmt: str | None = None):
+    """Format, tokenize and cut one split, then drop what has nothing to train (counts logged). Checks the format
+    first, with a one-line error naming the fix."""
+    fmt = detect_format(recipe, dataset.column_names, name, fmt or recipe.data.dataset_format)
+    check_template(recipe, fmt, "dataset_name", dataset[0] if len(dataset) else None)
+    out, counts = finish_split(recipe, tokenize_split(recipe, tokenizer, eot, dataset, name, fmt), name, {fmt: len(dataset)})
+    log_bos(tokenizer, counts["duplicate_bos_removed"])
+    return out
+
+
+def log_bos(tokenizer, removed: int) -> None:
+    if removed:
+        log.info("add_special_tokens: %d samples already started with BOS %s (the chat template writes it); the second "
+                 "BOS the tokenizer added was removed — set add_special_tokens: false to tokenize them as they are",
+                 removed, tokenizer.bos_token)
