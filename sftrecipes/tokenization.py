@@ -6,7 +6,7 @@ option has a defined effect (TRL 1.16 ignores `add_special_tokens`/`append_conca
 end-of-turn token to ChatML text). Samples are cut at `max_length` as `truncation_mode` says, and samples with no
 trainable label are dropped and counted; what reaches TRL is then never longer than `max_length`, so TRL's own
 truncation and its drop of fully masked samples change nothing, and its packing (`bfd`, `bfd_split`) keeps each sample
-whole. TRL still packs and shuffles (data.TRL_DATA_KEYS).
+whole. TRL still packs and shuffles (sources.TRL_DATA_KEYS).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from .coerce import coerce
 from .errors import RecipeError
 from .schema import DATASET_ENTRY_KEYS, all_options
 from .shape import config_path, model_shape
+from .sources import check_eval_split, check_trl_data_keys
 
 if TYPE_CHECKING:
     from .recipe import Recipe
@@ -134,8 +135,6 @@ def validate(r: Recipe) -> None:
     splits = [s.strip() for s in d.splits.split(",") if s.strip()]
     if not splits or not any("train" in s for s in splits):
         raise RecipeError(f"splits: '{d.splits}' names no training split; include one with 'train' in its name, e.g. train,test")
-    from .data import check_eval_split, check_trl_data_keys  # noqa: PLC0415 - data imports recipe, which imports this module
-
     check_eval_split(r)
     if r.trl_value("packing") and r.trl_value("max_length") is None:
         raise RecipeError("packing: true needs max_length (alias max_seq_len) to set the packed length; set max_length: 2048")

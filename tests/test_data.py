@@ -15,7 +15,7 @@ from trl import SFTConfig, SFTTrainer
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 import train as train_script
-from sftrecipes import backends, data, model as models, tokenization
+from sftrecipes import backends, data, model as models, sources, tokenization
 from sftrecipes.errors import RecipeError
 from sftrecipes.recipe import load_recipe
 from sftrecipes.tokenizer import load_tokenizer
@@ -496,7 +496,7 @@ def test_prompt_completion_run_trains_on_the_completion_only(tiny_model, shapes,
 
 
 # ------------------------------------------------------------------------------------------ TRL's data-preparation keys
-# data.TRL_DATA_KEYS says what becomes of every key TRL reads while it prepares data; these tests keep it complete
+# sources.TRL_DATA_KEYS says what becomes of every key TRL reads while it prepares data; these tests keep it complete
 # and show each effect where it lands: the tokens and labels made here, the rows SFTTrainer prepares, its batches.
 
 # What SFTTrainer.__init__/_prepare_dataset/evaluate read that is not about the data (covered elsewhere).
@@ -530,13 +530,13 @@ def test_every_trl_data_key_is_classified():
     """A TRL upgrade that reads a new field while preparing data fails here until TRL_DATA_KEYS says what becomes of it."""
 
     reads = trl_reads()
-    unclassified = reads - set(data.TRL_DATA_KEYS) - set(NOT_DATA_PREP)
-    assert not unclassified, f"classify in data.TRL_DATA_KEYS (pipeline/trainer/refused, with the reason): {sorted(unclassified)}"
+    unclassified = reads - set(sources.TRL_DATA_KEYS) - set(NOT_DATA_PREP)
+    assert not unclassified, f"classify in sources.TRL_DATA_KEYS (pipeline/trainer/refused, with the reason): {sorted(unclassified)}"
     fields = {f.name for f in dataclasses.fields(SFTConfig)}
-    assert set(data.TRL_DATA_KEYS) <= fields and set(data.TRL_DATA_KEYS) <= reads
-    assert {how for how, _ in data.TRL_DATA_KEYS.values()} == {"pipeline", "trainer", "refused"}
+    assert set(sources.TRL_DATA_KEYS) <= fields and set(sources.TRL_DATA_KEYS) <= reads
+    assert {how for how, _ in sources.TRL_DATA_KEYS.values()} == {"pipeline", "trainer", "refused"}
     consumed = {k for k in backends.CONSUMED_BY_PIPELINE}  # applied here, so never handed to TRL to apply again
-    assert consumed <= {k for k, (how, _) in data.TRL_DATA_KEYS.items() if how == "pipeline"}
+    assert consumed <= {k for k, (how, _) in sources.TRL_DATA_KEYS.items() if how == "pipeline"}
 
 
 @pytest.mark.parametrize("flags, fragment", [

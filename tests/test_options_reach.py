@@ -45,7 +45,7 @@ SPECIAL = {
     "fsdp": ("full_shard auto_wrap", {}, lambda a: a.fsdp is True and a.fsdp_config["reshard_after_forward"]),
     "deepspeed": ({"zero_optimization": {"stage": 2}}, {}, lambda a: a.hf_deepspeed_config.config["zero_optimization"]["stage"] == 2),
     "use_liger_kernel": (True, {"bf16": False}, lambda a: a.use_liger_kernel is True),  # gpu target (GPU_ONLY) on a CPU machine
-    "padding_free": (True, {"packing": True}, lambda a: a.padding_free is True),  # without packing: refused (data.TRL_DATA_KEYS)
+    "padding_free": (True, {"packing": True}, lambda a: a.padding_free is True),  # without packing: refused (sources.TRL_DATA_KEYS)
 }
 # Applied by the data pipeline, not by SFTConfig: observed in tests/test_data.py and tests/test_train.py.
 PIPELINE = {
@@ -75,7 +75,7 @@ def probe_value(o):
 
 # Refused with a one-line error (test_recipe.py), so they cannot be silently ignored either.
 REFUSED = {"enable_jit_checkpoint": "the run handles SIGTERM/SIGUSR1 itself (lifecycle.py); test_recipe.py::test_bad_recipe_is_one_line_error",
-           "dataset_kwargs": "data.TRL_DATA_KEYS; test_data.py::test_refused_data_keys_are_one_line_errors_and_the_fix_loads"}
+           "dataset_kwargs": "sources.TRL_DATA_KEYS; test_data.py::test_refused_data_keys_are_one_line_errors_and_the_fix_loads"}
 # Refused on the cpu target (test_train.py::test_liger_is_refused_without_a_gpu_or_its_package): probed on the gpu
 # target with the package present.
 GPU_ONLY = {"use_liger_kernel"}

@@ -126,7 +126,7 @@ BAD = [
     ("gradient_checkpointing: true\nactivation_checkpointing: false\n", "disagree"),
     ("splits: test\n", "names no training split"),
     ("splits: train\neval_strategy: epoch\n", "needs an eval split"),
-    # the eval split is the one data.split_names picks: the training split itself is none, whatever its name says
+    # the eval split is the one sources.split_names picks: the training split itself is none, whatever its name says
     ("splits: train_eval\neval_strategy: epoch\n", "needs an eval split, but splits is 'train_eval'"),
     ("packing: true\nmax_length: null\n", "packing: true needs max_length"),
     ("max_seq_len: 10\nmax_length: 20\n", "same option"),
@@ -172,7 +172,7 @@ def test_bad_recipe_is_one_line_error(tmp_path, extra, fragment):
 
 
 def test_eval_split_rule_is_checked_where_the_data_reads_it(tmp_path):
-    """Validation asks data.check_eval_split, which resolves the sources as loading does: a mixture whose entries all
+    """Validation asks sources.check_eval_split, which resolves the sources as loading does: a mixture whose entries all
     say eval_split: null has no eval rows even though splits names one, and is refused before any data is read."""
     head = f"model_name_or_path: {ROOT / TINY}\noutput_dir: {tmp_path / 'out'}\nsplits: train,test\neval_strategy: steps\n"
     none = write(tmp_path, "none.yaml", head + f"datasets: [{{path: {ROOT / DATA}, eval_split: null}}]\n")
