@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from .dcpio import DCPSource, read_exactly
-from .lora import pattern_value
+from .shape import pattern_value
 from .model import DTYPES
 from .errors import RecipeError
 

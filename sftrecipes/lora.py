@@ -1,8 +1,7 @@
 """LoRA: the peft LoraConfig a recipe asks for, its targets resolved on the loaded model (dense or mixture-of-experts).
 
-Also describe_adapter: the one line a run logs on what LoRA adapted.
-peft is imported inside the functions that use it: export imports pattern_value from here and stays free of
-peft's ~5 s import (and the bitsandbytes line it prints on stderr).
+Also describe_adapter: the one line a run logs on what LoRA adapted. (peft's rank/alpha pattern lookup, which
+exports need without peft, is shape.pattern_value.)
 """
 
 from __future__ import annotations
@@ -11,9 +10,13 @@ import re
 import types
 
 import torch
+from peft import LoraConfig
+from peft.tuners.lora import LoraLayer, ParamWrapper
+from peft.tuners.tuners_utils import check_target_module_exists
 
 from .errors import RecipeError
 from .recipe import Recipe
+from .shape import pattern_value
 
 # transformers 5 fuses the experts of a mixture-of-experts layer into 3-D parameters (mlp.experts.gate_up_proj
 # [E, 2*inter, hidden], mlp.experts.down_proj [E, hidden, inter]) behind a router (mlp.gate, [E, hidden]). peft adapts
@@ -51,16 +54,6 @@ def moe_layout(model) -> tuple[dict[str, tuple[int, ...]], dict[str, bool]]:
     return experts, routers
 
 
-def pattern_value(pattern: dict | None, key: str, default: int) -> int:
-    """peft's rank_pattern/alpha_pattern lookup (peft.utils.other.get_pattern_key): the first key, in order, that
-    matches the end of `key` at a dot boundary, as a regex. `key` is the module's name in the base model (a targeted
-    parameter's own name for peft's parameter targets)."""
-    for k, v in (pattern or {}).items():
-        if re.match(rf"(.*\.)?({k})$", key):
-            return v
-    return default
-
-
 def lora_targets(recipe: Recipe, model) -> dict:
     """target_modules, target_parameters, rank_pattern and alpha_pattern for LoraConfig, resolved on the model.
 
@@ -73,7 +66,6 @@ def lora_targets(recipe: Recipe, model) -> dict:
     expert tensors). The router is adapted only with lora_target_router: true, never by naming it. layers_to_transform,
     layers_pattern, exclude_modules and modules_to_save also select among expert parameters (peft applies them to
     modules only), by passing the selected parameters by full name."""
-    from peft.tuners.tuners_utils import check_target_module_exists  # noqa: PLC0415 - peft: export imports pattern_value; importing peft costs ~5 s and a bitsandbytes line on stderr
 
     m, p = recipe.model, recipe.peft
     spec = m.lora_target_modules.strip()
@@ -186,7 +178,6 @@ def lora_config(recipe: Recipe, added_tokens: list[int], model=None):
     m = recipe.model
     if not m.use_peft_lora:
         return None
-    from peft import LoraConfig  # noqa: PLC0415 - peft: export imports pattern_value; importing peft costs ~5 s and a bitsandbytes line on stderr
 
     kwargs = dict(recipe.peft)
     if model is not None:
@@ -211,7 +202,6 @@ def lora_config(recipe: Recipe, added_tokens: list[int], model=None):
 def describe_adapter(model, recipe: Recipe) -> str:
     """One line on what LoRA adapted in the peft model the trainer built: linear modules, expert parameters (with
     their rank), the router or not, and the trainable parameter count."""
-    from peft.tuners.lora import LoraLayer, ParamWrapper  # noqa: PLC0415 - peft: export imports pattern_value; importing peft costs ~5 s and a bitsandbytes line on stderr
 
     experts, routers = moe_layout(model)
     mods: dict[str, set] = {}

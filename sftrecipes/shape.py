@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -386,6 +387,16 @@ def _build(c: dict, mt: str, name: str) -> Shape:
 
 
 # ----------------------------------------------------------------------------------------------- load dtype
+
+
+def pattern_value(pattern: dict | None, key: str, default: int) -> int:
+    """peft's rank_pattern/alpha_pattern lookup (peft.utils.other.get_pattern_key): the first key, in order, that
+    matches the end of `key` at a dot boundary, as a regex. `key` is the module's name in the base model (a targeted
+    parameter's own name for peft's parameter targets)."""
+    for k, v in (pattern or {}).items():
+        if re.match(rf"(.*\.)?({k})$", key):
+            return v
+    return default
 
 
 def load_dtype(recipe: Recipe) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 
 import numpy as np
+from trl.data_utils import pack_dataset
 
 from .errors import RecipeError
 from .formats import CONVERSATIONAL, check_template, detect_format, from_sharegpt, is_conversational
@@ -174,7 +175,6 @@ def _packed_rows(recipe: Recipe, dataset, is_eval: bool) -> dict | None:
         # every kept sample has a trainable label past its first position and is no longer than max_length, and
         # bfd/bfd_split keep such samples whole in one row: no packed row can be fully masked
         return {"strategy": strategy, "rows": None, "fully_masked_rows": 0}
-    from trl.data_utils import pack_dataset  # noqa: PLC0415 - trl: recipe validation imports data, which imports this module
 
     ds = dataset.select_columns(["input_ids", "labels"])
     if recipe.trl_value("shuffle_dataset"):
