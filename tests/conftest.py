@@ -1,6 +1,8 @@
+import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -95,3 +97,40 @@ def family_models() -> dict[str, Path]:
 
     assert sorted(BUILT) == sorted(FAMILIES)
     return {name: ensure_family(name) for name in FAMILIES}
+
+
+def launch_twin(name: str, out: Path, extra=(), env: dict | None = None, timeout: int = 900) -> tuple[dict, str]:
+    """Run the CPU twin `name` through the launcher `emit` wrote for it (scripts/run_tiny-<name>.sh, 2 processes) with
+    extra flags; (run summary, log)."""
+    start = time.time()
+    res = subprocess.run([f"scripts/run_tiny-{name}.sh", "--output_dir", str(out), *extra], cwd=ROOT,
+                         capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    log = res.stdout + res.stderr
+    assert res.returncode == 0, f"{name} failed after {time.time() - start:.0f}s:\n{log[-4000:]}"
+    return json.loads((out / "run_summary.json").read_text()), log
+
+
+# The ddp twin prepares its data into a fresh datasets cache: its log shows which ranks tokenized.
+TWIN_DATASETS_CACHE = {"ddp": "datasets-cache"}
+
+
+@pytest.fixture(scope="session")
+def twin_runs(tiny_model, family_models, tmp_path_factory):
+    """name -> (output_dir, run summary, log) of the CPU twin run once per session through its launcher, as shipped
+    (the recipe's 6 steps, its sample reply) plus a checkpoint every 3 steps (checkpoint-3, checkpoint-6); launched on
+    first use. Each is a 2-process run of ~15 s: test_twins checks the runs themselves, test_export and test_faults
+    read their checkpoints instead of training the same twin again."""
+    root = tmp_path_factory.mktemp("twins")
+    done = {}
+
+    def get(name: str) -> tuple[Path, dict, str]:
+        if name not in done:
+            out = root / name
+            env = {"MAIN_PROCESS_PORT": str(free_port())}
+            if name in TWIN_DATASETS_CACHE:
+                env["HF_DATASETS_CACHE"] = str(root / TWIN_DATASETS_CACHE[name])
+            summary, log = launch_twin(name, out, ["--save_strategy", "steps", "--save_steps", "3"], env=env)
+            done[name] = out, summary, log
+        return done[name]
+
+    return get

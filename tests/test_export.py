@@ -1,4 +1,5 @@
-"""Exports from every backend's checkpoints, for real: each twin runs 3 steps on 2 processes and saves checkpoint-3;
+"""Exports from every backend's checkpoints, for real: each twin runs on 2 processes and saves checkpoint-3 (the
+session's twin runs, conftest.twin_runs, or 3-step runs of variants);
 its conversion must load with plain transformers/peft and hold exactly the trained fp32 values (checked against the
 upstream converters: DeepSpeed's zero_to_fp32, torch's dcp_to_torch_save, peft's merge), or be within the dtype's
 tolerance for 16-bit. Bad inputs (torn, missing, wrong base, unknown) are one-line errors that leave nothing behind."""
@@ -14,14 +15,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, free_port
-from test_twins import launch
+from conftest import ROOT, free_port, launch_twin
 
 from sftrecipes import export as ex
 from sftrecipes.errors import RecipeError
 
 STEPS = ["--max_steps", "3", "--save_strategy", "steps", "--save_steps", "3", "--sample_max_new_tokens", "0"]
 IDS = torch.tensor([[1, 20, 30, 40, 50, 60, 70, 80]])
+TWINS = {"ddp", "zero1", "offload", "fsdp", "fsdp1", "qlora-fsdp", "qlora-zero3"}  # read from conftest.twin_runs
 
 
 def accelerate_launch(recipe: str, out, script: str, extra=(), accelerate_config=None):
@@ -43,13 +44,17 @@ def accelerate_launch(recipe: str, out, script: str, extra=(), accelerate_config
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_model, tmp_path_factory):
-    """name -> output_dir of a 3-step run, launched on first use and shared by the module's tests."""
+def runs(tiny_model, twin_runs, tmp_path_factory):
+    """name -> output_dir of a run that holds checkpoint-3, launched on first use and shared by the module's tests: a
+    shipped twin is the session's run of it (conftest.twin_runs: 6 steps, a checkpoint every 3); the others run 3 steps."""
     root = tmp_path_factory.mktemp("runs")
     done = {}
 
     def get(name):
         if name in done:
+            return done[name]
+        if name in TWINS:
+            done[name] = twin_runs(name)[0]
             return done[name]
         out = root / name
         if name == "zero2-full":  # the shipped ZeRO-1/2 twins are LoRA: a full fine-tune on ZeRO-2 from the offload recipe
@@ -65,10 +70,10 @@ def runs(tiny_model, tmp_path_factory):
             from sftrecipes.recipe import load_recipe
 
             train.run(load_recipe(["recipes/tiny/qlora.yaml", "--output_dir", str(out), "--max_steps", "5", "--sample_max_new_tokens", "0"]))
-        elif name.endswith("+tokens"):  # the zephyr template adds 3 tokens the tiny tokenizer lacks (as ChatML does to Llama-2)
-            launch(name.removesuffix("+tokens"), out, STEPS + ["--chat_template_format", "zephyr"], env={"MAIN_PROCESS_PORT": str(free_port())})
-        else:
-            launch(name, out, STEPS, env={"MAIN_PROCESS_PORT": str(free_port())})
+        else:  # +tokens: the zephyr template adds 3 tokens the tiny tokenizer lacks (as ChatML does to Llama-2)
+            assert name.endswith("+tokens"), name
+            launch_twin(name.removesuffix("+tokens"), out, STEPS + ["--chat_template_format", "zephyr"],
+                        env={"MAIN_PROCESS_PORT": str(free_port())})
         done[name] = out
         return out
 

@@ -96,27 +96,34 @@ def test_resume_on_another_process_count_continues_exactly(tiny_model, tmp_path,
 
 
 @pytest.mark.parametrize("saved,resumed", [(2, 1), (1, 2)])
-def test_zero3_resume_on_another_process_count_is_refused_before_loading(tiny_model, tmp_path, saved, resumed):
+def test_zero3_resume_on_another_process_count_is_refused_before_loading(twin_runs, tmp_path, saved, resumed):
     """DeepSpeed partitions the optimizer state per process: resuming on another count stops with one line naming both
-    counts and the fix, before the tokenizer, data or model load, writing nothing."""
-    rc, log = launch("zero3", tmp_path / "run", saved, ["--max_steps", "1"])
-    assert rc == 0, log[-3000:]
-    assert json.loads((tmp_path / "run" / "checkpoint-1" / ck.MARKER).read_text())["run"]["backend"] == "deepspeed"
+    counts and the fix, before the tokenizer, data or model load, writing nothing. The 2-process checkpoint is the
+    session's ZeRO-3 twin run's checkpoint-3 (conftest.twin_runs); the 1-process one is trained here (1 step)."""
+    if saved == 2:
+        ckpt = twin_runs("zero3")[0] / "checkpoint-3"
+    else:
+        rc, log = launch("zero3", tmp_path / "run", saved, ["--max_steps", "1"])
+        assert rc == 0, log[-3000:]
+        ckpt = tmp_path / "run" / "checkpoint-1"
+    run = json.loads((ckpt / ck.MARKER).read_text())["run"]
+    assert run["backend"] == "deepspeed" and run["world_size"] == saved, run
     out = tmp_path / "resumed"
-    rc, log = launch("zero3", out, resumed, ["--max_steps", "2", "--resume_from_checkpoint", str(tmp_path / "run" / "checkpoint-1")])
+    more = ["--max_steps", str(int(ckpt.name.rsplit("-", 1)[1]) + 1), "--resume_from_checkpoint", str(ckpt)]
+    rc, log = launch("zero3", out, resumed, more)
     assert rc != 0
     errors = sorted({line for line in log.splitlines() if line.startswith("error: ")})
     assert errors == [
-        f"error: resume_from_checkpoint: checkpoint-1 was saved by {saved} process{'es' * (saved > 1)} under DeepSpeed ZeRO-3, "
+        f"error: resume_from_checkpoint: {ckpt.name} was saved by {saved} process{'es' * (saved > 1)} under DeepSpeed ZeRO-3, "
         f"whose optimizer state is partitioned per process, and this run has {resumed}: resume with {saved} "
         f"process{'es' * (saved > 1)} (launch.num_machines x launch.gpus_per_node = {saved}), or start a new run from its "
-        f"weights (python -m sftrecipes export {tmp_path / 'run' / 'checkpoint-1'} DEST writes them); DeepSpeed's universal "
+        f"weights (python -m sftrecipes export {ckpt} DEST writes them); DeepSpeed's universal "
         "checkpoints (ds_to_universal) are not wired into resume"], log[-3000:]
     assert "LoRA adapts" not in log and "chat template:" not in log  # neither the model nor the tokenizer was loaded
     assert not out.exists()
     # the launch verb (what scripts/run_*.sh run) says it once, exit 2, before starting any rank
     res = run_cli(["-m", "sftrecipes", "launch", RECIPES["zero3"], *STEPS, "--launch.gpus_per_node", str(resumed),
-                   "--max_steps", "2", "--resume_from_checkpoint", str(tmp_path / "run" / "checkpoint-1"), "--output_dir", str(out)])
+                   *more, "--output_dir", str(out)])
     assert res.returncode == 2 and res.stderr.strip().splitlines() == errors, res.stderr[-3000:]
     assert not out.exists()
 

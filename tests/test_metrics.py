@@ -4,13 +4,12 @@ the plot and the per-rank table, single process and 2-process DDP on CPU."""
 import json
 import os
 import struct
-import subprocess
 
 import pytest
 import torch
 
 import train
-from conftest import FAMILIES, ROOT, free_port
+from conftest import FAMILIES, ROOT
 from sftrecipes import metrics
 from sftrecipes.recipe import load_recipe
 from sftrecipes.shape import model_shape
@@ -270,13 +269,10 @@ def test_packed_run_mfu_and_tensorboard_beside_trainer(tiny_model, tmp_path, mon
 # ----------------------------------------------------------------------------------------------- two processes
 
 
-def test_ddp_two_ranks_gathered_to_rank0(tiny_model, tmp_path):
-    """The DDP twin through its emitted launcher: train.py's callback gathers both ranks to rank 0."""
-    out = tmp_path / "ddp"
-    cmd = ["scripts/run_tiny-ddp.sh", "--output_dir", str(out), "--sample_max_new_tokens", "0"]
-    env = {**os.environ, "MAIN_PROCESS_PORT": str(free_port())}
-    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
+def test_ddp_two_ranks_gathered_to_rank0(twin_runs):
+    """The DDP twin through its emitted launcher (the session's run, conftest.twin_runs): train.py's callback gathers
+    both ranks to rank 0."""
+    out, _, log = twin_runs("ddp")
     saved = json.loads((out / "metrics.json").read_text())
     assert saved["world_size"] == 2 and [r["rank"] for r in saved["ranks"]] == [0, 1]
     for r in saved["ranks"]:
@@ -285,8 +281,8 @@ def test_ddp_two_ranks_gathered_to_rank0(tiny_model, tmp_path):
         assert r["real_token_share"] == 1.0  # the twin packs (padding-free)
     assert saved["ranks"][0]["real_tokens"] != saved["ranks"][1]["real_tokens"]  # each rank its own shard of the data
     assert saved["tokens_per_s"] == pytest.approx(sum(r["tokens_per_s"] for r in saved["ranks"]))
-    rows = [line for line in res.stdout.splitlines() if line.strip().split(" ")[0] in ("0", "1") and "/" in line]
-    assert len(rows) == 2, res.stdout[-3000:]  # the table printed once (rank 0) with a row per rank
+    rows = [line for line in log.splitlines() if line.strip().split(" ")[0] in ("0", "1") and "/" in line]
+    assert len(rows) == 2, log[-3000:]  # the table printed once (rank 0) with a row per rank
     check_png(out / "metrics.png")
     summary = json.loads((out / "run_summary.json").read_text())
     assert summary["backend"]["world_size"] == 2

@@ -146,16 +146,16 @@ def test_memory_constrained_mode_differs_and_says_so(curves, tmp_path):
     assert mc["losses"][-1] > fp32["losses"][-1]
 
 
-def test_one_rank_with_accumulation_matches_two_ranks(tiny_model, tmp_path):
+def test_one_rank_with_accumulation_matches_two_ranks(curves, tmp_path):
     """Gradients are averaged, so 1 rank x accumulation 2 and 2 ranks x accumulation 1 (same global batch, same
-    samples) take the same steps; the learning rate needs no scaling by world size."""
-    flags = ["recipes/tiny/full.yaml", "--max_steps", "4", "--logging_steps", "1", "--save_strategy", "no",
-             "--sample_max_new_tokens", "0", "--per_device_train_batch_size", "4"]
+    samples) take the same steps; the learning rate needs no scaling by world size. The 2 ranks are the fp32 DDP run
+    of `curves` (its flags less the launch keys)."""
+    flags = COMMON[:COMMON.index("--launch.hardware")] + ["--bf16", "false"]
     one = tmp_path / "one"
     res = run_cli(["train.py", *flags, "--gradient_accumulation_steps", "2", "--output_dir", str(one)])
     assert res.returncode == 0, res.stderr[-3000:]
     assert "global batch = 4 per device x 2 accumulation x 1 ranks = 8" in res.stdout + res.stderr
     single = json.loads((one / "run_summary.json").read_text())
-    two = accelerate_run(flags + ["--launch.backend", "ddp", "--launch.hardware", "cpu", "--launch.gpus_per_node", "2"],
-                         tmp_path / "two")
+    two = curves["fp32", "ddp"]
+    assert two["backend"]["world_size"] == 2 and len(single["losses"]) == 5
     assert rel_diff(two["losses"], single["losses"]) <= 1e-5, (two["losses"], single["losses"])

@@ -1,7 +1,7 @@
 """Exact resume through the command a user runs (`python -m sftrecipes launch RECIPE`), on a single process, DDP, ZeRO-3
 and FSDP with 2 CPU ranks. One chain per backend:
 
-1. straight: an uninterrupted run (the reference weights);
+1. straight: an uninterrupted run without checkpoints (the reference weights; saving must not change training);
 2. killed: the launcher is SIGKILLed (its pid, as a user or scheduler kills it) at a random moment after a checkpoint;
    every rank it started must be gone within seconds (they used to keep training into the same folder);
 3. resumed with resume_from_checkpoint: auto (the killed run's stale lock is taken over), then preempted with SIGTERM
@@ -119,7 +119,7 @@ def test_kill_preempt_resume_gives_the_uninterrupted_weights(tiny_model, tmp_pat
     argv = recipe + COMMON
     world = 1 if case == "single" else 2
 
-    finish(start(argv, tmp_path / "straight"), tmp_path / "straight")
+    finish(start(argv + ["--save_strategy", "no"], tmp_path / "straight"), tmp_path / "straight")
 
     # 2. SIGKILL of the launcher: its ranks end with it
     out = tmp_path / "killed"

@@ -10,7 +10,6 @@ First run on a machine: DeepSpeed JIT-builds its CPU ops (shm comm ~40 s, cpu_ad
 import json
 import os
 import subprocess
-import time
 
 import pytest
 import torch
@@ -35,15 +34,6 @@ TWINS = {
     "qwen3moe-zero3": dict(distributed_type="DEEPSPEED", zero_stage=3, shard="params"),
 }
 BASE_OF = {"llama3-zero3": "llama3", "qwen3-qlora-fsdp": "qwen3", "qwen3moe-zero3": "qwen3_moe"}  # else tiny-llama
-
-
-def launch(name: str, out, extra=(), env=None, timeout=900):
-    start = time.time()
-    res = subprocess.run([f"scripts/run_tiny-{name}.sh", "--output_dir", str(out), *extra], cwd=ROOT,
-                         capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
-    log = res.stdout + res.stderr
-    assert res.returncode == 0, f"{name} failed after {time.time() - start:.0f}s:\n{log[-4000:]}"
-    return json.loads((out / "run_summary.json").read_text()), log
 
 
 def assert_loadable(out, summary, base_dir=".assets/tiny-llama", quantized=False):
@@ -93,10 +83,9 @@ def assert_sample_is_greedy_reply_of(model, out, sample):
 
 
 @pytest.mark.parametrize("name", list(TWINS))
-def test_twin_runs_through_its_launcher(tiny_model, family_models, tmp_path, name):
+def test_twin_runs_through_its_launcher(twin_runs, family_models, name):
     want = TWINS[name]
-    out = tmp_path / name
-    summary, log = launch(name, out)
+    out, summary, log = twin_runs(name)
     b = summary["backend"]
     assert b["world_size"] == 2
     for key in ("distributed_type", "wrapper", "zero_stage", "fsdp_version", "zero_offload_optimizer", "zero_offload_params", "optimizer"):
@@ -131,7 +120,7 @@ def load_file_names(out) -> list[str]:
         return list(f.keys())
 
 
-def test_fsdp_twin_writes_sharded_checkpoints(tiny_model, tmp_path):
+def test_fsdp_twin_writes_sharded_checkpoints(twin_runs, tmp_path):
     """SHARDED_STATE_DICT checkpoints during training: one piece per rank, no rank-0 gather; they convert to the
     same weights torch's own DCP converter reads."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -139,8 +128,7 @@ def test_fsdp_twin_writes_sharded_checkpoints(tiny_model, tmp_path):
 
     from sftrecipes.export import export
 
-    out = tmp_path / "fsdp"
-    launch("fsdp", out, ["--max_steps", "3", "--save_steps", "3", "--sample_max_new_tokens", "0"])
+    out = twin_runs("fsdp")[0]
     ckpt = out / "checkpoint-3" / "pytorch_model_fsdp_0"
     assert sorted(p.name for p in ckpt.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     ours = load_file(export(out / "checkpoint-3", tmp_path / "ck-export") / "model.safetensors")
@@ -150,11 +138,10 @@ def test_fsdp_twin_writes_sharded_checkpoints(tiny_model, tmp_path):
     assert len(ours) == 21 and all(torch.equal(ours[k], ref[k]) for k in ours)
 
 
-def test_data_is_prepared_once(tiny_model, tmp_path):
-    """The main process tokenizes; the other rank waits and reuses its cache (a fresh cache, so nothing is reused
-    from earlier runs)."""
-    _, log = launch("ddp", tmp_path / "ddp", ["--max_steps", "1", "--sample_max_new_tokens", "0"],
-                    env={"HF_DATASETS_CACHE": str(tmp_path / "cache")})
+def test_data_is_prepared_once(twin_runs):
+    """The main process tokenizes; the other rank waits and reuses its cache (the ddp twin runs with a fresh cache,
+    so nothing is reused from earlier runs)."""
+    _, _, log = twin_runs("ddp")
     assert log.count("Formatting and tokenizing train split: 100%") == 1, log[-3000:]
 
 
