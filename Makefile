@@ -28,7 +28,7 @@ lint: $(STAMP)              ## ruff (rules in pyproject.toml)
 	$(BIN)/ruff check .
 
 test: lint                  ## the linter, then the test suite (CPU target; GPU-marked tests skipped)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 data: $(STAMP)              ## rewrite data/tiny_chat (checked in; tests compare)
 	$(BIN)/python -m sftrecipes tiny --data
