@@ -35,11 +35,13 @@ log = logging.getLogger("sftrecipes")
 def run(recipe, life=None):
     """Train as the recipe says. Returns (trainer, summary); the summary is also written to output_dir. `life`: the
     process's lifecycle.RunLife (main() enters it: lock, signals, heartbeats); callers without one get a plain run."""
-    from trl import SFTTrainer
+    # torch and the training modules load here, not at the top: `--help` and a recipe that fails validation answer
+    # (exit 2) before torch is imported
+    from trl import SFTTrainer  # noqa: PLC0415 - torch: --help and validation stay torch-free
 
-    from sftrecipes import backends, checkpoints, data, lora, metrics, model as models
-    from sftrecipes.plan.pitfalls import pitfalls
-    from sftrecipes.tokenizer import load_tokenizer
+    from sftrecipes import backends, checkpoints, data, lora, metrics, model as models  # noqa: PLC0415 - as above
+    from sftrecipes.plan.pitfalls import pitfalls  # noqa: PLC0415 - as above
+    from sftrecipes.tokenizer import load_tokenizer  # noqa: PLC0415 - as above
 
     # 1. where we run: the cpu target sets use_cpu/gloo/threads so GPU command lines work as written
     backends.check_world_size(recipe)
@@ -155,7 +157,7 @@ def leave_process_group(code: int = 0) -> int:
     """Ranks that exit with the process group alive can abort in teardown ("terminate called without an active
     exception", seen on a QLoRA+FSDP twin), failing a run that had finished. Called by main(), not run(): callers of
     run() may still need the group (an in-run merge under ZeRO-3)."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # noqa: PLC0415 - torch: this file's top stays torch-free (--help)
 
     if dist.is_initialized():
         dist.barrier()
