@@ -373,10 +373,10 @@ def obs_launch_fsdp_offload_params(tiny_model, tmp_path):
 
 
 def slurm_text(*flags):
-    from sftrecipes import launch
+    from sftrecipes import emit
 
     r = recipe("--launch.backend", "ddp", "--launch.num_machines", 2, *flags)
-    return launch.slurm_script(r, "recipes/x.yaml", "x")
+    return emit.slurm_script(r, "recipes/x.yaml", "x")
 
 
 def obs_launch_slurm_partition(tiny_model, tmp_path):
