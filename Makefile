@@ -40,7 +40,7 @@ plan: $(STAMP)              ## memory plan of a recipe: make plan RECIPE=recipes
 	@test -n "$(RECIPE)" || { echo "usage: make plan RECIPE=recipes/<...>.yaml" >&2; exit 2; }
 	$(BIN)/python -m sftrecipes plan $(RECIPE) $(ARGS)
 
-emit: $(STAMP)              ## regenerate configs/ and scripts/ from recipes/ (checked in; tests compare)
+emit: $(STAMP)              ## regenerate configs/, scripts/ and docs/generated/setups/ from recipes/ (checked in; tests compare)
 	$(BIN)/python -m sftrecipes emit
 
 # The shipped setups. ARGS are passed to the launcher: ARGS=--dry-run prints the command, ARGS="--lora_r 16" overrides.
@@ -72,7 +72,7 @@ bench-overhead: $(STAMP)    ## what train.py adds per step over bare TRL, by cou
 bench-export: $(STAMP)      ## export memory/time: streaming merge/export vs peft and torch DCP (~12 min); writes docs/benchmarks.md
 	$(BIN)/python bench/bench_export.py
 
-docs: $(STAMP)              ## regenerate docs/options.md from the schema
+docs: $(STAMP)              ## regenerate docs/generated/options.md from the schema (checked in; tests compare)
 	$(BIN)/python -m sftrecipes schema --docs
 
 clean:

@@ -1,6 +1,6 @@
 """GPU benchmark: SFT of random-init Llama-shaped models through train.py's own code path.
 
-    scripts/gpu_bench.sh              # LoRA ~8B (Llama-3-8B shapes) + full ~1B, bf16, packing, seq 2048, one GPU
+    bench/gpu_bench.sh              # LoRA ~8B (Llama-3-8B shapes) + full ~1B, bf16, packing, seq 2048, one GPU
     python bench/gpu_bench.py --size tiny --full-size tiny --device cpu --steps 2     # the same path, tiny, on CPU
 
 Runs: LoRA with gradient checkpointing on and off, and a full fine-tune (checkpointing on). For each it prints tokens/s/device (real tokens), MFU (device peak by GPU name), peak

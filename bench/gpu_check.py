@@ -1,6 +1,6 @@
 """GPU check: attention numerics and a throughput matrix on one GPU, through train.py's own path, in one command.
 
-    scripts/gpu_check.sh                                   # one H200: under 8 minutes (--budget-s bounds the matrix)
+    bench/gpu_check.sh                                   # one H200: under 8 minutes (--budget-s bounds the matrix)
     python bench/gpu_check.py --cpu-smoke --out DIR        # the same code on the tiny shapes, CPU, fp32, one step
 
 (1) Numerics: a packed batch (position_ids restarting per sample) through a random Llama with each packed attention

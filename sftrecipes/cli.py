@@ -1,10 +1,11 @@
-"""One entry point for everything but training (train.py):
+"""The command line's dispatch: `python -m sftrecipes VERB ARGS...` runs VERB's handler (the table VERBS), which
+parses its own ARGS; everything but training (train.py) starts here.
 
     python -m sftrecipes tiny [--data] [--size tiny|medium] [--family F] [--out DIR]   offline tiny model / dataset
     python -m sftrecipes merge ADAPTER OUT [--base DIR] [--dtype D]        streaming LoRA merge
     python -m sftrecipes launch RECIPE [--key value ...] [--dry-run] [--force]   start any recipe on its processes
     python -m sftrecipes cp RECIPE|NAME DEST [--force]                     copy a recipe (e.g. tiny/ddp) to edit and launch
-    python -m sftrecipes emit [RECIPE ...] [--check]                       configs/ and scripts/ from recipes
+    python -m sftrecipes emit [RECIPE ...] [--check]                       configs/, scripts/, docs/generated/setups/
     python -m sftrecipes plan RECIPE [--key value ...]                     memory plan: breakdown, verdict, what would fit
     python -m sftrecipes preflight RECIPE [--key value ...] [--force]      can it start here? (exit 2 if not)
     python -m sftrecipes env RECIPE [--key value ...]                      environment its ranks need (export lines)
@@ -13,60 +14,153 @@
     python -m sftrecipes schema [--refresh | --docs]                       check/refresh the TRL and peft option snapshots, docs
 
 Outside the repository root, call it as `python PATH/TO/sftrecipes VERB ...` (or with PYTHONPATH=PATH/TO).
-Errors a user can fix print one line and exit 2.
+Errors a user can fix print one line and exit 2. The verbs that take a recipe (launch, plan, preflight, env) take it
+as train.py does: recipe file(s), then --key value overrides (`python train.py --help` lists the keys).
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
+import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
-from . import paths
+from . import emit, launch, paths, plan, recipe_copy, schema, tiny
+from .backends import launcher_env, preflight
+from .demo import demo
 from .errors import RecipeError
-from .schema import DTYPES
-from .tiny import FAMILIES
+from .options_doc import options_markdown
+from .recipe import load_recipe
+
+PROG = "python -m sftrecipes"
+OPTIONS_DOC = paths.GENERATED_DOCS / "options.md"  # the option table, written by `schema --docs` (make docs)
 
 
-def _tiny(ns) -> int:
-    from . import tiny
+def _parser(verb: str) -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(prog=f"{PROG} {verb}", description=VERBS[verb][1])
 
+
+def _recipe_args(verb: str, argv: list[str]) -> list[str] | None:
+    """A recipe verb's ARGS as train.py takes them; None after printing its usage for -h/--help."""
+    if argv[:1] in (["-h"], ["--help"]):
+        print(f"usage: {PROG} {verb} RECIPE.yaml [RECIPE.yaml ...] [--key value ...]\n\n{VERBS[verb][1]}\n\n"
+              "The keys and their values: python train.py --help (or docs/generated/options.md).")
+        return None
+    return argv
+
+
+def _tiny(argv: list[str]) -> int:
+    p = _parser("tiny")
+    p.add_argument("--data", action="store_true", help="rewrite data/tiny_chat instead of building the model")
+    p.add_argument("--size", default="tiny", choices=["tiny", "medium"])
+    p.add_argument("--family", default=None, choices=sorted(tiny.FAMILIES),
+                   help="a tiny model of another architecture (.assets/tiny-FAMILY): its config class, tokenizer habits, template")
+    p.add_argument("--out", default=None)
+    ns = p.parse_args(argv)
     if ns.data:
         tiny.write_dataset()
         print(f"wrote {paths.DATA_DIR}")
         return 0
     if ns.family:
-        if ns.out:
-            print(tiny.build_family(ns.family, Path(ns.out)))
-        else:
-            print(tiny.ensure_family(ns.family))
+        print(tiny.build_family(ns.family, Path(ns.out)) if ns.out else tiny.ensure_family(ns.family))
         return 0
     out = Path(ns.out) if ns.out else (tiny.TINY_MODEL if ns.size == "tiny" else paths.ASSETS / f"{ns.size}-llama")
     print(tiny.ensure_tiny_model(out, ns.size))
     return 0
 
 
-def _merge(ns) -> int:
-    from .export import merge_lora
+def _merge(argv: list[str]) -> int:
+    p = _parser("merge")
+    p.add_argument("adapter")
+    p.add_argument("out")
+    p.add_argument("--base", default=None, help="base model folder or hub id (default: the adapter's base_model_name_or_path)")
+    p.add_argument("--dtype", default=None, choices=schema.DTYPES, help="output dtype (default: the base's)")
+    ns = p.parse_args(argv)
+    from .export import merge_lora  # noqa: PLC0415 - torch: --help and the other verbs stay torch-free
 
     print(merge_lora(ns.adapter, ns.out, base=ns.base, dtype=ns.dtype))
     return 0
 
 
-def _schema(ns) -> int:
-    from . import schema
+def _export(argv: list[str]) -> int:
+    p = _parser("export")
+    p.add_argument("src")
+    p.add_argument("dest")
+    p.add_argument("--base", default=None)
+    p.add_argument("--dtype", default=None, choices=schema.DTYPES)
+    p.add_argument("--verify", action="store_true", help="reload the export and compare logits with the source (needs RAM for two fp32 copies)")
+    ns = p.parse_args(argv)
+    from .export import export  # noqa: PLC0415 - torch: --help and the other verbs stay torch-free
 
+    print(export(ns.src, ns.dest, dtype=ns.dtype, base=ns.base, verify=ns.verify))
+    return 0
+
+
+def _emit(argv: list[str]) -> int:
+    p = _parser("emit")
+    p.add_argument("recipes", nargs="*", help="recipe files (default: every recipe under recipes/)")
+    p.add_argument("--check", action="store_true", help="compare only; exit 1 naming stale files")
+    ns = p.parse_args(argv)
+    return emit.main(ns.recipes, check=ns.check)
+
+
+def _cp(argv: list[str]) -> int:
+    p = _parser("cp")
+    p.add_argument("src", help="recipe file, or a name under recipes/ (tiny/ddp)")
+    p.add_argument("dest", help="the copy (.yaml), or an existing folder")
+    p.add_argument("--force", action="store_true", help="overwrite DEST")
+    ns = p.parse_args(argv)
+    return recipe_copy.main(ns.src, ns.dest, force=ns.force)
+
+
+def _launch(argv: list[str]) -> int:
+    args = _recipe_args("launch", argv)
+    return 0 if args is None else launch.main(args)
+
+
+def _plan(argv: list[str]) -> int:
+    args = _recipe_args("plan", argv)
+    return 0 if args is None else plan.main(args)
+
+
+def _env(argv: list[str]) -> int:
+    args = _recipe_args("env", argv)
+    if args is None:
+        return 0
+    for k, v in launcher_env(load_recipe(args)).items():
+        print(f"export {k}={shlex.quote(v)}")
+    return 0
+
+
+def _preflight(argv: list[str]) -> int:
+    args = _recipe_args("preflight", argv)
+    if args is None:
+        return 0
+    print(preflight(load_recipe([a for a in args if a != "--force"]), force="--force" in args))
+    return 0
+
+
+def _demo(argv: list[str]) -> int:
+    _parser("demo").parse_args(argv)
+    return demo()
+
+
+def _schema(argv: list[str]) -> int:
+    p = _parser("schema")
+    p.add_argument("--refresh", action="store_true", help="rewrite trl_options.json and peft_options.json (and the option table)")
+    p.add_argument("--docs", action="store_true", help=f"rewrite {OPTIONS_DOC.relative_to(paths.ROOT)}")
+    ns = p.parse_args(argv)
     if ns.refresh:
         schema.write_trl_snapshot()
         schema.write_peft_snapshot()
         print(f"wrote {schema.TRL_SNAPSHOT} and {schema.PEFT_SNAPSHOT}")
     if ns.docs or ns.refresh:
-        from .options_doc import options_markdown
-        from .paths import ROOT
-
-        (ROOT / "docs" / "options.md").write_text(options_markdown())
-        print("wrote docs/options.md")
+        OPTIONS_DOC.parent.mkdir(parents=True, exist_ok=True)
+        OPTIONS_DOC.write_text(options_markdown())
+        print(f"wrote {OPTIONS_DOC.relative_to(paths.ROOT)}")
         return 0
     for name, live, stored in (("trl_options.json", schema.trl_snapshot, schema.load_trl_snapshot),
                                ("peft_options.json", schema.peft_snapshot, schema.load_peft_snapshot)):
@@ -77,113 +171,35 @@ def _schema(ns) -> int:
     return 0
 
 
-def _emit(ns) -> int:
-    from .launch import main as emit_main
-
-    return emit_main(ns.args + (["--check"] if ns.check else []))
-
-
-def _env(ns) -> int:
-    """Shell `export` lines for the environment a rank of this recipe needs (launchers eval them)."""
-    import shlex
-
-    from .backends import launcher_env
-    from .recipe import load_recipe
-
-    for k, v in launcher_env(load_recipe(ns.args)).items():
-        print(f"export {k}={shlex.quote(v)}")
-    return 0
-
-
-def _preflight(ns) -> int:
-    from .backends import preflight
-    from .recipe import load_recipe
-
-    print(preflight(load_recipe([a for a in ns.args if a != "--force"]), force="--force" in ns.args))
-    return 0
-
-
-def _launch(ns) -> int:
-    from .launch import launch_main
-
-    return launch_main(ns.args)
-
-
-def _cp(ns) -> int:
-    from .launch import cp_main
-
-    return cp_main(ns.src, ns.dest, force=ns.force)
-
-
-def _plan(ns) -> int:
-    from .plan import main as plan_main
-
-    return plan_main(ns.args)
-
-
-def _export(ns) -> int:
-    from .export import export
-
-    print(export(ns.src, ns.dest, dtype=ns.dtype, base=ns.base, verify=ns.verify))
-    return 0
-
-
-def _demo(ns) -> int:
-    from .demo import demo
-
-    return demo()
+# verb -> (handler(ARGS) -> exit code, one line of help), in the order the usage lists them
+VERBS: dict[str, tuple[Callable[[list[str]], int], str]] = {
+    "tiny": (_tiny, "build offline tiny assets (model, tokenizer, chat data)"),
+    "merge": (_merge, "merge a LoRA adapter into its base, streaming"),
+    "launch": (_launch, "start RECIPE on the processes its launch section names (--dry-run: print the command; "
+                        "--force: past a memory plan that does not fit)"),
+    "cp": (_cp, "copy a recipe (file, or name under recipes/ such as tiny/ddp) to edit and launch anywhere"),
+    "emit": (_emit, "render configs/, scripts/ and docs/generated/setups/ from recipes (--check: compare only)"),
+    "plan": (_plan, "memory per GPU and per node for RECIPE: breakdown, verdict, strategies (exit 2: does not fit)"),
+    "preflight": (_preflight, "check RECIPE can start here (hardware, memory); exit 2 if not (--force: past the memory verdict)"),
+    "env": (_env, "print the environment a rank of RECIPE needs, as export lines"),
+    "export": (_export, "turn a run's output into a folder transformers loads (merging LoRA adapters)"),
+    "demo": (_demo, "tiny LoRA fine-tune, merge, reload, generate"),
+    "schema": (_schema, "check or refresh the stored TRL and peft option lists (--docs: rewrite the option table)"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m sftrecipes", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="verb", required=True)
-    t = sub.add_parser("tiny", help="build offline tiny assets")
-    t.add_argument("--data", action="store_true", help="rewrite data/tiny_chat instead of building the model")
-    t.add_argument("--size", default="tiny", choices=["tiny", "medium"])
-    t.add_argument("--family", default=None, choices=sorted(FAMILIES),
-                   help="a tiny model of another architecture (.assets/tiny-FAMILY): its config class, tokenizer habits, template")
-    t.add_argument("--out", default=None)
-    t.set_defaults(fn=_tiny)
-    m = sub.add_parser("merge", help="merge a LoRA adapter into its base, streaming")
-    m.add_argument("adapter")
-    m.add_argument("out")
-    m.add_argument("--base", default=None, help="base model folder or hub id (default: the adapter's base_model_name_or_path)")
-    m.add_argument("--dtype", default=None, choices=DTYPES, help="output dtype (default: the base's)")
-    m.set_defaults(fn=_merge)
-    e = sub.add_parser("emit", help="render configs/ and scripts/ from recipes (--check: compare only)")
-    e.add_argument("args", nargs="*", help="recipe files (default: every recipe under recipes/)")
-    e.add_argument("--check", action="store_true", help="compare only; exit 1 naming stale files")
-    e.set_defaults(fn=_emit)
-    c = sub.add_parser("cp", help="copy a recipe (file, or name under recipes/ such as tiny/ddp) to edit and launch anywhere")
-    c.add_argument("src", help="recipe file, or a name under recipes/ (tiny/ddp)")
-    c.add_argument("dest", help="the copy (.yaml), or an existing folder")
-    c.add_argument("--force", action="store_true", help="overwrite DEST")
-    c.set_defaults(fn=_cp)
-    for verb, fn, help_ in (("launch", _launch, "start RECIPE on the processes its launch section names (--dry-run: print the command; "
-                                                "--force: past a memory plan that does not fit)"),
-                            ("plan", _plan, "memory per GPU and per node for RECIPE: breakdown, verdict, strategies (exit 2: does not fit)"),
-                            ("env", _env, "print the environment a rank of RECIPE needs, as export lines"),
-                            ("preflight", _preflight, "check RECIPE can start here (hardware, memory); exit 2 if not")):
-        v = sub.add_parser(verb, help=help_, prefix_chars="\0")
-        v.add_argument("args", nargs="*", help="recipe file(s) and --key value overrides, as train.py takes them")
-        v.set_defaults(fn=fn)
-    x = sub.add_parser("export", help="turn a run's output into a folder transformers loads (merging LoRA adapters)")
-    x.add_argument("src")
-    x.add_argument("dest")
-    x.add_argument("--base", default=None)
-    x.add_argument("--dtype", default=None, choices=DTYPES)
-    x.add_argument("--verify", action="store_true", help="reload the export and compare logits with the source (needs RAM for two fp32 copies)")
-    x.set_defaults(fn=_export)
-    d = sub.add_parser("demo", help="tiny LoRA fine-tune, merge, reload, generate")
-    d.set_defaults(fn=_demo)
-    s = sub.add_parser("schema", help="check or refresh the stored TRL option list")
-    s.add_argument("--refresh", action="store_true", help="rewrite trl_options.json (and docs/options.md)")
-    s.add_argument("--docs", action="store_true", help="rewrite docs/options.md")
-    s.set_defaults(fn=_schema)
-    ns = p.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.split("\n\n", 1)[1].rstrip(), file=sys.stdout if argv else sys.stderr)  # the verbs, not the first line
+        return 0 if argv else 2
+    verb, args = argv[0], argv[1:]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     try:
-        return ns.fn(ns)
+        if verb not in VERBS:
+            close = difflib.get_close_matches(verb, VERBS, n=1)
+            raise RecipeError(f"unknown verb '{verb}'; " + (f"did you mean {close[0]}?" if close else f"use one of {', '.join(VERBS)}"))
+        return VERBS[verb][0](args)
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

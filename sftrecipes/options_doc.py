@@ -1,4 +1,4 @@
-"""Option documentation: the `--help` text and docs/options.md, both rendered from the schema."""
+"""Option documentation: the `--help` text and docs/generated/options.md, both rendered from the schema."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ GROUP_TITLES = {"model": "Model, LoRA, quantization", "peft": "peft `LoraConfig`
 
 
 def grouped_options() -> list[tuple[str, list[Option]]]:
-    """(title, options) per owner, in the order --help and docs/options.md show them."""
+    """(title, options) per owner, in the order --help and docs/generated/options.md show them."""
     groups: dict[str, list[Option]] = {}
     for o in all_options().values():
         groups.setdefault(o.owner, []).append(o)
@@ -28,7 +28,7 @@ def help_text() -> str:
 
 
 def options_markdown() -> str:
-    """docs/options.md: the option table, generated from the schema (tests fail when the file is stale)."""
+    """docs/generated/options.md: the option table, generated from the schema (tests fail when the file is stale)."""
     out = ["# Recipe options", "",
            "Generated from `sftrecipes/schema.py` and TRL's `SFTConfig` by `make docs`; do not edit by hand.",
            "Every key is a YAML key and a `--flag`; launch keys live under `launch:` (flag `--launch.KEY`).", ""]

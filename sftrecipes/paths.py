@@ -7,3 +7,4 @@ ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ROOT / "recipes"  # the shipped recipes (edited by users; their relative paths are relative to ROOT)
 DATA_DIR = ROOT / "data" / "tiny_chat"  # the small chat dataset shipped in the repository
 ASSETS = ROOT / ".assets"  # tiny models built locally (ignored by git)
+GENERATED_DOCS = ROOT / "docs" / "generated"  # pages written by commands (options.md, setups/), drift-tested

@@ -269,7 +269,7 @@ class LaunchOptions:
 SECTIONS: dict[str, type] = {"model": ModelOptions, "data": DataOptions, "run": RunOptions}
 NESTED: dict[str, type] = {"launch": LaunchOptions}
 
-# TRL/transformers keys whose default the project sets (key -> (default, why)); shown in --help and docs/options.md.
+# TRL/transformers keys whose default the project sets (key -> (default, why)); shown in --help and docs/generated/options.md.
 TRL_DEFAULTS: dict[str, tuple[Any, str]] = {
     "ddp_timeout": (900, "sftrecipes' default: 15 minutes, not transformers' 30, so that a rank stuck outside a "
                     "collective ends the run sooner (a stopped or dead rank: heartbeat_timeout). Raise it when rank 0 "
@@ -436,7 +436,7 @@ PEFT_NOT_EXPOSED: dict[str, str] = {
 }
 
 
-# What the project adds to peft's help of an exposed field (shown in --help and docs/options.md).
+# What the project adds to peft's help of an exposed field (shown in --help and docs/generated/options.md).
 PEFT_NOTES: dict[str, str] = {
     "init_lora_weights": "sftrecipes: true, false, gaussian and orthogonal train and export; eva, olora, pissa*, corda, "
                          "loftq and mica are refused when the recipe is read (they need data before training, rewrite the "

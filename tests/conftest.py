@@ -13,7 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The suite tests the CPU target: on a machine with a GPU, `hardware: auto` would otherwise resolve to gpu in this
 # process and every run it starts. GPU-only checks are marked `gpu` and run only with SFT_GPU_TESTS=1, which leaves
-# the GPU visible (scripts/gpu_check.sh runs them).
+# the GPU visible (bench/gpu_check.sh runs them).
 GPU_TESTS = os.environ.get("SFT_GPU_TESTS") == "1"
 if not GPU_TESTS:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""

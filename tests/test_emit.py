@@ -11,9 +11,10 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from sftrecipes import launch
+from sftrecipes import cli, emit
 from sftrecipes.recipe import load_recipe
 from sftrecipes.errors import RecipeError
+from sftrecipes.paths import RECIPES
 
 # emit (and the launchers' pre-flight) read the tiny recipes, whose models are built in .assets/: on a fresh clone this
 # file run alone builds them first, as the whole suite does
@@ -21,49 +22,51 @@ pytestmark = pytest.mark.usefixtures("tiny_model", "family_models")
 
 
 def test_emitted_files_are_current():
-    stale = launch.emit(check=True)
+    stale = emit.emit(check=True)
     assert not stale, f"stale generated files (run: make emit): {[str(p.relative_to(ROOT)) for p in stale]}"
 
 
 def test_a_launcher_that_lost_its_execute_bit_is_stale():
     """Every generated launcher, not only the make targets': `chmod -x` on any of them fails the drift check."""
-    scripts = sorted(f for f in (ROOT / "scripts").glob("*.sh") if launch.MARK in f.read_text())  # the generated ones
+    scripts = sorted(f for f in (ROOT / "scripts").glob("*.sh") if emit.MARK in f.read_text())  # the generated ones
     assert len(scripts) > 30 and all(os.access(f, os.X_OK) for f in scripts)
     victim = scripts[len(scripts) // 2]  # a launcher or export helper no make target names
     mode = victim.stat().st_mode
     try:
         victim.chmod(mode & ~0o111)
-        assert launch.emit(check=True) == [victim]
+        assert emit.emit(check=True) == [victim]
     finally:
         victim.chmod(mode)
-    assert launch.emit(check=True) == []
+    assert emit.emit(check=True) == []
 
 
-@pytest.mark.parametrize("folder", ["configs", "scripts", "docs/setups"])
-def test_generated_folders_say_which_files_are_hand_written(folder):
-    """Each generated folder has a README.md that emit neither sweeps nor rewrites, naming every file there that emit
-    did not write (scripts/gpu_bench.sh, gpu_check.sh); the rest carry emit's mark."""
-    files = [f for f in (ROOT / folder).iterdir() if f.is_file()]
+@pytest.mark.parametrize("folder", ["configs", "scripts", "docs/generated"])
+def test_generated_folders_hold_only_generated_files(folder):
+    """Generated files are kept apart from written ones: in each generated folder every file but its README.md (which
+    says what writes the rest, and which emit neither sweeps nor rewrites) carries emit's mark, or is the option table
+    `make docs` writes (compared in tests/test_schema_and_assets.py). Hand-written scripts live in bench/, pages in docs/."""
     readme = ROOT / folder / "README.md"
-    assert readme.is_file(), f"{folder}/README.md: say there which files are generated (make emit) and which are not"
-    hand = sorted(f.name for f in files if not launch.is_emitted(f))
-    assert "README.md" in hand  # not taken for a generated file (emit's sweep deletes marked files of gone recipes)
-    text = readme.read_text()
-    assert [n for n in hand if n != "README.md" and f"`{n}`" not in text] == [], f"{folder}/README.md: name them as hand-written"
+    assert readme.is_file(), f"{folder}/README.md: say there which command generates the files here"
+    assert not emit.is_emitted(readme)  # not taken for a generated file (emit's sweep deletes marked files of gone recipes)
+    assert "make emit" in readme.read_text()  # the command that writes the rest
+    files = [f for f in (ROOT / folder).rglob("*") if f.is_file()]
+    assert len(files) > 5
+    written = sorted(str(f.relative_to(ROOT)) for f in files if f not in (readme, cli.OPTIONS_DOC) and not emit.is_emitted(f))
+    assert written == [], f"hand-written files in a generated folder: move them out ({written})"
 
 
 def test_generated_files_of_a_gone_recipe_are_stale():
     """emit's sweep finds every generated file whose recipe is gone, also a SLURM script whose mark comes after more
     #SBATCH lines than usual; hand-written files and the folders' READMEs are left alone."""
     slurm = max((f for f in (ROOT / "scripts").glob("slurm_*.sh")),
-                key=lambda f: next(i for i, line in enumerate(f.read_text().splitlines()) if launch.MARK in line))
+                key=lambda f: next(i for i, line in enumerate(f.read_text().splitlines()) if emit.MARK in line))
     planted = {ROOT / "configs" / "gone-recipe.yaml": ROOT / "configs" / "tiny-ddp.yaml",
                ROOT / "scripts" / "slurm_gone-recipe.sh": slurm,
-               ROOT / "docs" / "setups" / "gone-recipe.md": next((ROOT / "docs" / "setups").glob("llama2-*.md"))}
+               emit.SETUPS / "gone-recipe.md": next(emit.SETUPS.glob("llama2-*.md"))}
     try:
         for f, src in planted.items():
             shutil.copy(src, f)
-        assert sorted(launch.emit(check=True)) == sorted(planted)
+        assert sorted(emit.emit(check=True)) == sorted(planted)
     finally:
         for f in planted:
             f.unlink(missing_ok=True)
@@ -197,7 +200,7 @@ HOSTILE = ["a b", "it's", 'say "hi"', "$(touch PWNED)", "`touch PWNED`", "x; tou
 @pytest.mark.parametrize("value", HOSTILE)
 def test_recipe_strings_are_passed_literally(tmp_path, value):
     """Values from a recipe (output_dir, SLURM fields) and extra CLI words reach argv unchanged; nothing runs."""
-    rdir = launch.RECIPES / "_pytest_tmp"
+    rdir = RECIPES / "_pytest_tmp"
     rdir.mkdir(exist_ok=True)
     try:
         rec = rdir / "hostile.yaml"
@@ -205,12 +208,12 @@ def test_recipe_strings_are_passed_literally(tmp_path, value):
         for key in ("slurm_partition", "slurm_time"):
             rec.write_text(yaml.safe_dump({"base": "../llama2-70b/fsdp.yaml", "launch": {key: value}}))
             if key == "slurm_partition" and value == "--no":  # plain characters: a (strange) partition name
-                assert "#SBATCH --partition=--no\n" in launch.rendered(rec)[ROOT / "scripts/slurm__pytest_tmp-hostile.sh"]
+                assert "#SBATCH --partition=--no\n" in emit.rendered(rec)[ROOT / "scripts/slurm__pytest_tmp-hostile.sh"]
                 continue
             with pytest.raises(RecipeError, match=f"launch.{key}"):
-                launch.rendered(rec)
+                emit.rendered(rec)
         rec.write_text(yaml.safe_dump({"base": "../llama2-70b/fsdp.yaml", "output_dir": f"outputs/{value}"}))
-        files = launch.rendered(rec)
+        files = emit.rendered(rec)
         for path, text in files.items():
             if path.suffix != ".sh":
                 continue
@@ -256,7 +259,7 @@ def test_launcher_refuses_a_recipe_that_does_not_fit():
 def test_slurm_warns_in_time_for_the_save_launch_waits_for():
     """The time-limit signal leaves run.preempt_timeout (+ a minute) for the last step and its checkpoint, never less
     than 10 minutes, never more than half the time limit (a short job would be told to stop as it starts)."""
-    from sftrecipes.launch import slurm_script
+    from sftrecipes.emit import slurm_script
 
     def lead(*flags):
         r = load_recipe(["recipes/tiny/multinode.yaml", *flags])

@@ -1,4 +1,4 @@
-"""scripts/gpu_bench.sh's benchmark runs train.py's own path; here on the tiny model on CPU, so that the GPU run
+"""bench/gpu_bench.sh's benchmark runs train.py's own path; here on the tiny model on CPU, so that the GPU run
 (made when a GPU is lent) does not fail on code that was never executed."""
 
 import json

@@ -1,4 +1,4 @@
-"""scripts/gpu_check.sh's parts that run without a GPU: the matrix and its skip reasons, the numerics comparison (fp32
+"""bench/gpu_check.sh's parts that run without a GPU: the matrix and its skip reasons, the numerics comparison (fp32
 on CPU, against the reference varlen and a broken one it must catch), the JSON schema and the table, and the script
 end to end on the tiny model (one configuration, sdpa rows), so the GPU run does not fail on code never executed."""
 

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, free_port
+from sftrecipes import cli
 from sftrecipes.recipe import load_recipe
 
 PKG = str(ROOT / "sftrecipes")  # `python PATH/TO/sftrecipes VERB`: the command line from any directory
@@ -60,6 +61,25 @@ def bindable(port: int) -> bool:
             return True
         except OSError:
             return False
+
+
+# ----------------------------------------------------------------------------------------------- the verbs
+
+
+def test_every_verb_answers_help_and_a_mistyped_verb_names_the_nearest(tmp_path, capsys):
+    """cli.VERBS is the one table of verbs: each answers --help with its own usage (exit 0, nothing run), also the
+    verbs that take a recipe as train.py does; a mistyped verb is one error line naming the nearest, exit 2."""
+    for verb in cli.VERBS:
+        try:
+            code = cli.main([verb, "--help"])
+        except SystemExit as e:  # argparse's --help
+            code = e.code
+        out = capsys.readouterr().out
+        assert code == 0 and f"python -m sftrecipes {verb}" in out.splitlines()[0], (verb, out)
+    line = one_error_line(sft(["lanch", "recipes/tiny/ddp.yaml"], cwd=tmp_path))
+    assert "unknown verb 'lanch'" in line and "did you mean launch?" in line
+    res = sft([], cwd=tmp_path)
+    assert res.returncode == 2 and all(f"python -m sftrecipes {v} " in res.stderr for v in cli.VERBS), res.stderr
 
 
 # ----------------------------------------------------------------------------------------------- cp

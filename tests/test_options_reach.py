@@ -20,7 +20,7 @@ from test_lifecycle import fake_agent_preemption
 from transformers import AutoModelForCausalLM, TrainerControl, TrainerState
 
 import train
-from sftrecipes import backends, checkpoints, data, launch, lifecycle, model as models, plan, tokenization
+from sftrecipes import backends, checkpoints, data, emit, lifecycle, model as models, plan, tokenization
 from sftrecipes.errors import RecipeError
 from sftrecipes.lora import lora_config
 from sftrecipes.recipe import load_recipe
@@ -366,7 +366,7 @@ def obs_launch_fsdp_offload_params(tiny_model, tmp_path):
 
 def slurm_text(*flags):
     r = recipe("--launch.backend", "ddp", "--launch.num_machines", 2, *flags)
-    return launch.slurm_script(r, "recipes/x.yaml", "x")
+    return emit.slurm_script(r, "recipes/x.yaml", "x")
 
 
 def obs_launch_slurm_partition(tiny_model, tmp_path):

@@ -4,7 +4,8 @@ import hashlib
 import json
 
 from sftrecipes import schema, tiny
-from sftrecipes.paths import DATA_DIR, ROOT
+from sftrecipes.cli import OPTIONS_DOC
+from sftrecipes.paths import DATA_DIR
 
 
 def test_trl_snapshot_matches_installed_trl():
@@ -58,4 +59,4 @@ def test_tiny_model_build_is_deterministic(tmp_path, tiny_model):
 def test_options_doc_is_current():
     from sftrecipes.options_doc import options_markdown
 
-    assert (ROOT / "docs" / "options.md").read_text() == options_markdown(), "run: make docs"
+    assert OPTIONS_DOC.read_text() == options_markdown(), "run: make docs"

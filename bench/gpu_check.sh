@@ -4,7 +4,7 @@
 # checkpointing on and off and a full ~1B, each with sdpa padded / sdpa packed / varlen / flex / flash-attn 2, each
 # without and with Liger — tokens/s/device, MFU, peak memory and the planner's figure (bench/gpu_check.py).
 # Writes bench/results/gpu-check-<gpu>-<date>.{json,md}; docs/benchmarks.md, "GPU check", says how to read them.
-#   scripts/gpu_check.sh [--budget-s 330] [--steps 6] [--only sdpa,sft_varlen] [--no-liger-rows]
+#   bench/gpu_check.sh [--budget-s 330] [--steps 6] [--only sdpa,sft_varlen] [--no-liger-rows]
 #   python bench/gpu_check.py --cpu-smoke --out /tmp/x     # the same code on CPU (tests/test_gpu_check.py)
 # Written by hand (not emitted). For a GPU image without trl: put the wheels in .whl/ (pip download --no-deps
 # --python-version 3.12 --only-binary :all: trl==1.16.0 datasets==5.2.0 peft==0.21.2 transformers==5.24.0

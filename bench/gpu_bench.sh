@@ -2,7 +2,7 @@
 # GPU benchmark (one GPU, under 2 minutes on an H200): LoRA SFT of a random-init ~8B Llama in bf16 with packing,
 # sdpa or flash-attn when installed, gradient checkpointing on and off, and a full fine-tune of a ~1B one; prints
 # tokens/s/device, MFU, peak memory and the planner's prediction (bench/gpu_bench.py; outputs/gpu_bench/results.json).
-#   scripts/gpu_bench.sh [--steps 12] [--batch 4] [--seq 2048] [--full-size none]
+#   bench/gpu_bench.sh [--steps 12] [--batch 4] [--seq 2048] [--full-size none]
 # Written by hand (not emitted). For a GPU image without trl: put
 # the wheels in .whl/ (pip download --no-deps --python-version 3.12 ... trl==1.16.0 datasets==5.2.0 peft==0.21.2
 # transformers==5.24.0 dill multiprocess regex) and they are installed into /tmp/site for this run only; the run
