@@ -55,12 +55,12 @@ def _merge(ns) -> int:
 
 
 def _schema(ns) -> int:
-    from . import schema
+    from . import snapshots
 
     if ns.refresh:
-        schema.write_trl_snapshot()
-        schema.write_peft_snapshot()
-        print(f"wrote {schema.TRL_SNAPSHOT} and {schema.PEFT_SNAPSHOT}")
+        snapshots.write_trl_snapshot()
+        snapshots.write_peft_snapshot()
+        print(f"wrote {snapshots.TRL_SNAPSHOT} and {snapshots.PEFT_SNAPSHOT}")
     if ns.docs or ns.refresh:
         from .recipe import options_markdown
         from .paths import ROOT
@@ -68,8 +68,8 @@ def _schema(ns) -> int:
         (ROOT / "docs" / "options.md").write_text(options_markdown())
         print("wrote docs/options.md")
         return 0
-    for name, live, stored in (("trl_options.json", schema.trl_snapshot, schema.load_trl_snapshot),
-                               ("peft_options.json", schema.peft_snapshot, schema.load_peft_snapshot)):
+    for name, live, stored in (("trl_options.json", snapshots.trl_snapshot, snapshots.load_trl_snapshot),
+                               ("peft_options.json", snapshots.peft_snapshot, snapshots.load_peft_snapshot)):
         if live() != stored()["options"]:
             print(f"error: sftrecipes/{name} differs from the installed library; run: python -m sftrecipes schema --refresh", file=sys.stderr)
             return 1

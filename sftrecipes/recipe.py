@@ -20,8 +20,8 @@ import yaml
 
 from .errors import RecipeError
 from .paths import RECIPES, ROOT
-from .schema import (ALIASES, DATASET_ENTRY_KEYS, NESTED, DataOptions, LaunchOptions, ModelOptions, Option,
-                     RunOptions, all_options)
+from .schema import ALIASES, DATASET_ENTRY_KEYS, NESTED, DataOptions, LaunchOptions, ModelOptions, RunOptions, all_options
+from .snapshots import Option
 
 RESERVED = ("base",)
 # Options whose value may be a local path. A relative path means one relative to the current directory, except in
