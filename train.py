@@ -7,7 +7,7 @@
     python train.py --help                                      # every option, its default and help
 
 Flow: parse -> hardware target -> tokenizer -> datasets -> model -> SFTTrainer -> train (resume) -> save + check.
-Around it (sftrecipes/lifecycle.py): the output_dir lock, preemption signals (SIGTERM/SIGUSR1: save, exit 75), death
+Around it (sftrecipes/lifecycle.py, runlock.py, heartbeats.py): the output_dir lock, preemption signals (SIGTERM/SIGUSR1: save, exit 75), death
 with the launcher, heartbeats. The logic lives in the `sftrecipes` package; this file only wires it up.
 """
 
@@ -39,7 +39,7 @@ def run(recipe, life=None):
     # (exit 2) before torch is imported
     from trl import SFTTrainer  # noqa: PLC0415 - torch: --help and validation stay torch-free
 
-    from sftrecipes import backends, checkpoints, data, lora, metrics, model as models  # noqa: PLC0415 - as above
+    from sftrecipes import backends, checkpoints, data, finalsave, lora, metrics, model as models, nonfinite  # noqa: PLC0415 - as above
     from sftrecipes.plan.pitfalls import pitfalls  # noqa: PLC0415 - as above
     from sftrecipes.tokenizer import load_tokenizer  # noqa: PLC0415 - as above
 
@@ -80,7 +80,7 @@ def run(recipe, life=None):
         peft_config=lora.lora_config(recipe, added_tokens, model),
         callbacks=[load_probe := backends.load_memory_probe(), precision := backends.precision_probe(recipe),
                    throughput := metrics.ThroughputCallback(peak_tflops=recipe.launch.peak_tflops),
-                   guard := checkpoints.nonfinite_guard(recipe.run.nan_patience), life.callback()],
+                   guard := nonfinite.nonfinite_guard(recipe.run.nan_patience), life.callback()],
     )
     precision.trainer = trainer
     if recipe.model.use_peft_lora and args.process_index == 0:
@@ -104,7 +104,7 @@ def run(recipe, life=None):
 
     # 5. final save (adapter for LoRA, full weights otherwise), then check it holds every expected tensor
     trainer.accelerator.unwrap_model(trainer.model).config.use_cache = True  # off for training only (model.load_model)
-    n_tensors = checkpoints.save_final(trainer, recipe)
+    n_tensors = finalsave.save_final(trainer, recipe)
 
     # 6. a sample reply from the trained model (all ranks together: ZeRO-3/FSDP gather weights in each forward;
     #    after the save: bitsandbytes' CPU kernels repack 4-bit weights for inference)

@@ -19,6 +19,10 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
 log = logging.getLogger("sftrecipes")
 
@@ -43,7 +47,7 @@ def _once(key: str, msg: str, *args) -> None:
 def _torch_varlen():
     """torch.nn.attention.varlen.varlen_attn, or None where this torch lacks it."""
     try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: PLC0415
+        from torch.nn.attention.varlen import varlen_attn  # noqa: PLC0415 - probes whether this torch has it
     except ImportError:
         return None
     return varlen_attn
@@ -115,8 +119,6 @@ def _band(m: int, window: int, device) -> torch.Tensor:
 def _segments_sdpa(q, k, v, cu, scaling, dropout, window):
     """(T, H, D) queries and (T, Hkv, D) keys/values of concatenated segments -> (T, H, D): causal sdpa within each
     segment, segments grouped into padded batches."""
-    import torch.nn.functional as F  # noqa: PLC0415
-
     rep = q.shape[1] // k.shape[1]
     if rep > 1:  # repeating kv measured faster than sdpa's enable_gqa on this CPU
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -150,8 +152,6 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
                              sliding_window=None, softcap=None, is_causal=None, **kwargs):
     """transformers' attention interface: (B, H, S, D) query, (B, Hkv, S, D) key/value -> ((B, S, H, D), None).
     Packed or plain causal self-attention (no mask from varlen_mask) attends per segment; anything else is sdpa's."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: PLC0415
-
     if softcap is not None:
         raise ValueError(f"{NAME} has no logit soft-capping (attn_logit_softcapping); use eager")
     if kwargs.get("s_aux") is not None:
@@ -189,8 +189,6 @@ def varlen_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_o
                 attention_mask=None, **kwargs):
     """transformers' mask interface: no mask at all for causal self-attention without padding (packed or not: the
     kernel reads segments itself), sdpa's mask for anything else (a padded batch, decoding over a cache)."""
-    from transformers.masking_utils import causal_mask_function, sdpa_mask  # noqa: PLC0415
-
     plain = (attention_mask is None and q_length == kv_length and isinstance(q_offset, int) and q_offset == 0
              and isinstance(kv_offset, int) and kv_offset == 0)
     if plain:
@@ -201,9 +199,6 @@ def varlen_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_o
 
 def register() -> str:
     """Register the kernel and its mask with transformers (idempotent); returns its name for attn_implementation."""
-    from transformers import AttentionInterface  # noqa: PLC0415
-    from transformers.masking_utils import AttentionMaskInterface  # noqa: PLC0415
-
     AttentionInterface.register(NAME, varlen_attention_forward)
     AttentionMaskInterface.register(NAME, varlen_mask)
     return NAME

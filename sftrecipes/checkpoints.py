@@ -1,15 +1,19 @@
-"""What a run saves: the checkpoint to resume from and whether this run can continue it, the markers that make a
-checkpoint (or a finished run) complete, the final save checked against the tensors it must hold, and the guard that
-stops training on non-finite values before it saves them."""
+"""A run's checkpoints, torch-free: which one to resume from and whether this run can continue it, the markers written
+last that make a checkpoint (or a finished run) complete, rotation that never drops the last complete one, and a
+failed write named (file, cause, space). The final save's check is finalsave.py, the non-finite guard nonfinite.py."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import hashlib
 import json
 import logging
 import os
 import re
+import shutil
 import time
+import types
 from pathlib import Path
 
 from .errors import RecipeError
@@ -40,8 +44,6 @@ def write_marker(ckpt: Path, run: dict | None = None) -> None:
 def file_ends(path: Path, span: int = 1 << 20) -> str:
     """sha256 of a file's size, first MiB and last MiB: catches a file rewritten, zero-filled or cut and padded at
     either end, for the price of reading 2 MiB (hashing a 140 GB checkpoint at every save would take minutes)."""
-    import hashlib  # noqa: PLC0415
-
     h = hashlib.sha256()
     size = path.stat().st_size
     h.update(str(size).encode())
@@ -265,8 +267,6 @@ def check_resume(recipe) -> None:
     match_resume checks it at the process count the recipe launches, so a run that cannot continue it stops with one
     line and exit 2 from the launcher, not in every rank behind a launcher traceback. The ranks check again (and
     adjust gradient accumulation) themselves."""
-    import types  # noqa: PLC0415
-
     ckpt = resolve_resume(recipe.trl.get("resume_from_checkpoint"), recipe.trl["output_dir"])
     world = recipe.launch.world_size
     match_resume(ckpt, recipe, types.SimpleNamespace(  # process_index 1: quiet, rank 0 logs what it adjusts
@@ -282,8 +282,6 @@ def rotate(output_dir: Path, limit: int | None, keep: Path | None = None) -> lis
     complete = [p for _, p in checkpoints(output_dir) if is_complete(p)]
     doomed = [p for p in complete[: -max(limit, 1)] if keep is None or p.resolve() != Path(keep).resolve()]
     for p in doomed:
-        import shutil  # noqa: PLC0415
-
         shutil.rmtree(p, ignore_errors=True)
     return doomed
 
@@ -319,7 +317,7 @@ def named_write_errors(folder: Path):
     (given a path, torch's C++ writer says only "[enforce fail at inline_container.cc] unexpected pos" or
     "basic_ios::clear: iostream error"). A write failure leaves as SaveFailed: one line naming the file, the cause,
     the space free and, when known, the space needed; other exceptions pass unchanged."""
-    import torch  # noqa: PLC0415
+    import torch  # noqa: PLC0415 - torch: launch and lifecycle import checkpoints and stay torch-free
 
     real = torch.save
 
@@ -347,8 +345,6 @@ def named_write_errors(folder: Path):
 
 def write_failure(e: BaseException, folder: Path) -> str | None:
     """One line for an exception raised while saving into `folder`, or None when it is not a failed write."""
-    import errno  # noqa: PLC0415
-
     chain: list[BaseException] = []
     while e is not None and e not in chain:
         chain.append(e)
@@ -377,8 +373,6 @@ def _mb(n: int) -> str:
 def _space(folder: Path) -> str:
     """Free space on the folder's filesystem, and the size of the run's previous complete checkpoint (about what the
     next one needs) when there is one."""
-    import shutil  # noqa: PLC0415
-
     run_dir = folder.parent if re.fullmatch(r"checkpoint-\d+", folder.name) else folder
     probe = run_dir
     while not probe.exists() and probe != probe.parent:
@@ -398,141 +392,6 @@ def _left_incomplete(folder: Path) -> str:
     return f" ({folder.name} stays incomplete: resume skips it)" if re.fullmatch(r"checkpoint-\d+", folder.name) else ""
 
 
-def saved_tensor_names(folder: str | Path) -> dict[str, tuple[int, ...]]:
-    """name -> shape of every tensor in a saved model/adapter folder (safetensors, sharded or not)."""
-    from safetensors import safe_open  # noqa: PLC0415
-
-    folder = Path(folder)
-    files = sorted(folder.glob("*.safetensors"))
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
-    out: dict[str, tuple[int, ...]] = {}
-    for f in files:
-        if not f.is_file():
-            raise SaveFailed(f"save check: shard {f.name} listed in the index is missing from {folder}{_NOT_FINISHED}")
-        with safe_open(str(f), framework="pt") as sf:
-            for k in sf.keys():
-                out[k] = tuple(sf.get_slice(k).get_shape())
-    return out
-
-
-_NOT_FINISHED = "; the final save is incomplete, so the run is not marked finished"
-
-
-def check_saved(folder: str | Path, expected: set[str]) -> int:
-    """Fail unless every expected tensor name was saved, non-empty: SaveFailed, one line naming the folder, how many
-    tensors are wrong and a few of their names (train.py exits 1 with it). `folder` is a safetensors model/adapter
-    folder (sharded or not) or a DCP save (holding .metadata). Returns the tensor count."""
-    folder = Path(folder)
-    saved = dcp_tensor_names(folder) if (folder / ".metadata").is_file() else saved_tensor_names(folder)
-    if not saved:
-        raise SaveFailed(f"save check: {folder} holds 0 tensors; the save lost the weights{_NOT_FINISHED}")
-    missing = sorted(expected - set(saved))
-    if missing:
-        raise SaveFailed(f"save check: {len(missing)} of {len(expected)} expected tensors missing from {folder}, e.g. {missing[:3]}{_NOT_FINISHED}")
-    empty = sorted(k for k, shape in saved.items() if 0 in shape)
-    if empty:
-        raise SaveFailed(f"save check: {len(empty)} empty tensors (0 elements) in {folder}, e.g. {empty[:3]}{_NOT_FINISHED}")
-    return len(saved)
-
-
-def expected_saved_names(model, hub: bool = True) -> set[str]:
-    """Tensor names `save_model` must write for this (unwrapped) model: the adapter's for a PEFT model, otherwise
-    every state-dict entry except the tied copies save_pretrained leaves out (e.g. lm_head tied to embed_tokens) — in
-    the hub's layout save_pretrained converts to (hub=True: e.g. one tensor per MoE expert), or as held in memory
-    (hub=False: what a sharded DCP save holds)."""
-    from peft import PeftModel, get_peft_model_state_dict  # noqa: PLC0415
-
-    from .export import StoredLayout, tied_copies  # noqa: PLC0415
-
-    if isinstance(model, PeftModel):
-        return set(get_peft_model_state_dict(model).keys())
-    tied = set(tied_copies(model))
-    kept = {name: t for name, t in model.state_dict().items() if name not in tied}
-    if not hub:
-        return set(kept)
-    params = dict(model.named_parameters(remove_duplicate=False))  # ZeRO-3 keeps the full shape on the parameter
-    return set(StoredLayout(model, {n: tuple(getattr(params.get(n), "ds_shape", None) or t.shape) for n, t in kept.items()}).stored)
-
-
-def dcp_tensor_names(folder: str | Path) -> dict[str, tuple[int, ...]]:
-    """name -> shape of every tensor in a torch distributed checkpoint folder (its .metadata; no data read)."""
-    from torch.distributed.checkpoint import FileSystemReader  # noqa: PLC0415
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa: PLC0415
-
-    meta = FileSystemReader(str(folder)).read_metadata()
-    return {k: tuple(v.size) for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
-
-
-def save_final(trainer, recipe) -> int:
-    """save_checked, with a write failure (a full disk) reported as SaveFailed naming the file and the cause."""
-    with named_write_errors(Path(trainer.args.output_dir)):
-        return save_checked(trainer, recipe)
-
-
-def save_checked(trainer, recipe) -> int:
-    """The run's final save, then its check (every expected tensor present and non-empty). Returns the tensor count.
-
-    LoRA adapters are small: under FSDP they are gathered (FULL_STATE_DICT) and saved as safetensors. A full model
-    under FSDP with SHARDED_STATE_DICT is saved sharded (one piece per rank, no rank-0 gather of the whole model) as
-    <output_dir>/pytorch_model_fsdp_0, beside config and tokenizer; `python -m sftrecipes export` converts it.
-    """
-    out = Path(trainer.args.output_dir)
-    acc = trainer.accelerator
-    plugin = getattr(acc.state, "fsdp_plugin", None)
-    sharded = plugin is not None and "SHARDED" in str(plugin.state_dict_type) and not recipe.model.use_peft_lora
-    unwrapped = acc.unwrap_model(trainer.model)
-    expected = expected_saved_names(unwrapped, hub=not sharded)
-    if sharded:
-        from accelerate.utils import save_fsdp_model  # noqa: PLC0415
-
-        save_fsdp_model(plugin, acc, trainer.model, str(out))
-        if trainer.is_world_process_zero():
-            unwrapped.config.save_pretrained(out)
-            unwrapped.generation_config.save_pretrained(out)
-            trainer.processing_class.save_pretrained(out)
-    else:
-        if plugin is not None:
-            plugin.set_state_dict_type("FULL_STATE_DICT")
-        trainer.save_model(str(out))
-        acc.wait_for_everyone()
-        add_resized_embeddings_under_zero3(trainer, out, expected)
-    acc.wait_for_everyone()
-    if not trainer.is_world_process_zero():
-        return 0
-    if sharded:
-        return check_saved(out / "pytorch_model_fsdp_0", {f"model.{n}" for n in expected})
-    return check_saved(out, expected)
-
-
-def add_resized_embeddings_under_zero3(trainer, out: Path, expected: set[str]) -> None:
-    """A LoRA run that added tokens trains their rows (peft trainable tokens) and peft saves the resized embedding
-    and LM head beside the adapter, so the adapter loads into a base of the new size. Under ZeRO-3 those frozen,
-    partitioned weights are absent from the consolidated state dict the Trainer hands peft, and the adapter comes out
-    without them. Every rank gathers them here (a collective); rank 0 adds any the file lacks."""
-    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
-    params = dict(unwrapped.named_parameters(remove_duplicate=False))  # a tied head is the embedding under a 2nd name
-    names = sorted(n for n in expected if n.endswith(".token_adapter.base_layer.weight") and hasattr(params.get(n), "ds_id"))
-    if not names:
-        return
-    import deepspeed  # noqa: PLC0415
-    from safetensors.torch import load_file, save_file  # noqa: PLC0415
-
-    with deepspeed.zero.GatheredParameters(list({id(params[n]): params[n] for n in names}.values()), modifier_rank=None):
-        gathered = {n: params[n].detach().cpu().clone() for n in names} if trainer.is_world_process_zero() else {}
-    path = out / "adapter_model.safetensors"
-    if not gathered or not path.is_file():
-        return
-    tensors = load_file(path)
-    added = {n: t for n, t in gathered.items() if n not in tensors}
-    if added:
-        tmp = path.with_name(path.name + ".tmp")
-        save_file({**tensors, **added}, tmp, metadata={"format": "pt"})
-        tmp.replace(path)
-        log.info("save: added the resized %s to %s (ZeRO-3 left them out)", ", ".join(sorted(added)), path)
-
-
 class TrainingStopped(RuntimeError):
     """The run stopped itself (non-finite loss or gradient norm); its message is one line."""
 
@@ -540,84 +399,3 @@ class TrainingStopped(RuntimeError):
 class SaveFailed(TrainingStopped):
     """A save could not be written (a full disk; the message names the file, the cause and the space) or the final
     save was checked and found incomplete (check_saved)."""
-
-
-def nonfinite_guard(patience: int):
-    """Callback: stop training when the logged loss or grad_norm is NaN/inf more than `patience` logs in a row. No
-    checkpoint is written at a step whose log is non-finite, so the last good one stays the latest. Checked at each
-    log (logging_steps). transformers replaces a NaN loss in the log by the running mean (logging_nan_inf_filter), so
-    the gradient norm is what usually gives it away.
-
-    `advice` says where to look. The weights are scanned once before the first update (nonfinite_tensors): a NaN/inf
-    there means broken base weights, named. Non-finite from the very first log with finite weights points at the data
-    or the load dtype (at step 1 no learning rate has acted yet); after finite logs, at the learning rate or the data."""
-    import math  # noqa: PLC0415
-
-    from transformers import TrainerCallback  # noqa: PLC0415
-
-    class NonFiniteGuard(TrainerCallback):
-        stopped: str | None = None
-        advice = "lower learning_rate or check the data, then resume_from_checkpoint: auto"
-        bad = 0
-        finite_logs = 0
-        broken_weights: list[str] = []
-        weights_from = "the model"
-
-        def on_train_begin(self, args, state, control, model=None, **kwargs):
-            if model is not None:
-                self.broken_weights = nonfinite_tensors(model)
-                self.weights_from = getattr(getattr(model, "config", None), "_name_or_path", None) or "the model"
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            values = {k: v for k, v in (logs or {}).items() if k in ("loss", "grad_norm") and isinstance(v, (int, float))}
-            broken = {k: v for k, v in values.items() if not math.isfinite(v)}
-            if not values:
-                return
-            self.bad = self.bad + 1 if broken else 0
-            self.finite_logs += not broken
-            if broken:
-                control.should_save = False  # never checkpoint a broken state, patience or not
-            if broken and self.bad > patience:
-                key = "loss" if "loss" in broken else "grad_norm"
-                self.stopped = f"{key} is {broken[key]} at step {state.global_step} ({self.bad} log(s) in a row, nan_patience {patience})"
-                self.advice = self._advice(state.global_step, args.logging_steps)
-                control.should_training_stop = True
-
-        def _advice(self, step: int, logging_steps) -> str:
-            if self.broken_weights:
-                more = f" and {len(self.broken_weights) - 1} more" if len(self.broken_weights) > 1 else ""
-                return (f"the weights held NaN/inf before the first update ({self.broken_weights[0]}{more}): the base "
-                        f"weights in {self.weights_from} are broken; replace them (or load them in a wider dtype), then start again")
-            if self.finite_logs == 0 and step <= 1:
-                return ("it was non-finite at step 1, before any update, with finite weights: the learning rate is not the "
-                        "cause; check the data (an empty or fully masked batch) and the load dtype (fp16 overflows), then start again")
-            if self.finite_logs == 0:
-                return (f"it was non-finite from the first log (steps 1-{step}) with finite weights; set logging_steps: 1 to "
-                        "see whether it starts before any update (then check the data and the load dtype) or after (then "
-                        "lower learning_rate)")
-            return "lower learning_rate or check the data, then resume_from_checkpoint: auto"
-
-    return NonFiniteGuard()
-
-
-def nonfinite_tensors(model, limit: int = 4) -> list[str]:
-    """Names (as in the base model) of up to `limit` floating-point parameters or buffers holding NaN/inf, over every
-    rank: each rank scans what it holds (ZeRO-3 partitions, FSDP2 local shards), then the names are gathered. Every
-    rank must call it (a collective when a process group exists)."""
-    import torch  # noqa: PLC0415
-    import torch.distributed as dist  # noqa: PLC0415
-
-    found: list[str] = []
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        local = getattr(t, "ds_tensor", None)
-        if local is None:
-            local = t.to_local() if hasattr(t, "to_local") else t
-        if local.is_floating_point() and local.numel() and not bool(torch.isfinite(local).all()):
-            found.append(re.sub(r"\.base_layer(?=\.|$)", "", name.removeprefix("base_model.model.")))
-            if len(found) >= limit:
-                break
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        every: list = [None] * dist.get_world_size()
-        dist.all_gather_object(every, found)
-        found = list(dict.fromkeys(n for names in every for n in names))[:limit]
-    return found

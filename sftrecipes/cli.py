@@ -28,9 +28,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from . import emit, launch, paths, plan, recipe_copy, schema, tiny
+from . import emit, launch, paths, plan, recipe_copy, schema, snapshots, tiny
 from .backends import launcher_env, preflight
-from .demo import demo
 from .errors import RecipeError
 from .options_doc import options_markdown
 from .recipe import load_recipe
@@ -145,6 +144,8 @@ def _preflight(argv: list[str]) -> int:
 
 def _demo(argv: list[str]) -> int:
     _parser("demo").parse_args(argv)
+    from .demo import demo  # noqa: PLC0415 - torch: demo loads transformers; --help and the other verbs stay torch-free
+
     return demo()
 
 
@@ -154,16 +155,16 @@ def _schema(argv: list[str]) -> int:
     p.add_argument("--docs", action="store_true", help=f"rewrite {OPTIONS_DOC.relative_to(paths.ROOT)}")
     ns = p.parse_args(argv)
     if ns.refresh:
-        schema.write_trl_snapshot()
-        schema.write_peft_snapshot()
-        print(f"wrote {schema.TRL_SNAPSHOT} and {schema.PEFT_SNAPSHOT}")
+        snapshots.write_trl_snapshot()
+        snapshots.write_peft_snapshot()
+        print(f"wrote {snapshots.TRL_SNAPSHOT} and {snapshots.PEFT_SNAPSHOT}")
     if ns.docs or ns.refresh:
         OPTIONS_DOC.parent.mkdir(parents=True, exist_ok=True)
         OPTIONS_DOC.write_text(options_markdown())
         print(f"wrote {OPTIONS_DOC.relative_to(paths.ROOT)}")
         return 0
-    for name, live, stored in (("trl_options.json", schema.trl_snapshot, schema.load_trl_snapshot),
-                               ("peft_options.json", schema.peft_snapshot, schema.load_peft_snapshot)):
+    for name, live, stored in (("trl_options.json", snapshots.trl_snapshot, snapshots.load_trl_snapshot),
+                               ("peft_options.json", snapshots.peft_snapshot, snapshots.load_peft_snapshot)):
         if live() != stored()["options"]:
             print(f"error: sftrecipes/{name} differs from the installed library; run: python -m sftrecipes schema --refresh", file=sys.stderr)
             return 1

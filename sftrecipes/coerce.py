@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import RecipeError
-from .schema import Option
+from .snapshots import Option
 
 TRUE = {"true", "yes", "1", "on"}
 FALSE = {"false", "no", "0", "off"}

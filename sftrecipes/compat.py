@@ -14,7 +14,18 @@ import contextlib
 import functools
 import logging
 from dataclasses import dataclass
+from importlib.metadata import version
 from typing import Callable
+
+import peft.tuners.tuners_utils as tu
+import torch
+import torch.distributed as dist
+from accelerate.state import AcceleratorState, PartialState
+from accelerate.utils import DistributedType
+from packaging.specifiers import SpecifierSet
+from peft.tuners.trainable_tokens.layer import TrainableTokensLayer
+from peft.utils.other import TrainableTokensWrapper
+from torch.distributed.tensor import DTensor
 
 log = logging.getLogger("sftrecipes")
 
@@ -23,7 +34,6 @@ log = logging.getLogger("sftrecipes")
 class Shim:
     """One shim: its name (the function that applies it), the upstream gap it covers in one line, and the versions
     it was written against as (distribution, PEP 440 specifier) pairs."""
-
     name: str
     gap: str
     written_for: tuple[tuple[str, str], ...]
@@ -37,26 +47,21 @@ _MISSING = object()
 
 def installed_version(dist: str) -> str:
     """The installed version of a distribution (one place, so a test can pretend another one)."""
-    from importlib.metadata import version  # noqa: PLC0415
-
     return version(dist)
 
 
 def out_of_range(shim: Shim) -> str | None:
     """Why this shim does not fit the installed upstream versions ('peft 0.22.0, written for ~=0.21.2'), or None."""
-    from packaging.specifiers import SpecifierSet  # noqa: PLC0415
-
-    for dist, spec in shim.written_for:
-        have = installed_version(dist)
+    for package, spec in shim.written_for:
+        have = installed_version(package)
         if have not in SpecifierSet(spec):
-            return f"{dist} {have}, written for {dist}{spec}"
+            return f"{package} {have}, written for {package}{spec}"
     return None
 
 
 def _shim(gap: str, **written_for: str):
     """Register a shim; the decorated function patches upstream through _patch and runs at most once, and only when
     every distribution it was written for is in range."""
-
     def register(body):
         name = body.__name__
 
@@ -115,10 +120,6 @@ def enable_fsdp_on_cpu() -> None:
     so the FSDP plugin is dropped and the model is silently wrapped in DDP. After the original constructor, do what
     the GPU branch does. FSDP1 also needs the device without an index ("cpu", not "cpu:0"), or torch's FSDP init
     raises "Inconsistent compute device and `device_id`"."""
-    import torch  # noqa: PLC0415
-    from accelerate.state import AcceleratorState, PartialState  # noqa: PLC0415
-    from accelerate.utils import DistributedType  # noqa: PLC0415
-
     original = AcceleratorState.__init__
 
     def init(self, *args, **kwargs):
@@ -145,8 +146,6 @@ def fix_peft_prefixes_under_wrappers() -> None:
     strips only a leading `_fsdp_wrapped_module.`; the state dict it filters has every wrapper segment removed. Under
     FSDP1 nested wrapping or activation-checkpoint wrappers no key matches and the adapter is saved with 0 tensors.
     Strip the wrapper segments wherever they are."""
-    import peft.tuners.tuners_utils as tu  # noqa: PLC0415
-
     original = tu._get_tuner_state_dict_key_prefixes
     segments = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
@@ -162,7 +161,6 @@ def fix_peft_prefixes_under_wrappers() -> None:
 
 
 def _is_dtensor(t) -> bool:
-    from torch.distributed.tensor import DTensor  # noqa: PLC0415
 
     return isinstance(t, DTensor)
 
@@ -171,8 +169,6 @@ def _merged_full(wrapper):
     """The wrapped head's weight with the trained token rows in place, as a plain tensor: FSDP2 leaves the head's
     parameters sharded (DTensors) outside its own forward, and peft's merge would mix them with plain index tensors.
     full_tensor() gathers and is differentiable (its backward reduce-scatters into the shards)."""
-    import torch  # noqa: PLC0415
-
     layer = wrapper.token_adapter
     w = layer.base_layer.weight
     w = w.full_tensor() if _is_dtensor(w) else w
@@ -191,8 +187,6 @@ def trainable_token_heads_for_trl() -> None:
     TrainableTokensWrapper (model.lora_config: trainable_token_indices), `.weight` is the merged weight (base rows +
     the trained delta rows, differentiable) but `.bias` does not exist: every step fails with AttributeError. Give the
     wrapper the bias of the module it wraps; under ZeRO-3 merge the weight gathered, under FSDP2 from full tensors."""
-    from peft.utils.other import TrainableTokensWrapper  # noqa: PLC0415
-
     has, get = TrainableTokensWrapper._hasattr_wrapped, TrainableTokensWrapper._getattr_wrapped
 
     def hasattr_wrapped(self, name, modules):
@@ -209,8 +203,8 @@ def trainable_token_heads_for_trl() -> None:
         # ZeRO-3: the base weight is partitioned unless a hook gathered it. Merge it gathered (index_copy makes a new
         # full tensor, valid after the partition is given back), and mark the result available, as TRL's gather
         # helper (maybe_gather_lm_head_ctx) asks every head weight for its ZeRO status.
-        import deepspeed  # noqa: PLC0415
-        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus  # noqa: PLC0415
+        import deepspeed  # noqa: PLC0415 - deepspeed: ZeRO-3 runs only; it reads DS_ACCELERATOR when imported
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus  # noqa: PLC0415 - deepspeed: as above
 
         layer = self.token_adapter  # its delta rows are partitioned too unless small enough to persist
         params = [base, *(layer.trainable_tokens_delta[a] for a in layer.active_adapters)]
@@ -230,11 +224,7 @@ def trainable_tokens_init_under_zero3_on_cpu() -> None:
     TrainableTokensLayer._collect_token_weights: rank 0 gathers the weight and copies the rows, the others receive them
     by broadcast into a buffer it always builds on CUDA. On the cpu target that fails ("Torch not compiled with CUDA");
     build the buffer on the weight's own device instead (same gather, same broadcast)."""
-    from peft.tuners.trainable_tokens.layer import TrainableTokensLayer  # noqa: PLC0415
-
-    import deepspeed  # noqa: PLC0415
-    import torch  # noqa: PLC0415
-    import torch.distributed as dist  # noqa: PLC0415
+    import deepspeed  # noqa: PLC0415 - deepspeed: ZeRO-3 runs only; it reads DS_ACCELERATOR when imported
 
     def collect(self, weight, rows, embed_dim):
         with deepspeed.zero.GatheredParameters([weight], modifier_rank=None):

@@ -11,6 +11,9 @@ import subprocess
 import sys
 import time
 
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from .export import merge_lora
 from .paths import ROOT
 from .tiny import ensure_tiny_model
 
@@ -28,10 +31,6 @@ def demo() -> int:
         print(f"demo: training failed (exit {rc})", file=sys.stderr)
         return rc
     summary = json.loads((out / "run_summary.json").read_text())
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .export import merge_lora
 
     merge_lora(out, merged)
     tok = AutoTokenizer.from_pretrained(merged)

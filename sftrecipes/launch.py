@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 import yaml
 
-from . import lifecycle
+from . import heartbeats, lifecycle, procs, runlock
 from .backends import accelerate_config, launcher_env, preflight
 from .checkpoints import check_resume, finished_run
 from .errors import RecipeError
@@ -176,7 +176,7 @@ def main(argv: list[str]) -> int:
         return 0
     out, main_machine = lifecycle.output_dir(run.recipe), run.machine_rank == 0
     if main_machine:  # (other machines cannot tell their own job's lock from another's: machine 0 guards the folder)
-        lifecycle.check_lock(out, run.recipe.run.force_lock)
+        runlock.check_lock(out, run.recipe.run.force_lock)
     done = finished_run(run.recipe)
     if done:
         print(done, file=sys.stderr)
@@ -188,7 +188,7 @@ def main(argv: list[str]) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os.execve(run.argv[0], run.argv, {**os.environ, **run.env})
-    lock = lifecycle.take_lock(out, run.recipe.run.force_lock) if main_machine else None  # before anything is written
+    lock = runlock.take_lock(out, run.recipe.run.force_lock) if main_machine else None  # before anything is written
     try:
         write_launch_config(run)
         print(f"launch: {run.topology}: {shlex.join(run.argv)}", file=sys.stderr)
@@ -234,12 +234,12 @@ def _agent_setup(parent: int):
     """Runs in the agent's process before exec: SIGKILL when `launch` dies (its ranks follow: they ask the same of the
     agent), and SIGUSR1 ignored (torch's agent would die on it and orphan the ranks; `launch` translates it)."""
     def setup():
-        lifecycle.die_with_parent(parent)
+        procs.die_with_parent(parent)
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     return setup
 
 
-def supervise(run: Launch, lock: lifecycle.Lock | None = None) -> int:
+def supervise(run: Launch, lock: runlock.Lock | None = None) -> int:
     """Run accelerate's launcher (torch's elastic agent) as a child in a session of its own and stand between it and
     the signals a user or scheduler sends this command:
 
@@ -266,7 +266,7 @@ def supervise(run: Launch, lock: lifecycle.Lock | None = None) -> int:
         for s, h in handlers.items():
             signal.signal(s, h)
         raise
-    watch = (lifecycle.Watch(out / lifecycle.HEARTBEATS, recipe.run.heartbeat_timeout, pids=lambda: {p.pid for p in _ranks(agent.pid)})
+    watch = (heartbeats.Watch(out / heartbeats.HEARTBEATS, recipe.run.heartbeat_timeout, pids=lambda: {p.pid for p in _ranks(agent.pid)})
              if recipe.run.heartbeat_timeout else None)  # this node's ranks (the ranks watch the others)
     handled, deadline, code, asked_ranks = 0, None, None, set()
     try:
@@ -295,7 +295,7 @@ def supervise(run: Launch, lock: lifecycle.Lock | None = None) -> int:
                                      "them (the latest complete checkpoint stays; raise preempt_timeout if saves take longer)")
             stale = watch.stale() if watch else []
             if stale:  # a rank stopped beating: collectives cannot complete; end this node's part now
-                return _kill_run(agent, "\nlaunch: ".join(lifecycle.describe_silent(r, recipe.run.heartbeat_timeout) for r in stale))
+                return _kill_run(agent, "\nlaunch: ".join(heartbeats.describe_silent(r, recipe.run.heartbeat_timeout) for r in stale))
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)

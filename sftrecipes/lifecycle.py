@@ -1,10 +1,10 @@
-"""The life of a run's processes around training: one run per output_dir (its lock), preemption signals, death with
-the launcher, heartbeats that end a run whose rank froze.
+"""One process of a run from start to exit, around training: its preemption signals (stop every rank after the same
+step with a checkpoint, exit 75), its death with the launcher, and the lock and heartbeats it holds (runlock.py,
+heartbeats.py own those).
 
     RunLife(recipe)      one process of a run, from start to exit (train.py: `with RunLife(recipe) as life`)
-    take_lock/check_lock <output_dir>/.sftrecipes.lock: host, pid, start time of the run that holds the folder
-    die_with_parent()    a rank (or launch's agent) is SIGKILLed by Linux when the process that started it dies
-    Watch                reads the ranks' heartbeat files; who has not beaten for heartbeat_timeout seconds
+    hold_signals()       SIGTERM/SIGUSR1 queue for RunLife instead of ending the process (train.py's first call)
+    read_preempted()     <output_dir>/preempted.json, what `launch` reports after a preemption
 
 The exit codes of a run: 0 done, 1 training failed, 2 bad input, 75 preempted (a complete checkpoint was saved; resume
 with resume_from_checkpoint: auto). See docs/reliability.md for what each piece guarantees and the test that shows it.
@@ -12,7 +12,6 @@ with resume_from_checkpoint: auto). See docs/reliability.md for what each piece 
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -21,29 +20,22 @@ import signal
 import socket
 import sys
 import threading
-import time
-import uuid
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 
 from .checkpoints import finished_run, forget_finished, is_complete, latest_checkpoint, mark_finished
-from .errors import RecipeError
+from .heartbeats import HEARTBEATS, Heartbeat, Watch, beat_interval, describe_silent
+from .procs import die_with_parent, now_iso
 from .recipe import Recipe
+from .runlock import Lock, check_lock, read_lock, take_lock
 
 log = logging.getLogger("sftrecipes")
 
-LOCK = ".sftrecipes.lock"
 LOCK_ENV = "SFTRECIPES_LOCK"  # the token of the lock `launch` took for the ranks it starts
 SUPERVISED_ENV = "SFTRECIPES_SUPERVISED"  # set by `launch` for its ranks: it turns their preemption into exit 75 itself
 PREEMPTED = "preempted.json"
 EXIT_PREEMPTED = 75
-HEARTBEATS = ".sftrecipes/heartbeat"
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-_RECORD = 256  # bytes of one heartbeat record, rewritten in place
-
-
-class LockHeld(RecipeError):
-    """Another run holds the output_dir (one line naming it; exit 2)."""
 
 
 class Preempted(Exception):
@@ -54,196 +46,8 @@ class AlreadyTrained(Exception):
     """The checkpoint resumed from is at max_steps: only the final save is left to do."""
 
 
-def now_iso() -> str:
-    return datetime.now(timezone.utc).astimezone().isoformat(timespec="seconds")
-
-
 def output_dir(recipe: Recipe) -> Path:
     return Path(recipe.trl.get("output_dir") or "trainer_output")  # transformers' default when unset
-
-
-def _stat(pid: int) -> list[str] | None:
-    """Fields of /proc/<pid>/stat after the command name (state first), None when there is no such process."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def proc_start(pid: int) -> int | None:
-    """When the process started (clock ticks since boot): a pid and its start time name one process, even after the
-    pid is reused. None when there is no such process."""
-    fields = _stat(pid)
-    return int(fields[19]) if fields else None
-
-
-def proc_state(pid: int) -> str:
-    """'stopped', 'gone' or 'running' (a zombie is gone: it runs nothing)."""
-    fields = _stat(pid)
-    if not fields or fields[0] in ("Z", "X"):
-        return "gone"
-    return "stopped" if fields[0] in ("T", "t") else "running"
-
-
-# ----------------------------------------------------------------------------------------------- the lock
-
-
-def read_lock(out: Path) -> dict | None:
-    """The holder recorded in <out>/.sftrecipes.lock; None when there is no lock, {} when it is unreadable."""
-    try:
-        held = json.loads((out / LOCK).read_text())
-        return held if isinstance(held, dict) else {}
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError):
-        return {}
-
-
-def describe(held: dict) -> str:
-    return f"host {held.get('host')}, pid {held.get('pid')}, since {held.get('since')}"
-
-
-def _holder_state(held: dict) -> str:
-    """'live' or 'dead' for a holder on this host, 'elsewhere' for another host, 'unreadable'."""
-    if not held.get("host") or not isinstance(held.get("pid"), int):
-        return "unreadable"
-    if held["host"] != socket.gethostname():
-        return "elsewhere"
-    if not Path("/proc/self/stat").exists():  # no procfs (not Linux): the pid alone
-        try:
-            os.kill(held["pid"], 0)
-        except ProcessLookupError:
-            return "dead"
-        except PermissionError:
-            pass
-        return "live"
-    start = proc_start(held["pid"])
-    if start is None or proc_state(held["pid"]) == "gone" or (held.get("pid_start") not in (None, start)):
-        return "dead"
-    return "live"
-
-
-def slurm_attempt() -> dict:
-    """This process's SLURM job and attempt ({} outside SLURM), recorded in the lock."""
-    job = os.environ.get("SLURM_JOB_ID")
-    return {"slurm_job": job, "slurm_restart": int(os.environ.get("SLURM_RESTART_COUNT") or 0)} if job else {}
-
-
-def _refuse_or_reason(out: Path, held: dict, force: bool) -> str:
-    """Why a lock may be taken over ('its process is gone', 'force_lock'), or LockHeld naming its holder."""
-    mine = slurm_attempt()
-    if mine and held.get("slurm_job") == mine["slurm_job"] and int(held.get("slurm_restart", 0)) < mine["slurm_restart"]:
-        # a requeued job may start on another node; SLURM ended the earlier attempt's processes before restarting it
-        return f"an earlier attempt of SLURM job {mine['slurm_job']} held it (requeued)"
-    state = _holder_state(held)
-    if state == "dead":
-        return "its process is gone"
-    if state == "live":
-        raise LockHeld(f"output_dir: {out} is in use by another run ({describe(held)}); wait for it to end, or set "
-                       "another output_dir")
-    if force:
-        return "force_lock: true"
-    if state == "elsewhere":
-        raise LockHeld(f"output_dir: {out} is locked by a run on another host ({describe(held)}); if that run is over "
-                       "(a crash leaves its lock), set force_lock: true, else wait for it or set another output_dir")
-    raise LockHeld(f"output_dir: {out / LOCK} is unreadable; if no run uses {out}, set force_lock: true (or delete the file)")
-
-
-class Lock:
-    """The lock this process took on an output_dir (`created`: the folders taking it created, deepest first)."""
-
-    def __init__(self, path: Path, token: str, created: list[Path] | None = None):
-        self.path, self.token, self.created = path, token, created or []
-
-    def release(self) -> None:
-        """Remove the lock file if it is still ours (a run that took it over after a crash keeps its own), and the
-        folders taking it created if they are empty again: a run that failed before writing leaves nothing."""
-        if (read_lock(self.path.parent) or {}).get("token") == self.token:
-            self.path.unlink(missing_ok=True)
-        for folder in self.created:
-            try:
-                folder.rmdir()
-            except OSError:
-                break
-
-
-def check_lock(out: Path, force: bool = False, token: str | None = None) -> None:
-    """Read-only: LockHeld unless output_dir is free, held by the run `token` names, or held by a dead run."""
-    held = read_lock(out)
-    if held is not None and not (token and held.get("token") == token):
-        _refuse_or_reason(out, held, force)
-
-
-def take_lock(out: Path, force: bool = False) -> Lock:
-    """Take <out>/.sftrecipes.lock for this process (host, pid, its start time, since). Atomic: the record is written
-    to a file of its own and hard-linked into place, which fails when the lock exists. A stale lock (holder dead on
-    this host; another host's with force) is moved aside and taken over, with a log line."""
-    created, p = [], out.absolute()
-    while not p.exists():
-        created.append(p)
-        p = p.parent
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise RecipeError(f"output_dir: cannot create '{out}' ({e.strerror}); set output_dir to a writable folder") from None
-    me = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": proc_start(os.getpid()), "since": now_iso(),
-          "token": uuid.uuid4().hex, "command": " ".join(sys.argv[:4]), **slurm_attempt()}
-    path, tmp, aside = out / LOCK, out / f"{LOCK}.{me['token']}", out / f"{LOCK}.{me['token']}.stale"
-    tmp.write_text(json.dumps(me))
-    try:
-        for _ in range(10):
-            try:
-                os.link(tmp, path)
-                return Lock(path, me["token"], created)
-            except FileExistsError:
-                pass
-            except OSError:  # a filesystem without hard links: exclusive create (a reader may see it empty briefly)
-                try:
-                    with open(path, "x") as f:
-                        f.write(json.dumps(me))
-                    return Lock(path, me["token"], created)
-                except FileExistsError:
-                    pass
-            held = read_lock(out)
-            if held is None:
-                continue  # released meanwhile
-            why = _refuse_or_reason(out, held, force)
-            try:
-                os.rename(path, aside)  # one taker wins the rename
-            except FileNotFoundError:
-                continue
-            if _read_json(aside) != held:  # another run took it over first: we moved its live lock, put it back
-                try:
-                    os.link(aside, path)
-                except FileExistsError:
-                    pass
-                aside.unlink(missing_ok=True)
-                continue
-            aside.unlink(missing_ok=True)
-            log.warning("lock: taking over %s from %s (%s)", path, describe(held), why)
-        raise RecipeError(f"output_dir: could not take the lock {path}: other runs keep taking it; start one run per output_dir")
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-# ----------------------------------------------------------------------------------------------- processes
-
-
-def die_with_parent(parent: int | None = None) -> None:
-    """Ask Linux to SIGKILL this process when the thread that started it ends (prctl PR_SET_PDEATHSIG), then make
-    sure that parent was still there when asked (`parent`: its pid, read before). Nothing elsewhere than Linux."""
-    if not sys.platform.startswith("linux"):
-        return
-    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
-    if parent is not None and os.getppid() != parent:
-        os._exit(1)
 
 
 def preempted_exit_code() -> int:
@@ -260,8 +64,11 @@ def write_preempted(out: Path, step: int, signame: str, checkpoint: str | None) 
 
 def read_preempted(out: Path, since: float | None = None) -> dict | None:
     """<out>/preempted.json, if written at or after `since` (a Unix time; whole seconds)."""
-    record = _read_json(out / PREEMPTED)
-    if not record:
+    try:
+        record = json.loads((out / PREEMPTED).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or not record:
         return None
     if since is not None:
         try:
@@ -270,76 +77,6 @@ def read_preempted(out: Path, since: float | None = None) -> dict | None:
         except (KeyError, TypeError, ValueError):
             return None
     return record
-
-
-# ----------------------------------------------------------------------------------------------- heartbeats
-
-
-class Heartbeat:
-    """This rank's heartbeat file, rewritten in place (same inode, closed after each write: readers on a shared
-    filesystem see it at their next open) with a counter that changes at every beat."""
-
-    def __init__(self, folder: Path, rank: int):
-        folder.mkdir(parents=True, exist_ok=True)
-        self.path, self.rank, self.count = folder / f"rank-{rank}.json", rank, 0
-        self.path.write_bytes(self._record(0))
-
-    def _record(self, step: int, done: bool = False) -> bytes:
-        rec = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "beat": self.count, "step": step,
-               "time": round(time.time(), 1), "done": done}
-        return json.dumps(rec).ljust(_RECORD).encode()
-
-    def beat(self, step: int, done: bool = False) -> None:
-        """One beat; `done`: the last, from a rank leaving its run on purpose (a peer still busy, e.g. rank 0 pushing
-        to the hub, must not take its silence for a hang)."""
-        self.count += 1
-        with open(self.path, "r+b") as f:
-            f.write(self._record(step, done))
-
-
-class Watch:
-    """Who has stopped beating: a rank of this run whose counter has not changed for `timeout` seconds of the
-    watcher's own clock since it was first seen or last changed (no comparison of clocks across hosts). This run's
-    ranks: below `world` (a larger earlier run's files are not), and, for `launch`, among `pids()` (its own ranks: a
-    file left by an earlier run names a process that is not). A new process in a rank's file starts it afresh (each
-    rank rewrites its file as training starts), so does a beat; a rank that left on purpose (done) is not judged."""
-
-    def __init__(self, folder: Path, timeout: float, own_rank: int | None = None, world: int | None = None, pids=None):
-        self.folder, self.timeout, self.own, self.world, self.pids = folder, timeout, own_rank, world, pids
-        self.seen: dict[int, dict] = {}  # rank -> pid, beat, when it was first seen or last changed
-
-    def stale(self, now: float | None = None) -> list[dict]:
-        now = time.monotonic() if now is None else now
-        mine = self.pids() if self.pids is not None else None
-        out = []
-        for f in sorted(self.folder.glob("rank-*.json")) if self.folder.is_dir() else []:
-            try:
-                rec = json.loads(f.read_bytes())
-                rank, pid, beat = int(rec["rank"]), int(rec["pid"]), int(rec["beat"])
-            except (OSError, ValueError, KeyError, TypeError):
-                continue  # vanished, or read half-written
-            if rank == self.own or rec.get("done") or (self.world is not None and rank >= self.world):
-                continue
-            if mine is not None and (pid not in mine or rec.get("host") != socket.gethostname()):
-                continue
-            s = self.seen.get(rank)
-            if s is None or s["pid"] != pid or s["beat"] != beat:
-                self.seen[rank] = {"pid": pid, "beat": beat, "changed": now}
-            elif now - s["changed"] >= self.timeout:
-                out.append({**rec, "silent": now - s["changed"]})
-        return out
-
-
-def describe_silent(rec: dict, timeout: float) -> str:
-    here = rec.get("host") == socket.gethostname()
-    state = {"stopped": "its process is stopped", "gone": "its process is gone", "running": "its process is stuck"}[
-        proc_state(int(rec["pid"]))] if here else "no news from its host"
-    return (f"heartbeat: rank {rec['rank']} (host {rec['host']}, pid {rec['pid']}) has not beaten for {rec['silent']:.0f}s "
-            f"({state}; last at step {rec.get('step')}); ending the run (heartbeat_timeout {timeout:g}s)")
-
-
-def beat_interval(timeout: float) -> float:
-    return min(max(timeout / 10, 0.5), 5.0)
 
 
 # ----------------------------------------------------------------------------------------------- one process of a run
@@ -380,7 +117,7 @@ class SignalVote:
     it waits for the reduction itself, which every rank started a step earlier."""
 
     def __init__(self, device):
-        import torch  # noqa: PLC0415
+        import torch  # noqa: PLC0415 - torch: launch imports lifecycle and stays torch-free
 
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
@@ -388,8 +125,8 @@ class SignalVote:
         self._host = torch.zeros(1, dtype=torch.int64, pin_memory=True) if self.cuda else None  # read before reused
 
     def start(self, signum: int) -> None:
-        import torch  # noqa: PLC0415
-        import torch.distributed as dist  # noqa: PLC0415
+        import torch  # noqa: PLC0415 - torch: launch imports lifecycle and stays torch-free
+        import torch.distributed as dist  # noqa: PLC0415 - torch: launch stays torch-free
 
         flag = torch.tensor([signum], dtype=torch.int64, device=self.device)
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
@@ -555,7 +292,7 @@ class RunLife:
         """Once the process group is up: a barrier. Past it every rank knows that the main process holds the lock
         (had it been refused, it would have exited), so nothing is written into another run's folder."""
         if self.world > 1 and args.world_size > 1:
-            import torch.distributed as dist  # noqa: PLC0415
+            import torch.distributed as dist  # noqa: PLC0415 - torch: launch stays torch-free
 
             dist.barrier()
 
@@ -578,7 +315,7 @@ class RunLife:
         waits for it, and on a GPU the host never waits for the device's queue (a read of this step's result would
         sync the stream every step). Every rank reads the same vote at the same step, so they still stop together,
         one step after the signal at most."""
-        from transformers import TrainerCallback  # noqa: PLC0415
+        from transformers import TrainerCallback  # noqa: PLC0415 - transformers: launch stays torch-free
 
         life = self
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from .schema import ALIASES, Option, all_options
+from .schema import ALIASES, all_options
+from .snapshots import Option
 
 
 GROUP_TITLES = {"model": "Model, LoRA, quantization", "peft": "peft `LoraConfig` (LoRA only: with use_peft_lora; defaults as peft sets them)",

@@ -1,32 +1,17 @@
-"""Every recipe option, declared once.
-
-Two sources, no hand-written copies:
-
-* The project's own options (model loading, LoRA/quantization, data formatting, launch topology) are the
-  dataclasses below. Each field carries its help text, default and type; ``choices`` in the metadata limits
-  a string option.
-* TRL's ``SFTConfig`` (which includes transformers' ``TrainingArguments``) is used as it is. Its fields are
-  read from the live class by :func:`trl_snapshot`, and a copy is kept in ``trl_options.json`` so that a
-  recipe can be validated (and ``--help`` printed) in a fraction of a second, before torch is imported.
-  ``tests/test_schema_and_assets.py`` fails when that copy differs from the installed TRL; ``python -m
-  sftrecipes schema --refresh`` rewrites it.
-* peft's ``LoraConfig`` the same way (:func:`peft_snapshot`, ``peft_options.json``): its fields are recipe keys
-  (owner ``peft``, applied with ``use_peft_lora``), except those in :data:`PEFT_NOT_EXPOSED`, each with the reason.
+"""Every recipe option, declared once: the project's own sections (dataclasses whose fields carry help, default and
+type), what the project changes in TRL's defaults and accepts as aliases, and which of peft's LoraConfig fields are
+recipe keys. TRL's ``SFTConfig`` and peft's ``LoraConfig`` are used as they are, never copied by hand: their fields
+come from the snapshots snapshots.py reads (owner ``trl``; owner ``peft``, applied with ``use_peft_lora``, except
+those in :data:`PEFT_NOT_EXPOSED`, each with the reason). ``all_options()`` is the one table of every key.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
-import json
-import types
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-TRL_SNAPSHOT = Path(__file__).with_name("trl_options.json")
-PEFT_SNAPSHOT = Path(__file__).with_name("peft_options.json")
+from .snapshots import Option, load_peft_snapshot, load_trl_snapshot, options_of
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -225,7 +210,7 @@ class LaunchOptions:
     cpu_ram_gb: float | None = opt(None, "CPU RAM of one node in GB, for the memory planner (loading, offload).")
     peak_tflops: float | None = opt(
         None, "Peak dense TFLOP/s of one device in the training dtype, for MFU. None: looked up by GPU name "
-        "(sftrecipes.metrics.PEAK_TFLOPS); on the cpu target MFU is reported only when this is set."
+        "(sftrecipes.flops.PEAK_TFLOPS); on the cpu target MFU is reported only when this is set."
     )
     hardware: str = opt(
         "auto",
@@ -287,112 +272,6 @@ ALIASES: dict[str, str] = {
 }
 
 
-@dataclass(frozen=True)
-class Option:
-    name: str
-    kind: str  # bool | int | float | str | dict | list | mappings | int|str | str|bool | object
-    default: Any
-    help: str
-    choices: tuple | None = None
-    nullable: bool = False
-    owner: str = "trl"  # trl | model | data | launch
-
-    def describe(self) -> str:
-        extra = f" one of {', '.join(map(str, self.choices))}." if self.choices else ""
-        return f"{self.help}{extra} [{self.kind}, default {self.default!r}]"
-
-
-def _kind(tp: Any) -> tuple[str, bool, tuple | None]:
-    """(kind, nullable, choices) of a dataclass field annotation."""
-    args = typing.get_args(tp)
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        members = [a for a in args if a is not type(None)]
-        nullable = len(members) != len(args)
-        enums = [a for a in members if isinstance(a, type) and issubclass(a, enum.Enum)]
-        if enums:
-            return "str", nullable, tuple(e.value for e in enums[0])
-        names = set()
-        for m in members:
-            if typing.get_origin(m) is typing.Literal:
-                continue  # e.g. Literal[False] beside str
-            names.add(_kind(m)[0])
-        if names == {"dict", "str"}:
-            return "dict", nullable, None
-        if names <= {"list", "str"}:
-            return ("list" if "list" in names else "str"), nullable, None
-        if len(names) == 1:
-            return names.pop(), nullable, None
-        return "|".join(sorted(names)), nullable, None
-    if origin in (list, tuple):
-        return "list", False, None
-    if origin is dict or tp is dict:
-        return "dict", False, None
-    if tp in (bool, int, float, str):
-        return tp.__name__, False, None
-    return "object", False, None
-
-
-def _options_of(cls: type, owner: str, kind_of=None) -> list[Option]:
-    hints = typing.get_type_hints(cls)
-    out = []
-    for f in dataclasses.fields(cls):
-        if not f.init:
-            continue
-        kind, nullable, choices = (kind_of or _kind)(hints[f.name])
-        kind = f.metadata.get("kind", kind)
-        choices = f.metadata.get("choices", choices)
-        if isinstance(choices, type({}.keys())):
-            choices = tuple(choices)
-        if f.default is not dataclasses.MISSING:
-            default = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            default = f.default_factory()
-        else:
-            default = None
-        if isinstance(default, enum.Enum):
-            default = default.value
-        out.append(
-            Option(f.name, kind, default, " ".join(str(f.metadata.get("help", "")).split()),
-                   tuple(choices) if choices else None, nullable or default is None, owner)
-        )
-    return out
-
-
-def _snapshot_rows(options: list[Option]) -> list[dict]:
-    """Options as stored in a snapshot file (defaults that JSON cannot hold by their repr)."""
-    rows = []
-    for o in options:
-        default = o.default
-        try:
-            json.dumps(default)
-        except TypeError:
-            default = repr(default)
-        rows.append({"name": o.name, "kind": o.kind, "default": default, "help": o.help,
-                     "choices": list(o.choices) if o.choices else None, "nullable": o.nullable})
-    return rows
-
-
-def _write_snapshot(path: Path, package: str, rows: list[dict]) -> None:
-    version = __import__(package).__version__
-    path.write_text(json.dumps({f"{package}_version": version, "options": rows}, indent=1, sort_keys=True) + "\n")
-
-
-def trl_snapshot() -> list[dict]:
-    """Read SFTConfig's fields from the installed TRL (imports torch; used to refresh and to test the copy)."""
-    from trl import SFTConfig  # noqa: PLC0415 - heavy, only here
-
-    return _snapshot_rows(_options_of(SFTConfig, "trl"))
-
-
-def write_trl_snapshot(path: Path = TRL_SNAPSHOT) -> None:
-    _write_snapshot(path, "trl", trl_snapshot())
-
-
-def load_trl_snapshot(path: Path = TRL_SNAPSHOT) -> dict:
-    return json.loads(path.read_text())
-
-
 # peft's LoraConfig fields that are not recipe keys, and why. Every other field is a recipe key of the same name
 # (owner "peft"; it needs use_peft_lora and goes to LoraConfig as given). tests/test_schema_and_assets.py fails when
 # a field of the installed peft is in neither group, so a field peft adds is placed on purpose.
@@ -450,46 +329,6 @@ PEFT_NOTES: dict[str, str] = {
 }
 
 
-def _peft_kind(tp: Any) -> tuple[str, bool, tuple | None]:
-    """(kind, nullable, choices) of a LoraConfig annotation. Literal choices are kept (bias, init_lora_weights);
-    'list|str' keeps a string a string (peft reads a str as one regex, a list as names), 'int|list' is layer indexes."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is typing.Literal:
-        return "str", False, tuple(args)
-    if origin in (typing.Union, types.UnionType):
-        members = [a for a in args if a is not type(None)]
-        nullable = len(members) != len(args)
-        literals = [v for a in members if typing.get_origin(a) is typing.Literal for v in typing.get_args(a)]
-        others = [a for a in members if typing.get_origin(a) is not typing.Literal]
-        if literals:
-            if others == [bool]:
-                return "bool|str", nullable, (True, False, *literals)
-            if not others:
-                return "str", nullable, tuple(literals)
-        if len(members) == 2 and all(typing.get_origin(a) in (list, None) for a in members):
-            inner = {typing.get_args(a)[0] if typing.get_origin(a) is list else a for a in members}
-            if inner == {str}:
-                return "list|str", nullable, None
-            if inner == {int}:
-                return "int|list", nullable, None
-    return _kind(tp)
-
-
-def peft_snapshot() -> list[dict]:
-    """Read LoraConfig's fields from the installed peft (imports torch; used to refresh and to test the copy)."""
-    from peft import LoraConfig  # noqa: PLC0415 - heavy, only here
-
-    return _snapshot_rows(_options_of(LoraConfig, "peft", _peft_kind))
-
-
-def write_peft_snapshot(path: Path = PEFT_SNAPSHOT) -> None:
-    _write_snapshot(path, "peft", peft_snapshot())
-
-
-def load_peft_snapshot(path: Path = PEFT_SNAPSHOT) -> dict:
-    return json.loads(path.read_text())
-
-
 _ALL: dict[str, Option] | None = None
 
 
@@ -511,12 +350,12 @@ def all_options() -> dict[str, Option]:
             table[row["name"]] = Option(row["name"], row["kind"], row["default"], help_,
                                         tuple(row["choices"]) if row["choices"] else None, row["nullable"], "peft")
         for owner, cls in SECTIONS.items():
-            for o in _options_of(cls, owner):
+            for o in options_of(cls, owner):
                 if o.name in table:
                     raise RuntimeError(f"option {o.name} declared by both TRL and {cls.__name__}")
                 table[o.name] = o
         for section, cls in NESTED.items():
-            for o in _options_of(cls, section):
+            for o in options_of(cls, section):
                 table[f"{section}.{o.name}"] = dataclasses.replace(o, name=f"{section}.{o.name}")
         _ALL = table
     return _ALL

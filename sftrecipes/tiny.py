@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
+
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from .paths import ASSETS, DATA_DIR
 
@@ -92,8 +95,7 @@ def _corpus() -> list[str]:
 
 
 def build_tokenizer(vocab_size: int = 512):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: PLC0415
-    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
+    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415 - transformers: cli imports tiny (FAMILIES) and --help stays torch-free
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -105,7 +107,7 @@ def build_tokenizer(vocab_size: int = 512):
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
                                    pad_token="<pad>", additional_special_tokens=["<|im_start|>", "<|im_end|>"])
-    from .tokenizer import CHATML_TEMPLATE  # noqa: PLC0415
+    from .tokenizer import CHATML_TEMPLATE  # noqa: PLC0415 - tokenizer imports transformers; cli stays torch-free
 
     fast.chat_template = CHATML_TEMPLATE
     return fast
@@ -113,8 +115,8 @@ def build_tokenizer(vocab_size: int = 512):
 
 def build_model(out: Path = TINY_MODEL, size: str = "tiny", seed: int = 0) -> Path:
     """Random-init Llama + local tokenizer, saved as a hub-style folder. Deterministic for a given seed."""
-    import torch  # noqa: PLC0415
-    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
+    import torch  # noqa: PLC0415 - torch: cli imports tiny (FAMILIES) and --help stays torch-free
+    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415 - transformers: cli imports tiny (FAMILIES) and --help stays torch-free
 
     tok = build_tokenizer()
     # initializer_range 0.1 (not 0.02): a random tiny model then has output rows large enough for LoRA alone to
@@ -126,8 +128,6 @@ def build_model(out: Path = TINY_MODEL, size: str = "tiny", seed: int = 0) -> Pa
     model = LlamaForCausalLM(cfg).to(getattr(torch, SAVE_DTYPE[size]))
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():
-        import shutil  # noqa: PLC0415
-
         shutil.rmtree(tmp)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
@@ -244,8 +244,7 @@ def family_dir(name: str) -> Path:
 
 def build_family_tokenizer(name: str, vocab_size: int = 512):
     """A BPE tokenizer trained on the shipped chat data, with the family's special tokens and template."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: PLC0415
-    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
+    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415 - transformers: cli imports tiny (FAMILIES) and --help stays torch-free
 
     fam = FAMILIES[name]
     named = [t for t in ("<unk>", fam.bos, fam.eos, fam.pad) if t]
@@ -268,8 +267,8 @@ def build_family_tokenizer(name: str, vocab_size: int = 512):
 
 def build_family(name: str, out: Path | None = None, seed: int = 0) -> Path:
     """Random-init tiny model of a family + its tokenizer, saved as a hub-style folder. Deterministic."""
-    import torch  # noqa: PLC0415
-    import transformers  # noqa: PLC0415
+    import torch  # noqa: PLC0415 - torch: cli imports tiny (FAMILIES) and --help stays torch-free
+    import transformers  # noqa: PLC0415 - transformers: cli imports tiny (FAMILIES) and --help stays torch-free
 
     fam = FAMILIES[name]
     out = out or family_dir(name)
@@ -279,21 +278,17 @@ def build_family(name: str, out: Path | None = None, seed: int = 0) -> Path:
     cfg = getattr(transformers, cls_name)(vocab_size=len(tok), max_position_embeddings=1024, initializer_range=0.1,
                                           **ids, **kwargs)
     torch.manual_seed(seed)
-    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 - transformers: cli imports tiny (FAMILIES) and --help stays torch-free
 
     model = AutoModelForCausalLM.from_config(cfg)
     model.generation_config.eos_token_id = cfg.eos_token_id
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():
-        import shutil  # noqa: PLC0415
-
         shutil.rmtree(tmp)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     (tmp / SPEC_FILE).write_text(_spec(name))
     if out.exists():  # an older build of a changed spec (ensure_family)
-        import shutil  # noqa: PLC0415
-
         shutil.rmtree(out)
     tmp.rename(out)
     return out

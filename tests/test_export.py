@@ -209,7 +209,7 @@ def test_added_tokens_train_save_and_export(runs, tmp_path, name, capsys):
     """A template whose tokens the tokenizer lacks (the shipped recipes: ChatML on Llama-2) resizes the embeddings
     and trains the new rows through peft's trainable tokens, also in the LM head, which TRL's fused head reads as a
     weight (compat.trainable_token_heads_for_trl). The final adapter holds the resized embeddings (under ZeRO-3 they
-    are gathered in: checkpoints.add_resized_embeddings_under_zero3), every new row moved from its init, and both the
+    are gathered in: finalsave.add_resized_embeddings_under_zero3), every new row moved from its init, and both the
     final save and the checkpoint export and merge into a base of the new size, verified against the source."""
     from transformers import AutoModelForCausalLM
 

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 import train
 from conftest import accelerate_command, run_cli
-from sftrecipes import checkpoints as ck
+from sftrecipes import checkpoints as ck, finalsave
 from sftrecipes.errors import RecipeError
 from sftrecipes.recipe import load_recipe
 
@@ -212,15 +212,15 @@ CHECK_FAULTS = [
 
 @pytest.mark.parametrize("fmt,fault,says", CHECK_FAULTS, ids=[f"{f}-{x.replace(' ', '_')}" for f, x, _ in CHECK_FAULTS])
 def test_final_save_check_fails_on_a_missing_or_empty_tensor(tmp_path, fmt, fault, says):
-    """The check train.py runs on the final save (checkpoints.save_checked -> check_saved; a DCP save for FSDP's
+    """The check train.py runs on the final save (finalsave.save_checked -> check_saved; a DCP save for FSDP's
     SHARDED_STATE_DICT), on folders doctored the way a broken save leaves them: SaveFailed with one line naming the
     folder and the tensors. The undoctored folder of each format passes, so the fault is what fails it."""
     (tmp_path / "good").mkdir()
     good, expected = saved_folder(tmp_path / "good", fmt, None)
-    assert ck.check_saved(good, expected) == 2
+    assert finalsave.check_saved(good, expected) == 2
     bad, expected = saved_folder(tmp_path, fmt, fault)
     with pytest.raises(ck.SaveFailed, match="^save check: " + says) as e:
-        ck.check_saved(bad, expected)
+        finalsave.check_saved(bad, expected)
     assert "\n" not in str(e.value) and str(e.value).endswith("the final save is incomplete, so the run is not marked finished")
 
 
@@ -230,7 +230,7 @@ def test_failed_save_check_exits_1_with_one_line(tmp_path, monkeypatch, capsys):
     run itself is replaced by the check on a doctored folder (no training: the check is all this is about)."""
     bad, expected = saved_folder(tmp_path, "safetensors", "empty")
     out = tmp_path / "run"
-    monkeypatch.setattr(train, "run", lambda recipe, life: ck.check_saved(bad, expected))
+    monkeypatch.setattr(train, "run", lambda recipe, life: finalsave.check_saved(bad, expected))
     rc = train.main(["recipes/tiny/lora.yaml", "--output_dir", str(out)])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1 and len(err) == 1 and err[0].startswith(f"error: save check: 1 empty tensors (0 elements) in {bad}"), err

@@ -18,51 +18,51 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from sftrecipes import lifecycle
+from sftrecipes import heartbeats, procs, runlock
 from sftrecipes.recipe import load_recipe
 from test_resume import processes_of, ranks_of
 
 
 def lock_record(out: Path, **fields) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    record = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": lifecycle.proc_start(os.getpid()),
+    record = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": procs.proc_start(os.getpid()),
               "since": "2026-01-01T00:00:00+00:00", "token": "theirs", **fields}
-    (out / lifecycle.LOCK).write_text(json.dumps(record))
+    (out / runlock.LOCK).write_text(json.dumps(record))
 
 
 def test_lock_refuses_a_live_run_takes_over_a_dead_one_and_respects_other_hosts(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="sftrecipes")
     out = tmp_path / "run"
-    lock = lifecycle.take_lock(out)
-    held = json.loads((out / lifecycle.LOCK).read_text())
+    lock = runlock.take_lock(out)
+    held = json.loads((out / runlock.LOCK).read_text())
     assert (held["host"], held["pid"]) == (socket.gethostname(), os.getpid()) and held["since"]
-    with pytest.raises(lifecycle.LockHeld) as e:  # this process is alive: a second run is refused, naming it
-        lifecycle.take_lock(out, force=True)  # (force never overrides a live holder on this host)
+    with pytest.raises(runlock.LockHeld) as e:  # this process is alive: a second run is refused, naming it
+        runlock.take_lock(out, force=True)  # (force never overrides a live holder on this host)
     assert f"pid {os.getpid()}" in str(e.value) and "\n" not in str(e.value)
-    lifecycle.check_lock(out, token=lock.token)  # ... but not the run the lock was taken for (launch's ranks)
+    runlock.check_lock(out, token=lock.token)  # ... but not the run the lock was taken for (launch's ranks)
     lock.release()
-    assert not (out / lifecycle.LOCK).exists()
+    assert not (out / runlock.LOCK).exists()
 
     dead = subprocess.Popen(["true"])
     dead.wait()
     for record in ({"pid": dead.pid}, {"pid_start": -1}):  # holder gone; our pid reused by another process
         lock_record(out, **record)
-        mine = lifecycle.take_lock(out)
-        assert json.loads((out / lifecycle.LOCK).read_text())["token"] == mine.token
+        mine = runlock.take_lock(out)
+        assert json.loads((out / runlock.LOCK).read_text())["token"] == mine.token
         assert "taking over" in caplog.text and "its process is gone" in caplog.text
         caplog.clear()
         lock_record(out)  # a run that took the lock over after us keeps it: release removes only our own
         mine.release()
-        assert json.loads((out / lifecycle.LOCK).read_text())["token"] == "theirs"
+        assert json.loads((out / runlock.LOCK).read_text())["token"] == "theirs"
 
     lock_record(out, host="another-host")  # a shared filesystem: nobody here can tell whether that run lives
-    with pytest.raises(lifecycle.LockHeld, match="another host .*host another-host.*force_lock: true"):
-        lifecycle.take_lock(out)
-    lifecycle.take_lock(out, force=True)
+    with pytest.raises(runlock.LockHeld, match="another host .*host another-host.*force_lock: true"):
+        runlock.take_lock(out)
+    runlock.take_lock(out, force=True)
     assert "force_lock" in caplog.text
-    (out / lifecycle.LOCK).write_text("{")
-    with pytest.raises(lifecycle.LockHeld, match="unreadable"):
-        lifecycle.check_lock(out)
+    (out / runlock.LOCK).write_text("{")
+    with pytest.raises(runlock.LockHeld, match="unreadable"):
+        runlock.check_lock(out)
 
 
 def test_a_requeued_slurm_job_takes_over_its_earlier_attempts_lock(tmp_path, monkeypatch, caplog):
@@ -73,23 +73,23 @@ def test_a_requeued_slurm_job_takes_over_its_earlier_attempts_lock(tmp_path, mon
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
     lock_record(out, host="node-a", slurm_job="4242", slurm_restart=1)  # this very attempt, elsewhere: refused
-    with pytest.raises(lifecycle.LockHeld, match="another host"):
-        lifecycle.take_lock(out)
+    with pytest.raises(runlock.LockHeld, match="another host"):
+        runlock.take_lock(out)
     lock_record(out, host="node-a", slurm_job="4241", slurm_restart=0)  # another job: refused
-    with pytest.raises(lifecycle.LockHeld, match="another host"):
-        lifecycle.take_lock(out)
+    with pytest.raises(runlock.LockHeld, match="another host"):
+        runlock.take_lock(out)
     lock_record(out, host="node-a", slurm_job="4242", slurm_restart=0)  # the first attempt: taken over
-    mine = lifecycle.take_lock(out)
-    held = json.loads((out / lifecycle.LOCK).read_text())
+    mine = runlock.take_lock(out)
+    held = json.loads((out / runlock.LOCK).read_text())
     assert held["token"] == mine.token and (held["slurm_job"], held["slurm_restart"]) == ("4242", 1)
     assert "earlier attempt of SLURM job 4242" in caplog.text
 
 
 def test_heartbeat_watch_judges_this_runs_ranks_by_their_own_silence(tmp_path):
     folder = tmp_path / "hb"
-    beat = lifecycle.Heartbeat(folder, rank=1)
-    leftover = lifecycle.Heartbeat(folder, rank=5)  # an earlier run on more processes left it: it never changes
-    watch = lifecycle.Watch(folder, timeout=8, own_rank=0, world=2)
+    beat = heartbeats.Heartbeat(folder, rank=1)
+    leftover = heartbeats.Heartbeat(folder, rank=5)  # an earlier run on more processes left it: it never changes
+    watch = heartbeats.Watch(folder, timeout=8, own_rank=0, world=2)
     assert watch.stale(now=0) == []
     assert watch.stale(now=7.9) == []  # silent since first seen for 7.9 s < 8
     (silent,) = watch.stale(now=8)  # frozen before its first beat: judged all the same
@@ -100,7 +100,7 @@ def test_heartbeat_watch_judges_this_runs_ranks_by_their_own_silence(tmp_path):
     beat.beat(step=4, done=True)  # left its run on purpose (a peer may still push to the hub): never judged
     assert watch.stale(now=18) == [] and watch.stale(now=100) == []
     assert leftover.count == 0  # rank 5 >= world: never judged
-    launch_side = lifecycle.Watch(folder, timeout=8, pids=lambda: {123})  # launch: its own ranks only (pid 123)
+    launch_side = heartbeats.Watch(folder, timeout=8, pids=lambda: {123})  # launch: its own ranks only (pid 123)
     assert launch_side.stale(now=0) == [] and launch_side.stale(now=100) == []
 
 
@@ -157,13 +157,13 @@ def test_a_second_run_is_refused_and_a_frozen_rank_ends_the_run(tiny_model, tmp_
                               "0", "--heartbeat_timeout", str(timeout)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + 300
-        while not ((out / "checkpoint-5" / "checkpoint.complete.json").exists() and len(list((out / lifecycle.HEARTBEATS).glob("rank-*.json"))) == 2):
+        while not ((out / "checkpoint-5" / "checkpoint.complete.json").exists() and len(list((out / heartbeats.HEARTBEATS).glob("rank-*.json"))) == 2):
             assert first.poll() is None and time.time() < deadline, (tmp_path / "run.log").read_text()[-3000:]
             time.sleep(0.1)
-        held = json.loads((out / lifecycle.LOCK).read_text())
+        held = json.loads((out / runlock.LOCK).read_text())
         assert held["pid"] == first.pid
         config = out / "accelerate_config.yaml"
-        before = (config.read_text(), config.stat().st_mtime_ns, (out / lifecycle.LOCK).read_text())
+        before = (config.read_text(), config.stat().st_mtime_ns, (out / runlock.LOCK).read_text())
         for second in (["-m", "sftrecipes", "launch", "recipes/tiny/ddp.yaml"], ["train.py", "recipes/tiny/lora.yaml"]):
             t = time.time()
             res = subprocess.run([sys.executable, *second, "--output_dir", str(out)], cwd=ROOT, capture_output=True, text=True,
@@ -172,10 +172,10 @@ def test_a_second_run_is_refused_and_a_frozen_rank_ends_the_run(tiny_model, tmp_
             assert res.returncode == 2 and len(lines) == 1, (res.returncode, res.stderr[-2000:])
             assert f"in use by another run (host {held['host']}, pid {first.pid}, since {held['since']})" in lines[0]
             assert time.time() - t < 30  # refused before torch is imported or anything loads
-        assert (config.read_text(), config.stat().st_mtime_ns, (out / lifecycle.LOCK).read_text()) == before
+        assert (config.read_text(), config.stat().st_mtime_ns, (out / runlock.LOCK).read_text()) == before
         assert len(ranks_of(out)) == 2  # the first run's, nothing started beside them
 
-        rank1 = json.loads((out / lifecycle.HEARTBEATS / "rank-1.json").read_bytes())
+        rank1 = json.loads((out / heartbeats.HEARTBEATS / "rank-1.json").read_bytes())
         assert rank1["pid"] in ranks_of(out)
         os.kill(rank1["pid"], signal.SIGSTOP)
         stopped = time.time()
@@ -183,10 +183,10 @@ def test_a_second_run_is_refused_and_a_frozen_rank_ends_the_run(tiny_model, tmp_
         took = time.time() - stopped
         text = (tmp_path / "run.log").read_text()
         assert code == 1, text[-3000:]
-        assert took <= timeout + 2 * lifecycle.beat_interval(timeout) + 10, took
+        assert took <= timeout + 2 * heartbeats.beat_interval(timeout) + 10, took
         assert f"rank 1 (host {socket.gethostname()}, pid {rank1['pid']}) has not beaten" in text and "stopped" in text
         assert not processes_of(out)  # the frozen rank too
-        assert not (out / lifecycle.LOCK).exists()  # released, also on failure
+        assert not (out / runlock.LOCK).exists()  # released, also on failure
     finally:
         for pid in processes_of(out):
             os.kill(pid, signal.SIGKILL)

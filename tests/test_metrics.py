@@ -10,7 +10,7 @@ import torch
 
 import train
 from conftest import FAMILIES, ROOT
-from sftrecipes import metrics
+from sftrecipes import flops, metrics
 from sftrecipes.recipe import load_recipe
 from sftrecipes.shape import model_shape
 
@@ -26,43 +26,43 @@ TINY = model_shape({"model_type": "llama", "hidden_size": 64, "intermediate_size
 def test_flops_per_token_by_hand():
     # per layer: q 64x64 + k,v 64x32 each + o 64x64 + gate,up 64x192 each + down 192x64 = 49152; N = 2 layers + head
     n = 2 * 49152 + 512 * 64
-    assert metrics.matmul_params(TINY) == n == 131072
+    assert flops.matmul_params(TINY) == n == 131072
     attn_causal = 12 * 2 * 64 * 129 / 2  # 12·L·d per pair, 128·129/2 pairs over 128 tokens
-    assert metrics.flops_per_token(TINY, 128) == 6 * n + attn_causal == 885504
-    assert metrics.flops_per_token(TINY, 128, causal=False) == 6 * n + 12 * 2 * 64 * 128 == 983040  # PaLM's 12·L·H·Q·T
+    assert flops.flops_per_token(TINY, 128) == 6 * n + attn_causal == 885504
+    assert flops.flops_per_token(TINY, 128, causal=False) == 6 * n + 12 * 2 * 64 * 128 == 983040  # PaLM's 12·L·H·Q·T
     a = TINY.lora_params("all-linear", 8)
     assert a == 16 * (128 + 2 * 96 + 128 + 2 * 256 + 256) == 19456
-    assert metrics.flops_per_token(TINY, 128, trainable=0, adapter=a) == 4 * n + 6 * a + attn_causal == 740096
+    assert flops.flops_per_token(TINY, 128, trainable=0, adapter=a) == 4 * n + 6 * a + attn_causal == 740096
     # gradient checkpointing: a second forward of the decoder layers (linears + adapters + attention), HFU only
-    hfu = metrics.flops_per_token(TINY, 128, trainable=0, adapter=a, recompute=True)
+    hfu = flops.flops_per_token(TINY, 128, trainable=0, adapter=a, recompute=True)
     assert hfu == 740096 + 2 * 98304 + 2 * a + 4 * 2 * 64 * 129 / 2
-    assert metrics.mfu(1e6, 885504, 312) == pytest.approx(885504e6 / 312e12)
+    assert flops.mfu(1e6, 885504, 312) == pytest.approx(885504e6 / 312e12)
 
 
 def test_step_flops_counts_packed_samples_apart():
     # a packed row of samples 3 and 5 long: 3·4/2 + 5·6/2 = 21 attention pairs, not the 36 of one 8-token sample
     packed = {"input_ids": torch.tensor([[7, 8, 9, 7, 8, 9, 10, 11]]), "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])}
-    assert metrics.batch_counts(packed, pad_token_id=3) == (8, 8, 21)
-    assert metrics.step_flops(TINY, 8, 21) == 8 * 6 * 131072 + 12 * 2 * 64 * 21
+    assert flops.batch_counts(packed, pad_token_id=3) == (8, 8, 21)
+    assert flops.step_flops(TINY, 8, 21) == 8 * 6 * 131072 + 12 * 2 * 64 * 21
 
 
 def test_batch_counts_padding_and_padding_free():
     padded = {"input_ids": torch.tensor([[5, 6, 7, 3, 3], [5, 6, 7, 8, 9]]),
               "attention_mask": torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])}
-    assert metrics.batch_counts(padded, pad_token_id=3) == (8, 10, 6 + 15)
+    assert flops.batch_counts(padded, pad_token_id=3) == (8, 10, 6 + 15)
     # padding-free + pad_to_multiple_of: trailing pad slots have position 0 and are not tokens (nor samples)
     free = {"input_ids": torch.tensor([[5, 6, 5, 6, 7, 3, 3, 3]]), "position_ids": torch.tensor([[0, 1, 0, 1, 2, 0, 0, 0]])}
-    assert metrics.batch_counts(free, pad_token_id=3) == (5, 8, 3 + 6)
+    assert flops.batch_counts(free, pad_token_id=3) == (5, 8, 3 + 6)
     # a pad id inside a sample (pad == eos setups) is a real token
     inner = {"input_ids": torch.tensor([[5, 3, 6]]), "position_ids": torch.tensor([[0, 1, 2]])}
-    assert metrics.batch_counts(inner, pad_token_id=3) == (3, 3, 6)
+    assert flops.batch_counts(inner, pad_token_id=3) == (3, 3, 6)
 
 
 @pytest.mark.parametrize("name, peak", [("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H200", 989),
                                         ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA A10G", 125), ("NVIDIA L4", 121),
                                         ("NVIDIA L40S", 362), ("Some Future Chip", None)])
 def test_device_peak_by_name(name, peak):
-    assert metrics.device_peak_tflops(name) == peak
+    assert flops.device_peak_tflops(name) == peak
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -74,7 +74,7 @@ def test_live_config_gives_the_planners_shape(family_models, family):
 
     folder = family_models[family]
     model = AutoModelForCausalLM.from_pretrained(folder)
-    got, want = metrics.model_shape_of(model), model_shape(str(folder))
+    got, want = flops.model_shape_of(model), model_shape(str(folder))
     assert dataclasses.replace(got, name="") == dataclasses.replace(want, name="")
     assert got.params == sum(p.numel() for p in model.parameters())
 
@@ -97,9 +97,9 @@ def test_moe_flops_count_the_routed_experts_only(family_models, family):
         active, total = active + model.lm_head.weight.numel(), total + model.lm_head.weight.numel()
     cb = metrics.ThroughputCallback()
     cb.on_init_end(None, None, None, model=model)
-    assert metrics.matmul_params(cb.shape) == active < total
+    assert flops.matmul_params(cb.shape) == active < total
     assert cb._split == (active, 0)  # a full fine-tune trains all of them, per token the routed experts
-    assert metrics.step_flops(cb.shape, 1, 0, trainable=cb._split[0]) == 6 * active
+    assert flops.step_flops(cb.shape, 1, 0, trainable=cb._split[0]) == 6 * active
 
     peft = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"))
     adapters = sum(p.numel() * (k / E if ".experts." in n else 1) for n, p in peft.named_parameters() if "lora_" in n)
@@ -225,7 +225,7 @@ def test_unpacked_run_counts_non_pad_tokens(tiny_model, tmp_path, monkeypatch, c
     toks = sum(sum(segments(b)) for b in fed[1:])
     pairs = sum(x * (x + 1) // 2 for b in fed[1:] for x in segments(b))
     a = TINY.lora_params("all-linear", 8)
-    assert rank["flops_per_token"] == pytest.approx(metrics.step_flops(TINY, toks, pairs, trainable=0, adapter=a) / toks)
+    assert rank["flops_per_token"] == pytest.approx(flops.step_flops(TINY, toks, pairs, trainable=0, adapter=a) / toks)
     assert rank["mfu"] is None and s["mfu"] is None  # CPU without a given peak: no MFU
     assert rank["rss_peak_gb"] >= rank["rss_before_gb"] > 0.05 and rank["accelerator_peak_gb"] is None
     # report_to none: our own event file carries the perf scalars and mirrors the trainer's loss

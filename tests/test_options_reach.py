@@ -20,7 +20,7 @@ from test_lifecycle import fake_agent_preemption
 from transformers import AutoModelForCausalLM, TrainerControl, TrainerState
 
 import train
-from sftrecipes import backends, checkpoints, data, emit, lifecycle, model as models, plan, tokenization
+from sftrecipes import backends, data, emit, heartbeats, model as models, nonfinite, plan, runlock, tokenization
 from sftrecipes.errors import RecipeError
 from sftrecipes.lora import lora_config
 from sftrecipes.recipe import load_recipe
@@ -407,7 +407,7 @@ def obs_precision(tiny_model, tmp_path):
 
 
 def obs_nan_patience(tiny_model, tmp_path):
-    guard = checkpoints.nonfinite_guard(recipe("--nan_patience", 2).run.nan_patience)
+    guard = nonfinite.nonfinite_guard(recipe("--nan_patience", 2).run.nan_patience)
     control, state = TrainerControl(), TrainerState()
     for _ in range(3):
         assert not control.should_training_stop
@@ -421,17 +421,17 @@ def obs_preempt_timeout(tiny_model, tmp_path):
 
 
 def obs_heartbeat_timeout(tiny_model, tmp_path):
-    lifecycle.Heartbeat(tmp_path, rank=1)
-    watch = lifecycle.Watch(tmp_path, recipe("--heartbeat_timeout", 5).run.heartbeat_timeout)
+    heartbeats.Heartbeat(tmp_path, rank=1)
+    watch = heartbeats.Watch(tmp_path, recipe("--heartbeat_timeout", 5).run.heartbeat_timeout)
     assert watch.stale(now=0) == [] and watch.stale(now=4.9) == [] and watch.stale(now=5)[0]["rank"] == 1
 
 
 def obs_force_lock(tiny_model, tmp_path):
-    (tmp_path / lifecycle.LOCK).write_text(json.dumps({"host": "another-host", "pid": 1, "since": "then", "token": "t"}))
+    (tmp_path / runlock.LOCK).write_text(json.dumps({"host": "another-host", "pid": 1, "since": "then", "token": "t"}))
     with pytest.raises(RecipeError, match="another host"):
-        lifecycle.take_lock(tmp_path, recipe().run.force_lock)
-    lifecycle.take_lock(tmp_path, recipe("--force_lock", True).run.force_lock)
-    assert json.loads((tmp_path / lifecycle.LOCK).read_text())["host"] != "another-host"
+        runlock.take_lock(tmp_path, recipe().run.force_lock)
+    runlock.take_lock(tmp_path, recipe("--force_lock", True).run.force_lock)
+    assert json.loads((tmp_path / runlock.LOCK).read_text())["host"] != "another-host"
 
 
 OBSERVERS = {name[4:].replace("launch_", "launch."): fn for name, fn in globals().items() if name.startswith("obs_")}

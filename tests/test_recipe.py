@@ -279,3 +279,38 @@ def test_a_number_or_a_word_option_takes_numbers_from_the_command_line():
     """pad_to_multiple_of is int|str in TRL ('auto' or a number): '64' on the command line is the number 64."""
     assert load_recipe(["recipes/tiny/lora.yaml", "--pad_to_multiple_of", "64"]).trl["pad_to_multiple_of"] == 64
     assert load_recipe(["recipes/tiny/lora.yaml", "--pad_to_multiple_of", "auto"]).trl["pad_to_multiple_of"] == "auto"
+
+
+# The torch-free paths: recipe validation, --help, plan, emit, launch's pre-flight, cp. A verb that runs one of them
+# must answer without importing torch (or the libraries that load it); these are the commands a user runs.
+TORCH_FREE = {
+    "help": ["train.py", "--help"],
+    "verbs": ["-m", "sftrecipes", "--help"],
+    "plan": ["-m", "sftrecipes", "plan", "recipes/tiny/lora.yaml"],
+    "emit_check": ["-m", "sftrecipes", "emit", "--check"],
+    "launch_help": ["-m", "sftrecipes", "launch", "--help"],
+    "preflight_cpu": ["-m", "sftrecipes", "preflight", "recipes/tiny/zero3.yaml"],  # (a GPU recipe counts GPUs with torch)
+}
+
+
+@pytest.mark.parametrize("name", sorted(TORCH_FREE))
+def test_torch_free_paths_import_no_torch(name):
+    heavy = ("torch", "transformers", "trl", "peft", "accelerate", "deepspeed", "datasets", "bitsandbytes")
+    argv = TORCH_FREE[name]
+    probe = (
+        "import runpy, sys\n"
+        f"argv = {argv!r}\n"
+        "sys.argv = [argv[0] if argv[0] != '-m' else argv[1]] + argv[(2 if argv[0] == '-m' else 1):]\n"
+        "try:\n"
+        "    runpy.run_module(argv[1], run_name='__main__', alter_sys=True) if argv[0] == '-m' else "
+        "runpy.run_path(argv[0], run_name='__main__')\n"
+        "except SystemExit as e:\n"
+        "    code = e.code\n"
+        "else:\n"
+        "    code = 0\n"
+        f"loaded = sorted({{m.split('.')[0] for m in sys.modules}} & set({heavy!r}))\n"
+        "print('LOADED', loaded, file=sys.stderr); sys.exit(code or 0)\n"
+    )
+    res = run_cli(["-c", probe])
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "LOADED []" in res.stderr, res.stderr[-600:]

@@ -3,26 +3,26 @@
 import hashlib
 import json
 
-from sftrecipes import schema, tiny
+from sftrecipes import schema, snapshots, tiny
 from sftrecipes.cli import OPTIONS_DOC
 from sftrecipes.paths import DATA_DIR
 
 
 def test_trl_snapshot_matches_installed_trl():
-    stored = schema.load_trl_snapshot()
+    stored = snapshots.load_trl_snapshot()
     import trl
 
     assert stored["trl_version"] == trl.__version__, "run: make schema"
-    assert stored["options"] == schema.trl_snapshot(), "sftrecipes/trl_options.json is stale; run: make schema"
+    assert stored["options"] == snapshots.trl_snapshot(), "sftrecipes/trl_options.json is stale; run: make schema"
 
 
 def test_peft_snapshot_matches_installed_peft():
     """peft's LoraConfig fields, stored for torch-free validation; each field is a recipe key or has its reason."""
     import peft
 
-    stored = schema.load_peft_snapshot()
+    stored = snapshots.load_peft_snapshot()
     assert stored["peft_version"] == peft.__version__, "run: make schema"
-    assert stored["options"] == schema.peft_snapshot(), "sftrecipes/peft_options.json is stale; run: make schema"
+    assert stored["options"] == snapshots.peft_snapshot(), "sftrecipes/peft_options.json is stale; run: make schema"
     fields = {row["name"] for row in stored["options"]}
     assert set(schema.PEFT_NOT_EXPOSED) <= fields, "PEFT_NOT_EXPOSED names a field peft no longer has"
     exposed = {n for n, o in schema.all_options().items() if o.owner == "peft"}
@@ -30,7 +30,7 @@ def test_peft_snapshot_matches_installed_peft():
 
 
 def test_project_options_do_not_shadow_trl():
-    trl_names = {row["name"] for row in schema.load_trl_snapshot()["options"]}
+    trl_names = {row["name"] for row in snapshots.load_trl_snapshot()["options"]}
     for cls in schema.SECTIONS.values():
         assert not trl_names & set(cls.__dataclass_fields__)
     assert set(schema.ALIASES.values()) <= set(schema.all_options())
