@@ -157,11 +157,11 @@ def test_export_writes_shards_and_index(runs, tmp_path):
 
 @pytest.mark.parametrize("name", ["fsdp1", "fsdp"])
 def test_fsdp_checkpoints_are_read_without_torch_load(runs, name):
-    """The bounded-memory DCP reader (sftrecipes.dcpio) reads the twins' two-rank checkpoints chunk by chunk straight
+    """The bounded-memory DCP reader (sftrecipes.export.dcp) reads the twins' two-rank checkpoints chunk by chunk straight
     into the output tensor — every tensor in two or more chunks — and equals torch's own DCP converter."""
     from unittest import mock
 
-    from sftrecipes.dcpio import DCPSource
+    from sftrecipes.export.dcp import DCPSource
 
     folder = runs(name) / "checkpoint-3" / "pytorch_model_fsdp_0"
     ref = ex.upstream_state_dict("dcp", folder)

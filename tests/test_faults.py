@@ -43,7 +43,7 @@ def weights(ckpt_or_out) -> dict[str, torch.Tensor]:
     """The trained tensors in a checkpoint or final save: the LoRA adapter, or the FSDP sharded (DCP) model."""
     if (ckpt_or_out / "adapter_model.safetensors").is_file():
         return load_file(ckpt_or_out / "adapter_model.safetensors")
-    from sftrecipes.dcpio import DCPSource
+    from sftrecipes.export.dcp import DCPSource
 
     src = DCPSource(ckpt_or_out / "pytorch_model_fsdp_0")
     return {n: src.get(n) for n in src.names()}

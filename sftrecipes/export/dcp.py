@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import RecipeError
+from ..errors import RecipeError
 
 STORAGE_DTYPES = {"FloatStorage": torch.float32, "BFloat16Storage": torch.bfloat16, "HalfStorage": torch.float16,
                   "DoubleStorage": torch.float64, "LongStorage": torch.int64, "IntStorage": torch.int32,

@@ -33,9 +33,9 @@ from pathlib import Path
 
 import torch
 
-from .dcpio import DCPSource, read_exactly
-from .model import DTYPES, pattern_value
-from .errors import RecipeError
+from .dcp import DCPSource, read_exactly
+from ..model import DTYPES, pattern_value
+from ..errors import RecipeError
 
 log = logging.getLogger("sftrecipes")
 
