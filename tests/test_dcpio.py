@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from sftrecipes.export import dcp
+from sftrecipes.export import dcp as dcpio  # torch.distributed.checkpoint is `dcp` here
 from sftrecipes.errors import RecipeError
 
 
@@ -30,7 +30,7 @@ def no_torch_load(*a, **k):
 
 
 def test_every_tensor_is_read_directly_and_exactly(ckpt):
-    src = dcp.DCPSource(ckpt)
+    src = dcpio.DCPSource(ckpt)
     assert sorted(src.names()) == sorted(tensors())
     with mock.patch.object(torch, "load", no_torch_load):
         for k, v in tensors().items():
@@ -40,7 +40,7 @@ def test_every_tensor_is_read_directly_and_exactly(ckpt):
 
 def test_a_strided_destination_is_filled_through_a_copy(ckpt):
     """A chunk split along a later dimension lands in a non-contiguous view of the output."""
-    src = dcp.DCPSource(ckpt)
+    src = dcpio.DCPSource(ckpt)
     (_, _, info), = src.pieces["model.w"]
     dest = torch.empty(4, 6).t()
     assert not dest.is_contiguous()
@@ -50,14 +50,14 @@ def test_a_strided_destination_is_filled_through_a_copy(ckpt):
 
 
 def test_an_unknown_layout_falls_back_to_torch_load(ckpt):
-    src = dcp.DCPSource(ckpt)
-    with mock.patch.object(dcpio, "_plain_layout", side_effect=dcp._NotPlain("test")):
+    src = dcpio.DCPSource(ckpt)
+    with mock.patch.object(dcpio, "_plain_layout", side_effect=dcpio._NotPlain("test")):
         for k, v in tensors().items():
             assert torch.equal(src.get(k), v), k
 
 
 def test_a_damaged_chunk_is_a_one_line_error(ckpt):
-    src = dcp.DCPSource(ckpt)
+    src = dcpio.DCPSource(ckpt)
     (_, _, info), = src.pieces["model.w"]
     with open(ckpt / info.relative_path, "r+b") as f:  # overwrite the whole archive of 'w' (same length)
         f.seek(info.offset)
@@ -75,7 +75,7 @@ def test_chunks_that_do_not_cover_a_tensor_are_refused(ckpt):
     del meta.storage_data[key]
     meta_file.write_bytes(pickle.dumps(meta))
     with pytest.raises(RecipeError, match="chunks of 'model.w'.*cover 0 of its 24 elements") as e:
-        dcp.DCPSource(ckpt)
+        dcpio.DCPSource(ckpt)
     assert "\n" not in str(e.value)
 
 
