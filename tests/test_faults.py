@@ -352,6 +352,7 @@ def test_export_onto_a_full_disk_is_one_line_and_leaves_nothing(two_checkpoints,
     """The streaming export writes into a temporary folder; a full disk there was a traceback ending in OSError.
     Now: one line (exit 2 from the CLI) with the cause, the space free and needed, and no folder left behind."""
     from sftrecipes import export as ex
+    from sftrecipes.export import writer
 
     real_open = builtins.open
 
@@ -360,7 +361,7 @@ def test_export_onto_a_full_disk_is_one_line_and_leaves_nothing(two_checkpoints,
             return real_open("/dev/full", mode, *a, **kw)
         return real_open(file, mode, *a, **kw)
 
-    monkeypatch.setattr(ex, "open", full_disk, raising=False)
+    monkeypatch.setattr(writer, "open", full_disk, raising=False)
     with pytest.raises(RecipeError, match=r"^export: no space left on device writing .*/merged \([\d.,]+ [MG]B free there, the export needs about "
                                           r"[\d.]+ MB\); free space or give another destination \(nothing was left behind\)$"):
         ex.export(two_checkpoints, tmp_path / "merged")
