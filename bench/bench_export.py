@@ -38,7 +38,7 @@ Findings:
 
 - Memory follows the largest tensor, not the model. The DCP export peaks at the baseline (interpreter, torch,
   transformers, peft) plus one copy of the largest tensor (the 131 MB embedding / lm_head): each chunk's bytes are
-  read straight into its slice of the output tensor (sftrecipes/dcpio.py). The streaming merge adds the merged
+  read straight into its slice of the output tensor (sftrecipes/export/dcp.py). The streaming merge adds the merged
   weight's fp32 copy and the adapter, held whole in fp32 (45 MB at 18 layers, 90 MB at 36: the whole of its growth at
   twice the model). peft's merge and torch's DCP converter hold the whole model (1.14-1.28×) and grow with it.
 - Through `torch.distributed.checkpoint.load`, one key at a time, the DCP export peaked at 0.32× on the 2.1 GB model
@@ -73,7 +73,7 @@ def build(folder: Path, layers: int) -> int:
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM
 
-    from sftrecipes.export import SafetensorsStreamWriter, _nbytes, _shards
+    from sftrecipes.export.writer import SafetensorsStreamWriter, _nbytes, _shards
 
     cfg = llama_config(layers)
     base = folder / "base"

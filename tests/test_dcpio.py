@@ -1,4 +1,4 @@
-"""sftrecipes.dcpio reads DCP chunks straight into the output tensor (no torch.load), falls back to torch.load for
+"""sftrecipes.export.dcp reads DCP chunks straight into the output tensor (no torch.load), falls back to torch.load for
 layouts it does not know, and turns damaged or incomplete checkpoints into one-line errors. The FSDP1/FSDP2 twins'
 real multi-rank checkpoints are read the same way in test_export.py. Last, the export writer's threaded hashing."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from sftrecipes import dcpio
+from sftrecipes.export import dcp as dcpio  # torch.distributed.checkpoint is `dcp` here
 from sftrecipes.errors import RecipeError
 
 

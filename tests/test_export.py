@@ -18,7 +18,9 @@ from safetensors.torch import load_file
 from conftest import ROOT, free_port, launch_twin
 
 from sftrecipes import export as ex
+from sftrecipes.export.lora import _peft_name
 from sftrecipes.errors import RecipeError
+from sftrecipes.model import DTYPES
 
 STEPS = ["--max_steps", "3", "--save_strategy", "steps", "--save_steps", "3", "--sample_max_new_tokens", "0"]
 IDS = torch.tensor([[1, 20, 30, 40, 50, 60, 70, 80]])
@@ -162,11 +164,11 @@ def test_export_writes_shards_and_index(runs, tmp_path):
 
 @pytest.mark.parametrize("name", ["fsdp1", "fsdp"])
 def test_fsdp_checkpoints_are_read_without_torch_load(runs, name):
-    """The bounded-memory DCP reader (sftrecipes.dcpio) reads the twins' two-rank checkpoints chunk by chunk straight
+    """The bounded-memory DCP reader (sftrecipes.export.dcp) reads the twins' two-rank checkpoints chunk by chunk straight
     into the output tensor — every tensor in two or more chunks — and equals torch's own DCP converter."""
     from unittest import mock
 
-    from sftrecipes.dcpio import DCPSource
+    from sftrecipes.export.dcp import DCPSource
 
     folder = runs(name) / "checkpoint-3" / "pytorch_model_fsdp_0"
     ref = ex.upstream_state_dict("dcp", folder)
@@ -193,12 +195,12 @@ def test_lora_checkpoint_exports_an_adapter(runs, tmp_path, name, kind, capsys):
     assert "verify: max abs logits difference 0 " in capsys.readouterr().out
     ours = load_file(out / "adapter_model.safetensors")
     folder = ckpt / "pytorch_model_fsdp_0" if kind == "dcp" else ckpt / "global_step3"
-    ref = {ex._peft_name(k): v for k, v in ex.upstream_state_dict(kind, folder).items()}
+    ref = {_peft_name(k): v for k, v in ex.upstream_state_dict(kind, folder).items()}
     assert len(ours) == 28 and set(ours) == set(ref)
     assert all(torch.equal(ours[k], ref[k]) for k in ours)
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(".assets/tiny-llama"), out)
     loaded = {n: p for n, p in model.named_parameters() if "lora_" in n}
-    assert len(loaded) == 28 and all(torch.equal(p.detach(), ours[ex._peft_name(n)].to(p.dtype)) for n, p in loaded.items())
+    assert len(loaded) == 28 and all(torch.equal(p.detach(), ours[_peft_name(n)].to(p.dtype)) for n, p in loaded.items())
     assert_manifest(out)
     merged = ex.export(out, tmp_path / "merged")  # the adapter folder exports again: merged into its base
     assert AutoModelForCausalLM.from_pretrained(merged).config.vocab_size == 512
@@ -250,7 +252,7 @@ def test_zero3_lora_merge_in_run_and_checkpoint(runs, tmp_path):
     assert torch.isfinite(tiny_logits(AutoModelForCausalLM.from_pretrained(in_run))).all()
     adapter = load_file(ex.export(run / "checkpoint-3", tmp_path / "adapter") / "adapter_model.safetensors")
     ref = get_fp32_state_dict_from_zero_checkpoint(str(run / "checkpoint-3"))
-    assert_equal_tensors(adapter, {ex._peft_name(k): v for k, v in ref.items()})
+    assert_equal_tensors(adapter, {_peft_name(k): v for k, v in ref.items()})
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -264,7 +266,7 @@ def test_qlora_adapter_merges_into_16bit_base(runs, tmp_path, dtype, capsys):
     out = ex.export(run, tmp_path / "merged", dtype=dtype, verify=True)
     assert "verify: max abs logits difference" in capsys.readouterr().out
     ours = AutoModelForCausalLM.from_pretrained(out)
-    assert ours.dtype == ex.DTYPES[dtype]
+    assert ours.dtype == DTYPES[dtype]
     peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(".assets/tiny-llama"), run).merge_and_unload()
     sd = peft.state_dict()
     for n, t in ours.state_dict().items():

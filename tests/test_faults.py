@@ -43,7 +43,7 @@ def weights(ckpt_or_out) -> dict[str, torch.Tensor]:
     """The trained tensors in a checkpoint or final save: the LoRA adapter, or the FSDP sharded (DCP) model."""
     if (ckpt_or_out / "adapter_model.safetensors").is_file():
         return load_file(ckpt_or_out / "adapter_model.safetensors")
-    from sftrecipes.dcpio import DCPSource
+    from sftrecipes.export.dcp import DCPSource
 
     src = DCPSource(ckpt_or_out / "pytorch_model_fsdp_0")
     return {n: src.get(n) for n in src.names()}
@@ -359,6 +359,7 @@ def test_export_onto_a_full_disk_is_one_line_and_leaves_nothing(two_checkpoints,
     """The streaming export writes into a temporary folder; a full disk there was a traceback ending in OSError.
     Now: one line (exit 2 from the CLI) with the cause, the space free and needed, and no folder left behind."""
     from sftrecipes import export as ex
+    from sftrecipes.export import writer
 
     real_open = builtins.open
 
@@ -367,7 +368,7 @@ def test_export_onto_a_full_disk_is_one_line_and_leaves_nothing(two_checkpoints,
             return real_open("/dev/full", mode, *a, **kw)
         return real_open(file, mode, *a, **kw)
 
-    monkeypatch.setattr(ex, "open", full_disk, raising=False)
+    monkeypatch.setattr(writer, "open", full_disk, raising=False)
     with pytest.raises(RecipeError, match=r"^export: no space left on device writing .*/merged \([\d.,]+ [MG]B free there, the export needs about "
                                           r"[\d.]+ MB\); free space or give another destination \(nothing was left behind\)$"):
         ex.export(two_checkpoints, tmp_path / "merged")

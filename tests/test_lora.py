@@ -19,6 +19,8 @@ from safetensors.torch import load_file
 from conftest import ROOT, run_cli
 
 from sftrecipes import export as ex
+from sftrecipes.export.readers import _local_model_dir
+from sftrecipes.export.verify import _base_for_adapter
 from sftrecipes import schema
 from sftrecipes.errors import RecipeError
 from sftrecipes.recipe import load_recipe
@@ -67,7 +69,7 @@ def runs(family_models, tiny_model, tmp_path_factory):
 
 
 def base_dir(run):
-    return ex._local_model_dir(json.loads((run / "adapter_config.json").read_text())["base_model_name_or_path"])
+    return _local_model_dir(json.loads((run / "adapter_config.json").read_text())["base_model_name_or_path"])
 
 
 def peft_merged(adapter, base=None):
@@ -75,7 +77,7 @@ def peft_merged(adapter, base=None):
     from peft import PeftModel
 
     base = base or base_dir(adapter)
-    return PeftModel.from_pretrained(ex._base_for_adapter(base, adapter), adapter).merge_and_unload()
+    return PeftModel.from_pretrained(_base_for_adapter(base, adapter), adapter).merge_and_unload()
 
 
 def assert_merge_equals_peft(merged_dir, adapter):
@@ -219,7 +221,7 @@ def test_moe_sharded_checkpoint_exports_the_adapter(runs, tmp_path, family, caps
     run, _ = moe_run(runs, family)
     ckpt = tmp_path / "run" / "checkpoint-3"
     ckpt.mkdir(parents=True)
-    model = PeftModel.from_pretrained(ex._base_for_adapter(base_dir(run), run), run)
+    model = PeftModel.from_pretrained(_base_for_adapter(base_dir(run), run), run)
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(ckpt / "pytorch_model_fsdp_0"))
     shutil.copy(run / "adapter_config.json", ckpt.parent)  # FSDP: only the final save in output_dir has it
     out = ex.export(ckpt, tmp_path / "adapter", verify=True)

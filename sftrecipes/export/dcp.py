@@ -23,8 +23,10 @@ import zipfile
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .errors import RecipeError
+from ..errors import RecipeError
 
 STORAGE_DTYPES = {"FloatStorage": torch.float32, "BFloat16Storage": torch.bfloat16, "HalfStorage": torch.float16,
                   "DoubleStorage": torch.float64, "LongStorage": torch.int64, "IntStorage": torch.int32,
@@ -134,9 +136,6 @@ class DCPSource:
     metadata names is there and long enough, and that every tensor's chunks cover it."""
 
     def __init__(self, folder: Path, prefix: str = "model."):
-        from torch.distributed.checkpoint import FileSystemReader  # noqa: PLC0415
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa: PLC0415
-
         if not (folder / ".metadata").is_file():
             raise RecipeError(f"export: '{folder}' has no .metadata; the sharded checkpoint is incomplete")
         self.folder, self.prefix = folder, prefix

@@ -1,0 +1,91 @@
+"""Writing a model folder from a tensor source: a merge plan applied, floats cast, config.json and
+generation_config.json written for the tensors and tokenizer, checked (and verified) before it is published."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from ..model import DTYPES
+from .layout import StoredLayout
+from .lora import _apply
+from .readers import _SafetensorsSource
+from .verify import check_model_folder, verify_logits
+from .writer import TOKENIZER_FILES, _nbytes, _shard_files, _shards, _Staging, _write_index
+
+
+def rewrite_model(base_dir: Path, out_dir: str | Path, plan: dict[str, dict], dtype: str | None, tok_src: Path,
+                  max_shard_bytes: int = 2 * 1024**3, source=None, reference=None, names: list[str] | None = None) -> Path:
+    """Write a model folder tensor by tensor from `source` (default: the safetensors in base_dir), applying `plan`
+    and casting floats to `dtype`; config and tokenizer come from base_dir / tok_src. Before the folder is published
+    its tensors are checked against the config (check_model_folder); with `reference` (a callable returning the
+    source as a model) the logits are compared too (verify_logits)."""
+    source = source or _SafetensorsSource(base_dir)
+    out_dtype = DTYPES[dtype] if dtype else None
+    names = names or source.names()
+    # the plan names tensors as the model holds them; the source may store them in pieces (StoredLayout)
+    todo = {n: (plan[n], None) for n in names if n in plan}
+    if set(todo) != set(plan):
+        todo = StoredLayout.of_config(base_dir).plan_pieces(plan, names)
+    layout = []
+    for name in names:
+        src_dtype, shape = source.meta(name)
+        entry, piece = todo.get(name, ({}, None))
+        if "replace" in entry and piece is None:
+            shape = tuple(entry["replace"].shape)
+        rows = entry.get("rows")
+        if rows is not None:
+            shape = (max(shape[0], int(rows[0].max()) + 1), *shape[1:])
+        layout.append((name, (out_dtype or src_dtype) if src_dtype.is_floating_point else src_dtype, shape))
+    shards = _shards(layout, max_shard_bytes)
+
+    def get(name):
+        w = source.get(name)
+        return _apply(w, todo[name][0], name, todo[name][1]) if name in todo else w
+
+    with _Staging(Path(out_dir)) as st:
+        st.needed = sum(_nbytes(d, shape) for _, d, shape in layout)
+        fnames = _shard_files(shards)
+        for fname, shard in zip(fnames, shards):
+            st.write_safetensors(fname, shard, get)
+        _write_index(st.tmp, shards, fnames)
+        for f in TOKENIZER_FILES:
+            if (tok_src / f).is_file():
+                shutil.copy2(tok_src / f, st.tmp / f)
+        # config.json records the dtype the tensors are in (an fp32 export of a bf16 run must not load as bf16)
+        _write_config(base_dir, st.tmp, layout, out_dtype or next((d for _, d, _ in layout if d.is_floating_point), None))
+        check_model_folder(st.tmp, out_dtype)
+        if reference is not None:
+            verify_logits(st.tmp, reference, out_dtype or torch.float32)
+        return st.publish()
+
+
+def _write_config(base_dir: Path, out: Path, layout: list, out_dtype: torch.dtype | None) -> None:
+    cfg = json.loads((base_dir / "config.json").read_text())
+    shapes = {n: s for n, _, s in layout}
+    emb = next((s for n, s in shapes.items() if n.endswith("embed_tokens.weight")), None)
+    if emb is not None:
+        cfg["vocab_size"] = emb[0]
+    if out_dtype is not None:
+        cfg["dtype"] = str(out_dtype).removeprefix("torch.")
+        cfg.pop("torch_dtype", None)
+    cfg.pop("quantization_config", None)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    gen = json.loads((base_dir / "generation_config.json").read_text()) if (base_dir / "generation_config.json").is_file() else {}
+    if (out / "tokenizer_config.json").is_file():
+        # the fine-tune may have changed the end-of-turn token (chatml: <|im_end|>); generation must stop on it
+        tok = AutoTokenizer.from_pretrained(out)
+        eos = gen.get("eos_token_id")
+        eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
+        if tok.eos_token_id is not None and tok.eos_token_id not in eos:
+            gen["eos_token_id"] = [tok.eos_token_id, *eos]
+        if tok.pad_token_id is not None:
+            gen["pad_token_id"] = tok.pad_token_id
+            cfg["pad_token_id"] = tok.pad_token_id
+            (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    if gen:
+        (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
