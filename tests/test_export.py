@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from conftest import ROOT, free_port, launch_twin
 
 from sftrecipes import export as ex
-from sftrecipes.export.lora import _peft_name
+from sftrecipes.export.adapters import _peft_name
 from sftrecipes.errors import RecipeError
 from sftrecipes.model import DTYPES
 

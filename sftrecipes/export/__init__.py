@@ -15,7 +15,7 @@ a crash, a full disk or a torn input never leaves a folder that looks finished. 
 
 This module recognises the folder and picks the reader; the rest is one job per module: readers.py (safetensors
 folders, ZeRO checkpoints) and dcp.py (FSDP's DCP) read tensors; layout.py maps the tensors a model holds to those
-save_pretrained stores; lora.py reads and plans an adapter's merge; rewrite.py writes a model folder through
+save_pretrained stores; adapters.py reads and plans an adapter's merge; rewrite.py writes a model folder through
 writer.py (streamed shards, staging folder, manifest); verify.py checks the result; merge.py is the LoRA merge,
 offline and in-run. Callers import from here (__all__).
 """
@@ -34,7 +34,7 @@ from ..errors import RecipeError
 from ..model import DTYPES
 from .dcp import DCPSource
 from .layout import HubFormat, StoredLayout, expected_model_tensors, tied_copies
-from .lora import ADAPTER_MARKS, _check_fits, _peft_name, _wrapped, param_wrappers, plan_merge, read_adapter
+from .adapters import ADAPTER_MARKS, _check_fits, _peft_name, _wrapped, param_wrappers, plan_merge, read_adapter
 from .merge import merge_in_run, merge_lora
 from .readers import _ds_tag_dir, _local_model_dir, _ZeroSource, folder_tensors, read_st_header
 from .rewrite import rewrite_model

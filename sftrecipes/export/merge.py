@@ -14,7 +14,7 @@ import torch
 from ..errors import RecipeError
 from ..model import DTYPES
 from .layout import StoredLayout
-from .lora import ADAPTER_MARKS, PREFIX, _check_fits, _wrapped, plan_merge, read_adapter
+from .adapters import ADAPTER_MARKS, PREFIX, _check_fits, _wrapped, plan_merge, read_adapter
 from .readers import _local_model_dir, _SafetensorsSource
 from .rewrite import _write_config, rewrite_model
 from .verify import _peft_reference, check_model_folder

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from ..model import DTYPES
 from .layout import StoredLayout
-from .lora import _apply
+from .adapters import _apply
 from .readers import _SafetensorsSource
 from .verify import check_model_folder, verify_logits
 from .writer import TOKENIZER_FILES, _nbytes, _shard_files, _shards, _Staging, _write_index

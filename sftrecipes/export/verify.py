@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from ..errors import RecipeError
 from .layout import StoredLayout, tied_copies
-from .lora import _check_fits, plan_merge, read_adapter
+from .adapters import _check_fits, plan_merge, read_adapter
 from .readers import folder_tensors
 
 
