@@ -96,10 +96,10 @@ def _env(ns) -> int:
 
 
 def _preflight(ns) -> int:
-    from .backends import preflight
+    from .preflight import before_launch
     from .recipe import load_recipe
 
-    print(preflight(load_recipe([a for a in ns.args if a != "--force"]), force="--force" in ns.args))
+    print(before_launch(load_recipe([a for a in ns.args if a != "--force"]), force="--force" in ns.args))
     return 0
 
 

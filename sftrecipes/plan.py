@@ -99,7 +99,7 @@ def setup(recipe: Recipe) -> Setup:
 def trainable_bytes(recipe: Recipe, s: Setup) -> int:
     """Bytes per trainable parameter at rest: 2 in DeepSpeed's 16-bit module (its fp32 master partitions count with
     the optimizer states); 4 for LoRA adapters (peft keeps them fp32); full fine-tuning: 4 under bf16/fp16 mixed
-    precision with precision fp32_trainable (backends.apply_precision_policy upcasts what loaded in 16 bits), else
+    precision with precision fp32_trainable (precision.apply_precision_policy upcasts what loaded in 16 bits), else
     the load dtype (memory_constrained, or no mixed precision: the weights stay as loaded)."""
     if s.deepspeed16:
         return 2
@@ -674,13 +674,6 @@ def pitfalls(recipe: Recipe) -> list[str]:
     return out
 
 
-def preflight(recipe: Recipe) -> tuple[bool, str]:
-    """For launchers: (fits, the printed plan). Unknown GPU memory counts as fitting (nothing to check against)."""
-    plan = plan_recipe(recipe)
-    ok = plan.fits is not False and plan.cpu_fits is not False
-    return ok, format_plan(plan, pitfalls(recipe))
-
-
 # ----------------------------------------------------------------------------------------------- output
 
 
@@ -725,8 +718,10 @@ def main(argv: list[str] | None = None) -> int:
     """`plan RECIPE.yaml [--key value ...]`: print the plan; exit 0 when it fits (or no GPU memory is given), 2 when not."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        from .preflight import memory_verdict  # noqa: PLC0415 - preflight imports plan
+
         recipe = load_recipe(argv)
-        ok, text = preflight(recipe)
+        ok, text = memory_verdict(recipe)
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -11,7 +11,7 @@ from unittest import mock
 import pytest
 import torch
 
-from sftrecipes import backends, data, model as models
+from sftrecipes import backends, data, model as models, preflight
 from sftrecipes.errors import RecipeError
 from sftrecipes.recipe import load_recipe
 from sftrecipes.schema import all_options
@@ -61,8 +61,8 @@ def probe_value(o):
 
 # Refused with a one-line error (test_recipe.py), so they cannot be silently ignored either.
 REFUSED = {"enable_jit_checkpoint": "the run handles SIGTERM/SIGUSR1 itself (lifecycle.py); test_recipe.py::test_bad_recipe_is_one_line_error"}
-# Refused on the cpu target (test_train.py::test_liger_is_refused_without_a_gpu_or_its_package): probed on the gpu
-# target with the package present.
+# Refused on the cpu target or without the package by preflight.in_run (test_train.py::test_liger_is_refused_without_a_gpu_or_its_package):
+# probed on the gpu target.
 GPU_ONLY = {"use_liger_kernel"}
 TRL_KEYS = sorted(n for n, o in all_options().items()
                   if o.owner == "trl" and n not in PIPELINE and n not in REFUSED and o.kind != "object")
@@ -73,8 +73,7 @@ def test_trl_option_reaches_training_args(tiny_model, key):
     o = all_options()[key]
     value, extras, check = SPECIAL.get(key, (probe_value(o), {}, None))
     argv = [a for a in BASE if key != "output_dir" or a not in ("--output_dir", "outputs/reach")]
-    with mock.patch.object(backends, "liger_installed", return_value=True):
-        args = backends.training_args(load_recipe(argv, overrides={key: value, **extras}), "gpu" if key in GPU_ONLY else "cpu")
+    args = backends.training_args(load_recipe(argv, overrides={key: value, **extras}), "gpu" if key in GPU_ONLY else "cpu")
     if check is not None:
         assert check(args), key
     else:
@@ -135,8 +134,6 @@ def obs_use_flash_attn(tiny_model, tmp_path, caplog=None):
     r = recipe("--use_flash_attn", "True")
     assert models.attn_implementation(recipe(), "gpu") == "sdpa"
     assert models.attn_implementation(r, "cpu") == "sdpa"  # asked, but no GPU: the warned fallback
-    from unittest import mock
-
     with mock.patch.object(models, "flash_attn_installed", return_value=True):
         assert models.attn_implementation(recipe("--use_flash_attn", "True", "--bf16", "True"), "gpu") == "flash_attention_2"
         with pytest.raises(RecipeError, match="flash_attention_2 computes in bf16/fp16 only"):  # fp32 without autocast
@@ -290,15 +287,15 @@ def obs_launch_num_machines(tiny_model, tmp_path):
     from sftrecipes.errors import RecipeError
 
     with pytest.raises(RecipeError, match="describes 2 processes"):
-        backends.check_world_size(recipe("--launch.backend", "ddp", "--launch.num_machines", 2))
+        preflight.check_world_size(recipe("--launch.backend", "ddp", "--launch.num_machines", 2))
 
 
 def obs_launch_gpus_per_node(tiny_model, tmp_path):
     from sftrecipes.errors import RecipeError
 
     with pytest.raises(RecipeError, match="describes 4 processes"):
-        backends.check_world_size(recipe("--launch.backend", "ddp", "--launch.gpus_per_node", 4))
-    assert backends.check_world_size(recipe()) == 1
+        preflight.check_world_size(recipe("--launch.backend", "ddp", "--launch.gpus_per_node", 4))
+    assert preflight.check_world_size(recipe()) == 1
 
 
 def acc(*flags):
@@ -315,7 +312,7 @@ def obs_launch_gpu_memory_gb(tiny_model, tmp_path):
     from sftrecipes.errors import RecipeError
 
     with pytest.raises(RecipeError, match="needs 2 GPU\\(s\\) of 41 GB per node"):
-        backends.preflight(recipe("--launch.backend", "ddp", "--launch.gpus_per_node", 2, "--launch.gpu_memory_gb", 41))
+        preflight.before_launch(recipe("--launch.backend", "ddp", "--launch.gpus_per_node", 2, "--launch.gpu_memory_gb", 41))
 
 
 def obs_launch_main_process_port(tiny_model, tmp_path):

@@ -10,7 +10,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from sftrecipes.plan import GB, format_plan, main, pipeline_bubble, pitfalls, plan_recipe, preflight
+from sftrecipes.plan import GB, format_plan, main, pipeline_bubble, pitfalls, plan_recipe
+from sftrecipes.preflight import memory_verdict
 from sftrecipes.errors import RecipeError
 from sftrecipes.recipe import load_recipe
 from sftrecipes.shape import model_shape
@@ -167,7 +168,7 @@ def test_70b_qlora_zero3_on_2x40gb_matches_the_peft_guide():
 
 def test_unknown_gpu_memory_gives_requirement_only(capsys):
     r = load_recipe([LORA_70B, "--launch.gpu_memory_gb", "None"])
-    ok, text = preflight(r)
+    ok, text = memory_verdict(r)
     assert ok and "no launch.gpu_memory_gb" in text
     assert main([LORA_70B, "--launch.gpu_memory_gb", "None"]) == 0
     assert main(["recipes/tiny/lora.yaml", "--lora_target_modules", "nope"]) == 2
@@ -245,7 +246,7 @@ def test_trained_weights_at_rest_follow_one_precision_rule(tmp_path):
     """plan.trainable_bytes decides the bytes of the trained weights for the model states and for the FULL_STATE_DICT
     gather alike: memory_constrained keeps them in the bf16 load dtype (half of the 276 GB gathered); an explicit
     dtype: bfloat16 under fp32_trainable is loaded in bf16 (half the loading RAM) and upcast to fp32 for training
-    (backends.apply_precision_policy), so its model states are those of dtype auto."""
+    (precision.apply_precision_policy), so its model states are those of dtype auto."""
     auto = full_recipe(tmp_path, backend="fsdp", fsdp_state_dict_type="FULL_STATE_DICT", cpu_ram_gb=128)
     path = str(tmp_path / "full70b.yaml")
     gathers = [x for x in pitfalls(load_recipe([path, "--precision", "memory_constrained"])) if "FULL_STATE_DICT" in x]
