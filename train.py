@@ -39,14 +39,15 @@ def run(recipe, life=None):
     # (exit 2) before torch is imported
     from trl import SFTTrainer  # noqa: PLC0415 - torch: --help and validation stay torch-free
 
-    from sftrecipes import backends, checkpoints, data, finalsave, lora, metrics, model as models, nonfinite  # noqa: PLC0415 - as above
+    from sftrecipes import (  # noqa: PLC0415 - as above
+        backends, checkpoints, data, finalsave, hub, lora, metrics, model as models, nonfinite, precision, preflight, probes,
+    )
     from sftrecipes.plan.pitfalls import pitfalls  # noqa: PLC0415 - as above
     from sftrecipes.tokenizer import load_tokenizer  # noqa: PLC0415 - as above
 
     # 1. where we run: the cpu target sets use_cpu/gloo/threads so GPU command lines work as written
-    backends.check_world_size(recipe)
-    backends.check_launcher_matches(recipe)
     target = backends.hardware(recipe)
+    preflight.in_run(recipe, target)  # its process count, the launcher's config, what the target cannot run
     backends.apply_process_env(recipe, target)
     args = backends.training_args(recipe, target)
     life = life or lifecycle.RunLife(recipe)
@@ -54,7 +55,7 @@ def run(recipe, life=None):
     resume = checkpoints.resolve_resume(recipe.trl.get("resume_from_checkpoint"), args.output_dir)
     checkpoints.match_resume(resume, recipe, args)  # its backend and global batch at this process count, or one line why not
     models.check_model_files(recipe)  # tokenizer files present, safetensors whole: named here, not deep in a loader
-    push_later = backends.prepare_hub(args)  # token out of saved files; no push attempt when the hub is unreachable
+    push_later = hub.prepare_hub(args)  # token out of saved files; no push attempt when the hub is unreachable
     if args.process_index == 0:
         for line in pitfalls(recipe):  # the global batch first, then any warning
             (log.warning if line.startswith("WARNING") else log.info)("%s", line)
@@ -69,7 +70,7 @@ def run(recipe, life=None):
         train_ds, eval_ds, prompt, data_counts = data.load_datasets(recipe, tokenizer, end_of_turn)
 
     # 3. model: dtype, attention, 4/8-bit loading; LoRA is applied by the trainer from peft_config
-    rss_before = backends.rss_mb()
+    rss_before = probes.rss_mb()
     model = models.load_model(recipe, tokenizer, target)
     trainer = SFTTrainer(
         model=model,
@@ -78,15 +79,15 @@ def run(recipe, life=None):
         eval_dataset=eval_ds,
         processing_class=tokenizer,
         peft_config=lora.lora_config(recipe, added_tokens, model),
-        callbacks=[load_probe := backends.load_memory_probe(), precision := backends.precision_probe(recipe),
+        callbacks=[load_probe := probes.load_memory_probe(), dtypes := precision.precision_probe(recipe),
                    throughput := metrics.ThroughputCallback(peak_tflops=recipe.launch.peak_tflops),
                    guard := nonfinite.nonfinite_guard(recipe.run.nan_patience), life.callback()],
     )
-    precision.trainer = trainer
+    dtypes.trainer = trainer
     if recipe.model.use_peft_lora and args.process_index == 0:
         log.info("%s", lora.describe_adapter(trainer.model, recipe))  # what LoRA adapted: modules, experts, router
     checkpoints.make_checkpoints_atomic(trainer)  # a marker written last; rotation never drops the last complete one
-    backends.apply_precision_policy(trainer, recipe)  # trainable params fp32 under mixed precision (logged)
+    precision.apply_precision_policy(trainer, recipe)  # trainable params fp32 under mixed precision (logged)
 
     # 4. train, resuming from the checkpoint chosen above ('auto' = the latest complete one in output_dir); a
     #    preemption signal stops every rank after the same step with a complete checkpoint
@@ -99,8 +100,8 @@ def run(recipe, life=None):
             f"training stopped: {guard.stopped}; the last good checkpoint is {last or 'none (no checkpoint was saved)'}; {guard.advice}"
         )
     life.stop_if_preempted(trainer)  # rank 0 writes preempted.json; main() exits 75
-    backend = backends.describe_backend(trainer)  # before save/generate, which gather shards
-    load_memory = backends.gather_load_memory(trainer.accelerator, rss_before, load_probe.at_first_step or rss_before)
+    backend = probes.describe_backend(trainer)  # before save/generate, which gather shards
+    load_memory = probes.gather_load_memory(trainer.accelerator, rss_before, load_probe.at_first_step or rss_before)
 
     # 5. final save (adapter for LoRA, full weights otherwise), then check it holds every expected tensor
     trainer.accelerator.unwrap_model(trainer.model).config.use_cache = True  # off for training only (model.load_model)
@@ -108,7 +109,7 @@ def run(recipe, life=None):
 
     # 6. a sample reply from the trained model (all ranks together: ZeRO-3/FSDP gather weights in each forward;
     #    after the save: bitsandbytes' CPU kernels repack 4-bit weights for inference)
-    sample = backends.sample_reply(trainer, tokenizer, prompt, recipe.run.sample_max_new_tokens) if recipe.run.sample_max_new_tokens else {}
+    sample = probes.sample_reply(trainer, tokenizer, prompt, recipe.run.sample_max_new_tokens) if recipe.run.sample_max_new_tokens else {}
 
     if trainer.args.push_to_hub and trainer.is_world_process_zero():
         try:
@@ -133,7 +134,7 @@ def run(recipe, life=None):
             "resumed_from": resume,
             "backend": backend,
             "load_memory": load_memory,
-            "precision": precision.table,
+            "precision": dtypes.table,
             "throughput": throughput.summary,  # tokens/s/device, step time, MFU, memory per rank (also metrics.json/png)
             "attention": model.config._attn_implementation,
             "sample": {"prompt": prompt, "reply": sample.get("reply"), "stopped_on": sample.get("stopped_on"),

@@ -1,6 +1,5 @@
-"""How a recipe runs on its processes: the hardware target, the recipe as TRL/transformers training arguments and as an
-accelerate config, pre-flight, the precision policy, and probes of what really ran (wrapper, precision, load memory,
-sample reply).
+"""How a recipe runs on its processes: the hardware target and process environment, the recipe as TRL/transformers
+training arguments (SFTConfig) and as an accelerate/DeepSpeed/FSDP config with the launcher's environment.
 
 The hardware target is the one place that knows what a machine without a GPU needs: `use_cpu` (so a GPU
 command line with `--bf16 True` runs instead of failing with "Your setup doesn't support bf16/gpu"), the
@@ -26,7 +25,7 @@ def hardware(recipe: Recipe) -> str:
     """'cpu' or 'gpu'. `launch.hardware: auto` asks torch (the only import of torch this needs)."""
     if recipe.launch.hardware != "auto":
         return recipe.launch.hardware
-    import torch  # noqa: PLC0415
+    import torch  # noqa: PLC0415 - torch: launch/emit import this module and stay torch-free
 
     return "gpu" if torch.cuda.is_available() else "cpu"
 
@@ -40,7 +39,7 @@ def cpu_env(recipe: Recipe) -> dict[str, str]:
 def apply_process_env(recipe: Recipe, target: str) -> None:
     """Set this process up for the target before any accelerate/transformers state exists: environment a launcher
     did not set, torch threads, and the compatibility shims the backend needs (compat.py)."""
-    from . import compat  # noqa: PLC0415
+    from . import compat  # noqa: PLC0415 - compat patches torch/transformers: launch/emit stay torch-free
 
     if recipe.launch.backend == "fsdp":
         compat.fix_peft_prefixes_under_wrappers()
@@ -50,7 +49,7 @@ def apply_process_env(recipe: Recipe, target: str) -> None:
         return
     for k, v in cpu_env(recipe).items():
         os.environ.setdefault(k, v)
-    import torch  # noqa: PLC0415
+    import torch  # noqa: PLC0415 - torch: launch/emit import this module and stay torch-free
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     if recipe.launch.backend == "fsdp":
@@ -59,63 +58,9 @@ def apply_process_env(recipe: Recipe, target: str) -> None:
         compat.trainable_tokens_init_under_zero3_on_cpu()
 
 
-def check_world_size(recipe: Recipe) -> int:
-    """The processes this run really has must be the ones the recipe's launch section describes."""
-    want = recipe.launch.world_size
-    have = int(os.environ.get("WORLD_SIZE", "1"))
-    if have != want:
-        raise RecipeError(
-            f"launch: the recipe describes {want} processes (num_machines {recipe.launch.num_machines} x gpus_per_node "
-            f"{recipe.launch.gpus_per_node}) but this run has {have}; start it with its launcher: python -m sftrecipes "
-            f"launch {recipe.sources[-1] if recipe.sources else 'RECIPE.yaml'} [--key value ...] (or set --launch.gpus_per_node)"
-        )
-    return have
-
-
-def check_launcher_matches(recipe: Recipe) -> None:
-    """The accelerate launcher exports what its config file says (ACCELERATE_USE_DEEPSPEED, FSDP_VERSION, ...). A
-    recipe whose launch keys were changed on the command line, or a config from another recipe, would otherwise
-    run silently on the launcher's backend, not the recipe's."""
-    env = os.environ
-    if int(env.get("WORLD_SIZE", "1")) == 1 and not any(k.startswith("ACCELERATE_USE_") for k in env):
-        return  # not started by accelerate: nothing to compare
-    L = recipe.launch
-    ran = "deepspeed" if env.get("ACCELERATE_USE_DEEPSPEED") == "true" else "fsdp" if env.get("ACCELERATE_USE_FSDP") == "true" else None
-    wants = L.backend if L.backend in ("deepspeed", "fsdp") else None
-    problems = []
-    if ran != wants:
-        problems.append(f"backend {L.backend} but the launcher's accelerate config runs {ran or 'neither DeepSpeed nor FSDP'}")
-    elif ran == "deepspeed" and env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", str(L.zero_stage)) != str(L.zero_stage):
-        problems.append(f"zero_stage {L.zero_stage} but the launcher's config says {env['ACCELERATE_DEEPSPEED_ZERO_STAGE']}")
-    elif ran == "fsdp" and env.get("FSDP_VERSION", str(L.fsdp_version)) != str(L.fsdp_version):
-        problems.append(f"fsdp_version {L.fsdp_version} but the launcher's config says {env['FSDP_VERSION']}")
-    if problems:
-        raise RecipeError(f"launch: the recipe says {problems[0]}; start it with python -m sftrecipes launch RECIPE, which renders the launcher's config from the recipe")
-
-
-def liger_installed() -> bool:
-    """The liger-kernel package (requirements-gpu.txt) is importable here; it brings Triton kernels, GPU-only."""
-    import importlib.util  # noqa: PLC0415
-
-    return importlib.util.find_spec("liger_kernel") is not None
-
-
-def check_liger(recipe: Recipe, target: str) -> None:
-    """use_liger_kernel needs a GPU and the liger-kernel package: refused in one line before any model is loaded
-    (transformers would fail at trainer construction, after the model load, with an ImportError or a Triton error)."""
-    if not recipe.trl_value("use_liger_kernel"):
-        return
-    if target == "cpu":
-        raise RecipeError("use_liger_kernel: Liger's kernels are Triton GPU kernels and this run's hardware target is cpu; "
-                          "set use_liger_kernel: false (or run on a GPU with launch.hardware: gpu)")
-    if not liger_installed():
-        raise RecipeError("use_liger_kernel: the liger-kernel package is not installed; pip install -r requirements-gpu.txt "
-                          "(or set use_liger_kernel: false)")
-
-
 def training_kwargs(recipe: Recipe, target: str) -> dict:
-    """The SFTConfig keyword arguments: the recipe's explicit TRL keys plus what the project derives."""
-    check_liger(recipe, target)
+    """The SFTConfig keyword arguments: the recipe's explicit TRL keys plus what the project derives (what the target
+    cannot run, e.g. use_liger_kernel on a CPU, is refused before this by preflight.in_run)."""
     kw = {k: v for k, v in recipe.trl.items() if k not in CONSUMED_BY_PIPELINE}
     for key in TRL_DEFAULTS:  # the project's own defaults for a few TRL keys (schema.TRL_DEFAULTS)
         kw.setdefault(key, recipe.trl_value(key))
@@ -127,7 +72,7 @@ def training_kwargs(recipe: Recipe, target: str) -> dict:
         kw["activation_checkpointing_kwargs"] = recipe.checkpointing_kwargs
     if recipe.model.precision == "memory_constrained":  # train in the load dtype itself: no autocast, no fp32 copy
         kw["bf16"] = kw["fp16"] = False
-    from .model import SDPA_PACKED_PAD, packed_under_sdpa_on_gpu  # noqa: PLC0415
+    from .model import SDPA_PACKED_PAD, packed_under_sdpa_on_gpu  # noqa: PLC0415 - model imports torch: launch/emit stay torch-free
 
     if "pad_to_multiple_of" not in recipe.trl and packed_under_sdpa_on_gpu(recipe, target):
         kw["pad_to_multiple_of"] = SDPA_PACKED_PAD
@@ -151,7 +96,7 @@ def training_kwargs(recipe: Recipe, target: str) -> dict:
 
 
 def training_args(recipe: Recipe, target: str):
-    from trl import SFTConfig  # noqa: PLC0415
+    from trl import SFTConfig  # noqa: PLC0415 - trl: launch/emit import this module and stay torch-free
 
     try:
         return SFTConfig(**training_kwargs(recipe, target))
@@ -226,287 +171,3 @@ def accelerate_config(recipe: Recipe) -> dict:
 def launcher_env(recipe: Recipe) -> dict[str, str]:
     """Environment the launcher exports before starting the ranks (the cpu target's needs; nothing on GPUs)."""
     return cpu_env(recipe) if render_target(recipe) == "cpu" else {}
-
-
-def gpu_count() -> int:
-    import torch  # noqa: PLC0415
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def preflight(recipe: Recipe, force: bool = False) -> str:
-    """Can this recipe start on this machine? First the memory plan (does it fit the GPUs it names?), then the
-    hardware (are those GPUs here?). A RecipeError (exit 2) says why not; --force skips only the memory verdict."""
-    from . import plan  # noqa: PLC0415
-
-    L = recipe.launch
-    world = L.world_size
-    fits, plan_text = plan.preflight(recipe)
-    lines = [plan_text, "", f"preflight: {L.backend} on {L.num_machines} node(s) x {L.gpus_per_node} process(es), hardware {L.hardware}"]
-    if not fits:
-        if not force:
-            print("\n".join(lines))
-            raise RecipeError("preflight: the memory plan above says this recipe does not fit; pick a strategy from the table, or pass --force to launch anyway")
-        lines.append("preflight: the plan says it does not fit; launching anyway (--force)")
-    if render_target(recipe) == "gpu" and (world > 1 or L.backend != "none" or L.hardware == "gpu"):
-        have = gpu_count()
-        if have < L.gpus_per_node:
-            mem = f" of {L.gpu_memory_gb:g} GB" if L.gpu_memory_gb else ""
-            raise RecipeError(
-                f"launch: this recipe needs {L.gpus_per_node} GPU(s){mem} per node ({L.backend}, {world} processes in all) "
-                f"but this machine has {have}; run it on a GPU node (its CPU twin under recipes/tiny/ runs here)"
-            )
-        lines.append(f"preflight: {have} GPU(s) visible")
-    return "\n".join(lines)
-
-
-def _elements(module) -> tuple[int, int, int]:
-    """(parameter elements this rank stores, elements of the whole model, elements of its trainable parameters)
-    for plain, DTensor (FSDP2), ZeRO-3 partitioned and FSDP1 flat-sharded parameters."""
-    flat = {}
-    for m in module.modules():  # FSDP1: the FlatParameters know their unsharded size
-        handle = getattr(m, "_handle", None)
-        fp = getattr(handle, "flat_param", None)
-        if fp is not None:
-            flat[id(fp)] = fp
-    if flat:
-        local = sum(fp.numel() for fp in flat.values())
-        full = sum(fp._unpadded_unsharded_size.numel() for fp in flat.values())
-        trainable = sum(fp._unpadded_unsharded_size.numel() for fp in flat.values() if fp.requires_grad)
-        return local, full, trainable
-    local = full = trainable = 0
-    for p in module.parameters():
-        if hasattr(p, "ds_tensor"):  # DeepSpeed ZeRO-3 partition
-            a, b = p.ds_tensor.numel(), p.ds_numel
-        elif hasattr(p, "to_local"):  # DTensor shard (FSDP2)
-            a, b = p.to_local().numel(), p.numel()
-        else:
-            a = b = p.numel()
-        local, full = local + a, full + b
-        trainable += b if p.requires_grad else 0
-    return local, full, trainable
-
-
-def fp32_partitions(optimizer) -> list:
-    """This rank's fp32 master partitions of a live DeepSpeed ZeRO optimizer (flat tensors, one per param group):
-    `single_partition_of_fp32_groups` under ZeRO-1/2, `fp32_partitioned_groups_flat` under ZeRO-3; [] for others.
-    (A saved checkpoint keys them differently; export._ZeroSource reads those.)"""
-    return (getattr(optimizer, "single_partition_of_fp32_groups", None)
-            or getattr(optimizer, "fp32_partitioned_groups_flat", None) or [])
-
-
-def describe_backend(trainer) -> dict:
-    """What really ran, read from the live objects: distribution type, wrapper, ZeRO stage, and how many parameter
-    and optimizer-state elements this rank holds versus the whole model (the evidence that sharding took effect)."""
-    acc = trainer.accelerator
-    wrapped = trainer.model_wrapped
-    local, full, trainable = _elements(wrapped)
-    info = {
-        "distributed_type": acc.state.distributed_type.value,
-        "world_size": acc.num_processes,
-        "wrapper": type(wrapped).__name__,
-        "param_elements_local": local,
-        "param_elements_full": full,
-        "trainable_elements_full": trainable,
-        "param_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in wrapped.parameters()}),
-    }
-    engine = getattr(trainer, "deepspeed", None)
-    if engine is not None:
-        info["zero_stage"] = engine.zero_optimization_stage()
-        for key, cfg in (("zero_offload_optimizer", engine.zero_offload_optimizer()), ("zero_offload_params", engine.zero_offload_param())):
-            info[key] = str(getattr(cfg, "device", "none") or "none").split(".")[-1]
-        opt = engine.optimizer
-        info["optimizer_fp32_elements_local"] = int(sum(g.numel() for g in fp32_partitions(opt)))
-        info["optimizer"] = type(getattr(opt, "optimizer", opt)).__name__
-    plugin = getattr(acc.state, "fsdp_plugin", None)
-    if plugin is not None:
-        info["fsdp_version"] = plugin.fsdp_version
-    return info
-
-
-def sample_reply(trainer, tokenizer, prompt, max_new_tokens: int) -> dict:
-    """Greedy reply of the trained model to `prompt` (messages or text), stopping where the saved generation config
-    says (end of turn, eos). Returns {"reply": text without special tokens, "stopped_on": the stop token it ended with
-    or None when it ran to max_new_tokens, "new_tokens": n}. Called on every rank: under ZeRO-3 and FSDP each forward
-    gathers parameters from all ranks, so all must generate together (synced_gpus)."""
-    import torch  # noqa: PLC0415
-
-    acc = trainer.accelerator
-    model = acc.unwrap_model(trainer.model)
-    if isinstance(prompt, list):
-        enc = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    else:
-        enc = tokenizer(prompt, return_tensors="pt")
-    enc = {k: v.to(acc.device) for k, v in enc.items()}
-    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, use_cache=True, pad_token_id=tokenizer.pad_token_id,
-                  synced_gpus=acc.num_processes > 1)
-    gen = getattr(model, "generation_config", None)
-    if gen is not None and getattr(gen, "stop_strings", None):
-        kwargs["tokenizer"] = tokenizer
-    was_training = model.training
-    model.eval()
-    plugin = getattr(acc.state, "fsdp_plugin", None)
-    with torch.no_grad():
-        if plugin is not None and plugin.fsdp_version == 1:  # FSDP1's flat shards must be gathered around generate
-            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: PLC0415
-
-            with FSDP.summon_full_params(trainer.model_wrapped, writeback=False, recurse=True):
-                out = model.generate(**enc, **kwargs)
-        else:
-            out = model.generate(**enc, **kwargs)
-    model.train(was_training)
-    new = out[0, enc["input_ids"].shape[1]:].tolist()
-    eos = gen.eos_token_id if gen is not None else tokenizer.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [eos])
-    stop = new[-1] if new and new[-1] in eos else None
-    return {"reply": tokenizer.decode(new, skip_special_tokens=True), "new_tokens": len(new),
-            "stopped_on": tokenizer.convert_ids_to_tokens(stop) if stop is not None else None}
-
-
-def rss_mb() -> tuple[float, float]:
-    """(current, peak so far) resident memory of this process in MB."""
-    import resource  # noqa: PLC0415
-
-    import psutil  # noqa: PLC0415
-
-    return psutil.Process().memory_info().rss / 1e6, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6  # KiB
-
-
-def load_memory_probe():
-    """A callback that records this rank's memory at the start of the first step: after loading and wrapping (FSDP
-    sharding, ZeRO partitioning, rank-0 broadcast), before any optimizer state exists. Weights are memory-mapped
-    and count only when touched, which happens at wrapping, not in from_pretrained."""
-    from transformers import TrainerCallback  # noqa: PLC0415
-
-    class LoadMemoryProbe(TrainerCallback):
-        at_first_step = None
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            if self.at_first_step is None:
-                self.at_first_step = rss_mb()
-
-    return LoadMemoryProbe()
-
-
-def gather_load_memory(acc, before: tuple[float, float], after: tuple[float, float]) -> list[dict]:
-    """Every rank's CPU memory from just before model loading to `after` (the probe's reading at train begin; all
-    ranks call, it is a collective). With RAM-efficient loading only rank 0 ever holds the whole model."""
-    from accelerate.utils import gather_object  # noqa: PLC0415
-
-    mine = {"rank": acc.process_index, "rss_before_mb": round(before[0], 1), "peak_mb": round(after[1], 1),
-            "grew_mb": round(max(after[1] - before[0], 0.0), 1)}
-    return sorted(gather_object([mine]) if acc.num_processes > 1 else [mine], key=lambda d: d["rank"])
-
-
-def apply_precision_policy(trainer, recipe: Recipe) -> list[str]:
-    """fp32_trainable: trainable parameters in fp32 under mixed precision, whatever loaded or wrapped them (TRL casts
-    QLoRA adapters to bf16 and keeps ZeRO-3 adapters in the base dtype; accelerate upcasts for FSDP except with 4-bit
-    weights). DeepSpeed keeps fp32 master partitions itself, so its module is left as DeepSpeed wants it. Returns the
-    names upcast here."""
-    import torch  # noqa: PLC0415
-
-    if recipe.model.precision == "memory_constrained":
-        log.warning("precision: memory_constrained — trainable weights and optimizer states stay in the load dtype: "
-                    "saves 2 bytes per trainable parameter plus half the optimizer states; small updates round away "
-                    "and training can stall or diverge")
-        return []
-    mixed = trainer.args.bf16 or trainer.args.fp16
-    if not mixed or recipe.launch.backend == "deepspeed":
-        return []
-    upcast = []
-    for name, p in trainer.model.named_parameters():
-        if p.requires_grad and p.dtype != torch.float32:
-            p.data = p.data.float()
-            upcast.append(name)
-    if upcast:
-        log.info("precision: %d trainable tensors upcast to fp32 (e.g. %s)", len(upcast), upcast[0])
-    return upcast
-
-
-def _dtype(t) -> str:
-    return str(t).removeprefix("torch.")
-
-
-def precision_table(trainer) -> dict[str, str]:
-    """What dtype each part of training really has, read from the live objects after a step."""
-    acc = trainer.accelerator
-    wrapped = trainer.model_wrapped
-    params = list(wrapped.parameters())
-    frozen = sorted({_dtype(p.dtype) for p in params if not p.requires_grad}) or ["-"]
-    trainable = sorted({_dtype(p.dtype) for p in params if p.requires_grad})
-    table = {"loaded weights (frozen)": ", ".join(frozen), "trainable params": ", ".join(trainable)}
-    engine = getattr(trainer, "deepspeed", None)
-    if engine is not None:
-        compute = "bfloat16" if engine.bfloat16_enabled() else "float16" if engine.fp16_enabled() else "float32"
-        table["compute"] = f"{compute} (DeepSpeed module dtype)"
-        table["gradients reduce"] = _dtype(engine.communication_data_type)
-        opt = engine.optimizer
-        masters = sorted({_dtype(g.dtype) for g in fp32_partitions(opt)})
-        table["trainable params"] = f"{table['trainable params']} module, {', '.join(masters)} master partitions"
-        inner = getattr(opt, "optimizer", opt)
-    else:
-        mp = acc.mixed_precision
-        table["compute"] = {"bf16": "bfloat16 autocast", "fp16": "float16 autocast"}.get(mp, ", ".join(trainable))
-        reduce = None
-        for m in wrapped.modules():  # FSDP2 keeps its policy on each parameter group, FSDP1 on each instance
-            state = getattr(m, "_get_fsdp_state", None)
-            group = getattr(state(), "_fsdp_param_group", None) if state else None
-            policy = getattr(group, "mp_policy", None) or getattr(m, "mixed_precision", None)
-            if policy is not None:
-                reduce = getattr(policy, "reduce_dtype", None) or getattr(policy, "param_dtype", None) or (trainable[0] if trainable else None)
-                break
-        table["gradients reduce"] = _dtype(reduce) if reduce is not None else ", ".join(trainable)
-        inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
-    states = sorted({_dtype(v.dtype) for st in inner.state.values() for k, v in st.items() if hasattr(v, "dtype") and k != "step"})
-    table["optimizer states"] = ", ".join(states) or "-"
-    return table
-
-
-def precision_probe(recipe: Recipe):
-    """Callback: after the first optimizer step, read and log the precision table (rank 0)."""
-    from transformers import TrainerCallback  # noqa: PLC0415
-
-    class PrecisionProbe(TrainerCallback):
-        table: dict | None = None
-        trainer = None
-
-        def on_step_end(self, args, state, control, **kwargs):
-            if self.table is None and self.trainer is not None:
-                self.table = precision_table(self.trainer)
-                if state.is_world_process_zero:
-                    log.info("precision (%s):\n%s", recipe.model.precision,
-                             "\n".join(f"  {k:<26} {v}" for k, v in self.table.items()))
-
-    return PrecisionProbe()
-
-
-def hub_reachable(timeout: float = 3.0) -> bool:
-    from huggingface_hub import constants  # noqa: PLC0415
-
-    if constants.HF_HUB_OFFLINE:
-        return False
-    import socket  # noqa: PLC0415
-    from urllib.parse import urlparse  # noqa: PLC0415
-
-    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
-    try:
-        socket.create_connection((host, 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
-
-
-def prepare_hub(args) -> str | None:
-    """Keep the hub token out of everything written (training_args.bin pickles the arguments) by moving it to the
-    environment huggingface_hub reads, and turn pushing off for a run that cannot reach the hub (transformers would
-    fail at start). Returns the command that pushes the result later, when pushing was turned off."""
-    if args.hub_token:
-        os.environ["HF_TOKEN"] = args.hub_token
-        args.hub_token = None
-    if not args.push_to_hub or hub_reachable():
-        return None
-    args.push_to_hub = False
-    repo = args.hub_model_id or os.path.basename(os.path.normpath(args.output_dir))
-    later = f"hf upload {repo} {args.output_dir}" + (" --private" if args.hub_private_repo else "")
-    log.warning("push_to_hub: the hub is unreachable; training continues and saves locally; push later with: %s", later)
-    return later

@@ -29,9 +29,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from . import emit, launch, paths, plan, recipe_copy, schema, snapshots, tiny
-from .backends import launcher_env, preflight
+from .backends import launcher_env
 from .errors import RecipeError
 from .options_doc import options_markdown
+from .preflight import before_launch
 from .recipe import load_recipe
 
 PROG = "python -m sftrecipes"
@@ -138,7 +139,7 @@ def _preflight(argv: list[str]) -> int:
     args = _recipe_args("preflight", argv)
     if args is None:
         return 0
-    print(preflight(load_recipe([a for a in args if a != "--force"]), force="--force" in args))
+    print(before_launch(load_recipe([a for a in args if a != "--force"]), force="--force" in args))
     return 0
 
 

@@ -26,9 +26,10 @@ import psutil
 import yaml
 
 from . import heartbeats, lifecycle, procs, runlock
-from .backends import accelerate_config, launcher_env, preflight
+from .backends import accelerate_config, launcher_env
 from .checkpoints import check_resume, finished_run
 from .errors import RecipeError
+from .preflight import before_launch
 from .paths import ROOT
 from .recipe import Recipe, load_recipe, parse_argv
 
@@ -181,7 +182,7 @@ def main(argv: list[str]) -> int:
     if done:
         print(done, file=sys.stderr)
         return 0
-    print(preflight(run.recipe, force=force))  # exit 2 with the reason (memory plan, GPUs)
+    print(before_launch(run.recipe, force=force))  # exit 2 with the reason (memory plan, GPUs)
     check_resume(run.recipe)  # exit 2 if the checkpoint to resume cannot continue at this process count or backend
     if run.config is None:  # one plain process: train.py takes the lock itself (same pid after exec)
         print(f"launch: {run.topology}: {shlex.join(run.argv)}", file=sys.stderr)

@@ -20,7 +20,7 @@ from test_lifecycle import fake_agent_preemption
 from transformers import AutoModelForCausalLM, TrainerControl, TrainerState
 
 import train
-from sftrecipes import backends, data, emit, heartbeats, model as models, nonfinite, plan, runlock, tokenization
+from sftrecipes import backends, data, emit, heartbeats, model as models, nonfinite, plan, preflight, runlock, tokenization
 from sftrecipes.errors import RecipeError
 from sftrecipes.lora import lora_config
 from sftrecipes.recipe import load_recipe
@@ -76,8 +76,8 @@ def probe_value(o):
 # Refused with a one-line error (test_recipe.py), so they cannot be silently ignored either.
 REFUSED = {"enable_jit_checkpoint": "the run handles SIGTERM/SIGUSR1 itself (lifecycle.py); test_recipe.py::test_bad_recipe_is_one_line_error",
            "dataset_kwargs": "sources.TRL_DATA_KEYS; test_data.py::test_refused_data_keys_are_one_line_errors_and_the_fix_loads"}
-# Refused on the cpu target (test_train.py::test_liger_is_refused_without_a_gpu_or_its_package): probed on the gpu
-# target with the package present.
+# Refused on the cpu target or without the package by preflight.in_run (test_train.py::test_liger_is_refused_without_a_gpu_or_its_package):
+# probed on the gpu target.
 GPU_ONLY = {"use_liger_kernel"}
 TRL_KEYS = sorted(n for n, o in all_options().items()
                   if o.owner == "trl" and n not in PIPELINE and n not in REFUSED and o.kind != "object")
@@ -88,8 +88,7 @@ def test_trl_option_reaches_training_args(tiny_model, key):
     o = all_options()[key]
     value, extras, check = SPECIAL.get(key, (probe_value(o), {}, None))
     argv = [a for a in BASE if key != "output_dir" or a not in ("--output_dir", "outputs/reach")]
-    with mock.patch.object(backends, "liger_installed", return_value=True):
-        args = backends.training_args(load_recipe(argv, overrides={key: value, **extras}), "gpu" if key in GPU_ONLY else "cpu")
+    args = backends.training_args(load_recipe(argv, overrides={key: value, **extras}), "gpu" if key in GPU_ONLY else "cpu")
     if check is not None:
         assert check(args), key
     else:
@@ -286,13 +285,13 @@ def obs_launch_cpu_threads(tiny_model, tmp_path):
 
 def obs_launch_num_machines(tiny_model, tmp_path):
     with pytest.raises(RecipeError, match="describes 2 processes"):
-        backends.check_world_size(recipe("--launch.backend", "ddp", "--launch.num_machines", 2))
+        preflight.check_world_size(recipe("--launch.backend", "ddp", "--launch.num_machines", 2))
 
 
 def obs_launch_gpus_per_node(tiny_model, tmp_path):
     with pytest.raises(RecipeError, match="describes 4 processes"):
-        backends.check_world_size(recipe("--launch.backend", "ddp", "--launch.gpus_per_node", 4))
-    assert backends.check_world_size(recipe()) == 1
+        preflight.check_world_size(recipe("--launch.backend", "ddp", "--launch.gpus_per_node", 4))
+    assert preflight.check_world_size(recipe()) == 1
 
 
 def acc(*flags):
@@ -307,7 +306,7 @@ def obs_launch_backend(tiny_model, tmp_path):
 
 def obs_launch_gpu_memory_gb(tiny_model, tmp_path):
     with pytest.raises(RecipeError, match="needs 2 GPU\\(s\\) of 41 GB per node"):
-        backends.preflight(recipe("--launch.backend", "ddp", "--launch.gpus_per_node", 2, "--launch.gpu_memory_gb", 41))
+        preflight.before_launch(recipe("--launch.backend", "ddp", "--launch.gpus_per_node", 2, "--launch.gpu_memory_gb", 41))
 
 
 def obs_launch_main_process_port(tiny_model, tmp_path):

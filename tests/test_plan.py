@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from sftrecipes.plan.pitfalls import pitfalls
-from sftrecipes.plan import format_plan, main, pipeline_bubble, plan_recipe, preflight
+from sftrecipes.plan import format_plan, main, pipeline_bubble, plan_recipe, verdict
 from sftrecipes.plan.sharding import GB
 from sftrecipes.errors import RecipeError
 from sftrecipes.recipe import load_recipe
@@ -169,7 +169,7 @@ def test_70b_qlora_zero3_on_2x40gb_matches_the_peft_guide():
 
 def test_unknown_gpu_memory_gives_requirement_only(capsys):
     r = load_recipe([LORA_70B, "--launch.gpu_memory_gb", "None"])
-    ok, text = preflight(r)
+    ok, text = verdict(r)
     assert ok and "no launch.gpu_memory_gb" in text
     assert main([LORA_70B, "--launch.gpu_memory_gb", "None"]) == 0
     assert main(["recipes/tiny/lora.yaml", "--lora_target_modules", "nope"]) == 2
@@ -247,7 +247,7 @@ def test_trained_weights_at_rest_follow_one_precision_rule(tmp_path):
     """sharding.trainable_bytes decides the bytes of the trained weights for the model states and for the FULL_STATE_DICT
     gather (the CPU RAM table and the pitfall) alike: memory_constrained keeps them in the bf16 load dtype (half of the 276 GB gathered); an explicit
     dtype: bfloat16 under fp32_trainable is loaded in bf16 (half the loading RAM) and upcast to fp32 for training
-    (backends.apply_precision_policy), so its model states are those of dtype auto."""
+    (precision.apply_precision_policy), so its model states are those of dtype auto."""
     auto = full_recipe(tmp_path, backend="fsdp", fsdp_state_dict_type="FULL_STATE_DICT", cpu_ram_gb=128)
     path = str(tmp_path / "full70b.yaml")
     constrained = load_recipe([path, "--precision", "memory_constrained"])

@@ -280,12 +280,12 @@ def test_liger_is_refused_without_a_gpu_or_its_package(tmp_path, capsys, hardwar
     trainer construction, after the load)."""
     from unittest import mock
 
-    from sftrecipes import backends, model as models
+    from sftrecipes import model as models, preflight
 
     out = tmp_path / "out"
     argv = ["recipes/tiny/lora.yaml", "--use_liger_kernel", "true", "--launch.hardware", hardware, "--max_steps", "1",
             "--output_dir", str(out)]
-    with mock.patch.object(backends, "liger_installed", return_value=installed), \
+    with mock.patch.object(preflight, "liger_installed", return_value=installed), \
          mock.patch.object(models, "load_model", side_effect=AssertionError("model loaded")):
         assert train.main(argv) == 2
     err = capsys.readouterr().err.strip()

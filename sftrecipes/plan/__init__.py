@@ -41,8 +41,9 @@ def pipeline_bubble(p: int, m: int) -> float:
     return (p - 1) / (m + p - 1)
 
 
-def preflight(recipe: Recipe) -> tuple[bool, str]:
-    """For launchers: (fits, the printed plan). Unknown GPU memory counts as fitting (nothing to check against)."""
+def verdict(recipe: Recipe) -> tuple[bool, str]:
+    """(fits, the printed plan with its pitfalls): what the plan command prints and exits by, and what pre-flight
+    (preflight.before_launch) asks first. Unknown GPU memory counts as fitting (nothing to check against)."""
     plan = plan_recipe(recipe)
     ok = plan.fits is not False and plan.cpu_fits is not False
     return ok, format_plan(plan, pitfalls(recipe))
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         recipe = load_recipe(argv)
-        ok, text = preflight(recipe)
+        ok, text = verdict(recipe)
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

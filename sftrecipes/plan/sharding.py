@@ -70,7 +70,7 @@ def setup(recipe: Recipe) -> Setup:
 def trainable_bytes(recipe: Recipe, s: Setup) -> int:
     """Bytes per trainable parameter at rest: 2 in DeepSpeed's 16-bit module (its fp32 master partitions count with
     the optimizer states); 4 for LoRA adapters (peft keeps them fp32); full fine-tuning: 4 under bf16/fp16 mixed
-    precision with precision fp32_trainable (backends.apply_precision_policy upcasts what loaded in 16 bits), else
+    precision with precision fp32_trainable (precision.apply_precision_policy upcasts what loaded in 16 bits), else
     the load dtype (memory_constrained, or no mixed precision: the weights stay as loaded)."""
     if s.deepspeed16:
         return 2

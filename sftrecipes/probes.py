@@ -1,0 +1,142 @@
+"""Probes of what really ran, read from the live trainer: the backend (wrapper, ZeRO stage, how many parameter and
+optimizer elements this rank holds), each rank's memory around model loading, and a sample reply of the trained
+model."""
+
+from __future__ import annotations
+
+import resource
+
+import psutil
+import torch
+from accelerate.utils import gather_object
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from transformers import TrainerCallback
+
+
+def _elements(module) -> tuple[int, int, int]:
+    """(parameter elements this rank stores, elements of the whole model, elements of its trainable parameters)
+    for plain, DTensor (FSDP2), ZeRO-3 partitioned and FSDP1 flat-sharded parameters."""
+    flat = {}
+    for m in module.modules():  # FSDP1: the FlatParameters know their unsharded size
+        handle = getattr(m, "_handle", None)
+        fp = getattr(handle, "flat_param", None)
+        if fp is not None:
+            flat[id(fp)] = fp
+    if flat:
+        local = sum(fp.numel() for fp in flat.values())
+        full = sum(fp._unpadded_unsharded_size.numel() for fp in flat.values())
+        trainable = sum(fp._unpadded_unsharded_size.numel() for fp in flat.values() if fp.requires_grad)
+        return local, full, trainable
+    local = full = trainable = 0
+    for p in module.parameters():
+        if hasattr(p, "ds_tensor"):  # DeepSpeed ZeRO-3 partition
+            a, b = p.ds_tensor.numel(), p.ds_numel
+        elif hasattr(p, "to_local"):  # DTensor shard (FSDP2)
+            a, b = p.to_local().numel(), p.numel()
+        else:
+            a = b = p.numel()
+        local, full = local + a, full + b
+        trainable += b if p.requires_grad else 0
+    return local, full, trainable
+
+
+def fp32_partitions(optimizer) -> list:
+    """This rank's fp32 master partitions of a live DeepSpeed ZeRO optimizer (flat tensors, one per param group):
+    `single_partition_of_fp32_groups` under ZeRO-1/2, `fp32_partitioned_groups_flat` under ZeRO-3; [] for others.
+    (A saved checkpoint keys them differently; export._ZeroSource reads those.)"""
+    return (getattr(optimizer, "single_partition_of_fp32_groups", None)
+            or getattr(optimizer, "fp32_partitioned_groups_flat", None) or [])
+
+
+def describe_backend(trainer) -> dict:
+    """What really ran, read from the live objects: distribution type, wrapper, ZeRO stage, and how many parameter
+    and optimizer-state elements this rank holds versus the whole model (the evidence that sharding took effect)."""
+    acc = trainer.accelerator
+    wrapped = trainer.model_wrapped
+    local, full, trainable = _elements(wrapped)
+    info = {
+        "distributed_type": acc.state.distributed_type.value,
+        "world_size": acc.num_processes,
+        "wrapper": type(wrapped).__name__,
+        "param_elements_local": local,
+        "param_elements_full": full,
+        "trainable_elements_full": trainable,
+        "param_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in wrapped.parameters()}),
+    }
+    engine = getattr(trainer, "deepspeed", None)
+    if engine is not None:
+        info["zero_stage"] = engine.zero_optimization_stage()
+        for key, cfg in (("zero_offload_optimizer", engine.zero_offload_optimizer()), ("zero_offload_params", engine.zero_offload_param())):
+            info[key] = str(getattr(cfg, "device", "none") or "none").split(".")[-1]
+        opt = engine.optimizer
+        info["optimizer_fp32_elements_local"] = int(sum(g.numel() for g in fp32_partitions(opt)))
+        info["optimizer"] = type(getattr(opt, "optimizer", opt)).__name__
+    plugin = getattr(acc.state, "fsdp_plugin", None)
+    if plugin is not None:
+        info["fsdp_version"] = plugin.fsdp_version
+    return info
+
+
+def sample_reply(trainer, tokenizer, prompt, max_new_tokens: int) -> dict:
+    """Greedy reply of the trained model to `prompt` (messages or text), stopping where the saved generation config
+    says (end of turn, eos). Returns {"reply": text without special tokens, "stopped_on": the stop token it ended with
+    or None when it ran to max_new_tokens, "new_tokens": n}. Called on every rank: under ZeRO-3 and FSDP each forward
+    gathers parameters from all ranks, so all must generate together (synced_gpus)."""
+    acc = trainer.accelerator
+    model = acc.unwrap_model(trainer.model)
+    if isinstance(prompt, list):
+        enc = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    else:
+        enc = tokenizer(prompt, return_tensors="pt")
+    enc = {k: v.to(acc.device) for k, v in enc.items()}
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, use_cache=True, pad_token_id=tokenizer.pad_token_id,
+                  synced_gpus=acc.num_processes > 1)
+    gen = getattr(model, "generation_config", None)
+    if gen is not None and getattr(gen, "stop_strings", None):
+        kwargs["tokenizer"] = tokenizer
+    was_training = model.training
+    model.eval()
+    plugin = getattr(acc.state, "fsdp_plugin", None)
+    with torch.no_grad():
+        if plugin is not None and plugin.fsdp_version == 1:  # FSDP1's flat shards must be gathered around generate
+            with FSDP.summon_full_params(trainer.model_wrapped, writeback=False, recurse=True):
+                out = model.generate(**enc, **kwargs)
+        else:
+            out = model.generate(**enc, **kwargs)
+    model.train(was_training)
+    new = out[0, enc["input_ids"].shape[1]:].tolist()
+    eos = gen.eos_token_id if gen is not None else tokenizer.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    stop = new[-1] if new and new[-1] in eos else None
+    return {"reply": tokenizer.decode(new, skip_special_tokens=True), "new_tokens": len(new),
+            "stopped_on": tokenizer.convert_ids_to_tokens(stop) if stop is not None else None}
+
+
+def rss_mb() -> tuple[float, float]:
+    """(current, peak so far) resident memory of this process in MB."""
+    return psutil.Process().memory_info().rss / 1e6, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6  # KiB
+
+
+def load_memory_probe():
+    """A callback that records this rank's memory at the start of the first step: after loading and wrapping (FSDP
+    sharding, ZeRO partitioning, rank-0 broadcast), before any optimizer state exists. Weights are memory-mapped
+    and count only when touched, which happens at wrapping, not in from_pretrained."""
+    return LoadMemoryProbe()
+
+
+class LoadMemoryProbe(TrainerCallback):
+    """load_memory_probe's callback: `at_first_step` is rss_mb() at the first step's start (None before)."""
+
+    at_first_step = None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.at_first_step is None:
+            self.at_first_step = rss_mb()
+
+
+def gather_load_memory(acc, before: tuple[float, float], after: tuple[float, float]) -> list[dict]:
+    """Every rank's CPU memory from just before model loading to `after` (the probe's reading at train begin; all
+    ranks call, it is a collective). With RAM-efficient loading only rank 0 ever holds the whole model."""
+    mine = {"rank": acc.process_index, "rss_before_mb": round(before[0], 1), "peak_mb": round(after[1], 1),
+            "grew_mb": round(max(after[1] - before[0], 0.0), 1)}
+    return sorted(gather_object([mine]) if acc.num_processes > 1 else [mine], key=lambda d: d["rank"])

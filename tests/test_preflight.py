@@ -1,0 +1,85 @@
+"""Pre-flight inside a rank: the launcher's accelerate config must be the recipe's, key by key.
+
+A bare `accelerate launch --config_file X train.py RECIPE` exports X's keys (FSDP_STATE_DICT_TYPE,
+ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE, ...) and accelerate builds its plugin from them, so a config from
+another recipe would silently change what runs and what gets saved. The environments here are the ones accelerate's
+own launcher code computes from a rendered config file (accelerate/utils/launch.py), not hand-written.
+"""
+
+import os
+
+import pytest
+import yaml
+from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+
+from conftest import ROOT, free_port, run_cli
+from sftrecipes.backends import accelerate_config
+from sftrecipes.errors import RecipeError
+from sftrecipes.preflight import check_launcher_matches
+from sftrecipes.recipe import load_recipe
+
+
+def launched_env(recipe, tmp_path) -> dict[str, str]:
+    """What accelerate's launcher exports to each rank for the accelerate config rendered from `recipe`."""
+    cfg = tmp_path / "accelerate.yaml"
+    cfg.write_text(yaml.safe_dump(accelerate_config(recipe)))
+    args, defaults, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(cfg), "train.py"]))
+    if args.use_deepspeed:  # as accelerate's deepspeed_launcher sets it before computing the environment
+        args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config)
+        return prepare_deepspeed_cmd_env(args)[1]
+    return prepare_multi_gpu_env(args)
+
+
+FSDP = ["recipes/tiny/fsdp.yaml"]
+FSDP1 = ["recipes/tiny/fsdp1.yaml"]
+ZERO3 = ["recipes/tiny/zero3.yaml"]
+# (the recipe, the launcher's config rendered with one key changed, the key the error must name)
+CASES = {
+    "fsdp_state_dict_type": (FSDP, ["--launch.fsdp_state_dict_type", "FULL_STATE_DICT"], "launch.fsdp_state_dict_type"),
+    "fsdp_offload_params": (FSDP + ["--launch.hardware", "gpu"], ["--launch.fsdp_offload_params", "true"], "launch.fsdp_offload_params"),
+    "fsdp_reshard_after_forward": (FSDP, ["--launch.fsdp_sharding_strategy", "SHARD_GRAD_OP"], "launch.fsdp_sharding_strategy"),
+    "fsdp_version": (FSDP1, ["--launch.fsdp_version", "2"], "launch.fsdp_version"),
+    "fsdp_sharding_strategy": (FSDP1, ["--launch.fsdp_sharding_strategy", "SHARD_GRAD_OP"], "launch.fsdp_sharding_strategy"),
+    "fsdp_cpu_ram_efficient_loading": (FSDP, ["--launch.fsdp_cpu_ram_efficient_loading", "false"], "launch.fsdp_cpu_ram_efficient_loading"),
+    "zero_stage": (["recipes/tiny/zero2.yaml"], ["--launch.zero_stage", "3"], "launch.zero_stage"),
+    "offload_optimizer": (ZERO3, ["--launch.offload_optimizer", "true"], "launch.offload_optimizer"),
+    "offload_params": (ZERO3, ["--launch.offload_params", "true"], "launch.offload_params"),
+    "zero3_init": (ZERO3, ["--launch.zero3_init", "false"], "launch.zero3_init"),
+    "gradient_clipping": (ZERO3, ["--max_grad_norm", "0.5"], "max_grad_norm"),
+    "backend": (["recipes/tiny/ddp.yaml"], ["--launch.backend", "fsdp"], "launch.backend"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_launcher_config_that_differs_from_the_recipe_is_refused(case, tmp_path, monkeypatch):
+    argv, changed, key = CASES[case]
+    recipe = load_recipe(argv)
+    for name, value in launched_env(recipe, tmp_path).items():  # the recipe's own config: agrees
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("WORLD_SIZE", str(recipe.launch.world_size))
+    check_launcher_matches(recipe)
+    other = launched_env(load_recipe(argv + changed), tmp_path)
+    for name in [n for n in list(os.environ) if n.startswith(("FSDP_", "ACCELERATE_"))]:
+        monkeypatch.delenv(name)
+    for name, value in other.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(RecipeError) as e:
+        check_launcher_matches(recipe)
+    msg = str(e.value)
+    assert msg.startswith(f"{key}:") and "\n" not in msg and "python -m sftrecipes launch" in msg, msg
+
+
+def test_bare_accelerate_launch_with_another_config_stops_before_anything_is_written(tmp_path):
+    """The issue's case: `accelerate launch --config_file X train.py RECIPE` with X saying FULL_STATE_DICT for a
+    recipe that checkpoints SHARDED_STATE_DICT: every rank exits 2 with one line naming the key, nothing saved."""
+    cfg = tmp_path / "full.yaml"
+    cfg.write_text(yaml.safe_dump(accelerate_config(load_recipe(FSDP + ["--launch.fsdp_state_dict_type", "FULL_STATE_DICT"]))))
+    out = tmp_path / "out"
+    res = run_cli(["-m", "accelerate.commands.launch", "--config_file", str(cfg), "--main_process_port", str(free_port()),
+                   str(ROOT / "train.py"), *FSDP, "--max_steps", "1", "--output_dir", str(out)], timeout=300,
+                  env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    assert res.returncode != 0, res.stdout[-2000:]
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error: ")]
+    assert errors and all(ln.startswith("error: launch.fsdp_state_dict_type:") and "FULL_STATE_DICT" in ln for ln in errors), res.stderr[-3000:]
+    assert not out.exists() or not any(out.rglob("*.safetensors")), sorted(out.rglob("*"))
