@@ -534,3 +534,38 @@ def test_loss_keys_set_the_loss_of_a_batch(tiny_model, tmp_path, flags, expect):
             "smoothed": 0.8 * nll.mean() + 0.2 * (-logp.sum(-1)[mask] / logp.shape[-1]).mean()}
     torch.testing.assert_close(got, want[expect], atol=1e-4, rtol=1e-4)
     assert all(not torch.allclose(got, v, atol=1e-4) for k, v in want.items() if k != expect)
+
+
+def test_weight_decay_shrinks_the_decayed_weights_only(tiny_model, tmp_path):
+    """One AdamW step with weight_decay 0.5 against the same step without: AdamW decays decoupled from the gradient,
+    so the two runs differ by exactly learning_rate x weight_decay x the starting weight on every decayed weight, and
+    not at all on the norms and biases transformers leaves undecayed."""
+    lr, wd = 0.01, 0.5
+    common = ("--chat_template_format", "chatml", "--max_steps", 1, "--optim", "adamw_torch", "--learning_rate", lr,
+              "--lr_scheduler_type", "constant", "--sample_max_new_tokens", 0, "--save_strategy", "no")
+    plain, decayed = tmp_path / "plain", tmp_path / "decayed"
+    train.run(recipe(*common, "--output_dir", plain))
+    train.run(recipe(*common, "--weight_decay", wd, "--output_dir", decayed))
+    start, a, b = (load_file(str(p / "model.safetensors")) for p in (tiny_model, plain, decayed))
+    assert a.keys() == b.keys() == start.keys()
+    norms = [k for k in start if "norm" in k or k.endswith("bias")]
+    assert norms and all(torch.equal(a[k], b[k]) for k in norms)
+    for k in set(start) - set(norms):
+        torch.testing.assert_close(b[k] - a[k], -lr * wd * start[k], atol=1e-6, rtol=0)
+
+
+def test_num_train_epochs_and_a_warmup_ratio_set_the_steps_and_the_schedule(tiny_model, tmp_path):
+    """Without max_steps, num_train_epochs 2 runs two passes over the kept samples (ceil(rows / 32) steps each at batch
+    32); warmup_steps 0.5 (a float below 1 is a ratio) warms up over half of them, then the rate decays linearly."""
+    trainer, summary = train.run(recipe(
+        "--chat_template_format", "chatml", "--max_steps", -1, "--num_train_epochs", 2, "--per_device_train_batch_size", 32,
+        "--splits", "train", "--eval_strategy", "no", "--learning_rate", 0.004, "--lr_scheduler_type", "linear",
+        "--warmup_steps", 0.5, "--logging_steps", 1, "--save_strategy", "no", "--sample_max_new_tokens", 0,
+        "--output_dir", tmp_path / "epochs"))
+    per_epoch = -(-summary["data"]["train"]["kept"] // 32)
+    total, warmup = 2 * per_epoch, -(-2 * per_epoch // 2)
+    assert trainer.state.global_step == total
+    logged = [(e["step"], e["learning_rate"]) for e in trainer.state.log_history if "loss" in e]
+    assert [s for s, _ in logged] == list(range(1, total + 1))
+    want = [0.004 * ((s - 1) / warmup if s - 1 < warmup else (total - s + 1) / (total - warmup)) for s, _ in logged]
+    assert [lr for _, lr in logged] == pytest.approx(want)
