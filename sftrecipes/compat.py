@@ -184,7 +184,7 @@ def _merged_full(wrapper):
 def trainable_token_heads_for_trl() -> None:
     """TRL 1.16's fused LM head (trl.trainer.utils.add_fused_lm_head, always on in SFTTrainer) reads
     `lm_head.weight` and `lm_head.bias` instead of calling the head. When new tokens make peft wrap the head in a
-    TrainableTokensWrapper (model.lora_config: trainable_token_indices), `.weight` is the merged weight (base rows +
+    TrainableTokensWrapper (lora.lora_config: trainable_token_indices), `.weight` is the merged weight (base rows +
     the trained delta rows, differentiable) but `.bias` does not exist: every step fails with AttributeError. Give the
     wrapper the bias of the module it wraps; under ZeRO-3 merge the weight gathered, under FSDP2 from full tensors."""
     has, get = TrainableTokensWrapper._hasattr_wrapped, TrainableTokensWrapper._getattr_wrapped

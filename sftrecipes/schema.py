@@ -147,7 +147,7 @@ class DataOptions:
     )
 
 
-# The keys of one `datasets:` entry (validated in recipe.py, applied in data.py).
+# The keys of one `datasets:` entry (validated in validation.py, applied in data.py).
 DATASET_ENTRY_KEYS: dict[str, str] = {
     "path": "Required. Hub id, local folder or one json/jsonl/parquet/csv file, as dataset_name takes.",
     "name": "The hub dataset's configuration name (load_dataset's `name`).",
