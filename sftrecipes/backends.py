@@ -14,12 +14,9 @@ import os
 from .errors import RecipeError
 from .recipe import Recipe
 from .schema import TRL_DEFAULTS
+from .sources import CONSUMED_BY_PIPELINE
 
 log = logging.getLogger("sftrecipes")
-
-# Keys the data pipeline (data.py) applies itself; TRL would refuse them on pre-tokenized data.
-CONSUMED_BY_PIPELINE = ("assistant_only_loss", "completion_only_loss", "chat_template_path")
-
 
 def hardware(recipe: Recipe) -> str:
     """'cpu' or 'gpu'. `launch.hardware: auto` asks torch (the only import of torch this needs)."""

@@ -46,6 +46,11 @@ TRL_DATA_KEYS: dict[str, tuple[str, str]] = {
 }
 
 
+# The "pipeline" keys that are not handed to SFTConfig at all (backends.training_kwargs leaves them out): applied to
+# the data here, TRL would apply them again or refuse them on pre-tokenized data.
+CONSUMED_BY_PIPELINE = ("assistant_only_loss", "completion_only_loss", "chat_template_path")
+
+
 def check_trl_data_keys(recipe: Recipe) -> None:
     """The TRL data-preparation keys TRL_DATA_KEYS refuses, or refuses in a combination: one line, before anything runs."""
     kwargs = recipe.trl.get("dataset_kwargs")
