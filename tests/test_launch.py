@@ -156,8 +156,9 @@ def test_dry_run_of_an_outside_copy_from_its_folder(tmp_path, module):
 
 def test_port_set_by_the_user_is_kept(tmp_path):
     assert sft(["cp", "tiny/ddp", "my.yaml"], cwd=tmp_path).returncode == 0
-    _, argv = dry_run(sft(["launch", "my.yaml", "--dry-run", "--launch.main_process_port", "29555"], cwd=tmp_path))
-    assert opt(argv, "--main_process_port") == "29555"
+    port = free_port()
+    _, argv = dry_run(sft(["launch", "my.yaml", "--dry-run", "--launch.main_process_port", str(port)], cwd=tmp_path))
+    assert opt(argv, "--main_process_port") == str(port)
     port = free_port()
     _, argv = dry_run(sft(["launch", "my.yaml", "--dry-run"], cwd=tmp_path, env={"MAIN_PROCESS_PORT": str(port)}))
     assert opt(argv, "--main_process_port") == str(port)
@@ -181,7 +182,8 @@ def test_multinode_rank_and_address_from_slurm(tmp_path):
     slurm = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node-[4-5]", "SLURM_NODEID": "1"}
     recipe = str(ROOT / "recipes/tiny/multinode.yaml")
     _, argv = dry_run(sft(["launch", recipe, "--dry-run"], cwd=tmp_path, env=slurm))
-    assert (opt(argv, "--machine_rank"), opt(argv, "--main_process_ip"), opt(argv, "--main_process_port")) == ("1", "node-4", "29620")
+    port = str(load_recipe([recipe]).launch.main_process_port)  # every node reads the same recipe
+    assert (opt(argv, "--machine_rank"), opt(argv, "--main_process_ip"), opt(argv, "--main_process_port")) == ("1", "node-4", port)
     assert opt(argv, "--num_machines") == "2" and opt(argv, "--num_processes") == "2"
     _, argv = dry_run(sft(["launch", recipe, "--dry-run"], cwd=tmp_path, env={"MACHINE_RANK": "0", "MAIN_PROCESS_IP": "10.0.0.7"}))
     assert (opt(argv, "--machine_rank"), opt(argv, "--main_process_ip")) == ("0", "10.0.0.7")

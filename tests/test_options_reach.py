@@ -15,6 +15,7 @@ import pytest
 import torch
 from peft import get_peft_model
 from safetensors.torch import load_file
+from conftest import free_port
 from test_data import first_batch, trainer_for
 from test_lifecycle import fake_agent_preemption
 from transformers import AutoModelForCausalLM, TrainerControl, TrainerState
@@ -310,7 +311,8 @@ def obs_launch_gpu_memory_gb(tiny_model, tmp_path):
 
 
 def obs_launch_main_process_port(tiny_model, tmp_path):
-    assert acc("--launch.main_process_port", 29777)["main_process_port"] == 29777
+    port = free_port()  # rendered only, never bound; still not a number another test could hold
+    assert acc("--launch.main_process_port", port)["main_process_port"] == port
 
 
 def ds(*flags):

@@ -283,31 +283,27 @@ def test_a_number_or_a_word_option_takes_numbers_from_the_command_line():
 
 # The torch-free paths: recipe validation, --help, plan, emit, launch's pre-flight, cp. A verb that runs one of them
 # must answer without importing torch (or the libraries that load it); these are the commands a user runs.
-TORCH_FREE = {
+TORCH_FREE = {  # the script as a user runs it (train.py, or the package folder as `python sftrecipes VERB`), its args
     "help": ["train.py", "--help"],
-    "verbs": ["-m", "sftrecipes", "--help"],
-    "plan": ["-m", "sftrecipes", "plan", "recipes/tiny/lora.yaml"],
-    "emit_check": ["-m", "sftrecipes", "emit", "--check"],
-    "launch_help": ["-m", "sftrecipes", "launch", "--help"],
-    "preflight_cpu": ["-m", "sftrecipes", "preflight", "recipes/tiny/zero3.yaml"],  # (a GPU recipe counts GPUs with torch)
+    "verbs": ["sftrecipes", "--help"],
+    "plan": ["sftrecipes", "plan", "recipes/tiny/lora.yaml"],
+    "emit_check": ["sftrecipes", "emit", "--check"],
+    "launch_help": ["sftrecipes", "launch", "--help"],
+    "preflight_cpu": ["sftrecipes", "preflight", "recipes/tiny/zero3.yaml"],  # (a GPU recipe counts GPUs with torch)
 }
 
 
 @pytest.mark.parametrize("name", sorted(TORCH_FREE))
 def test_torch_free_paths_import_no_torch(name):
     heavy = ("torch", "transformers", "trl", "peft", "accelerate", "deepspeed", "datasets", "bitsandbytes")
-    argv = TORCH_FREE[name]
     probe = (
         "import runpy, sys\n"
-        f"argv = {argv!r}\n"
-        "sys.argv = [argv[0] if argv[0] != '-m' else argv[1]] + argv[(2 if argv[0] == '-m' else 1):]\n"
+        f"sys.argv = {TORCH_FREE[name]!r}\n"
         "try:\n"
-        "    runpy.run_module(argv[1], run_name='__main__', alter_sys=True) if argv[0] == '-m' else "
-        "runpy.run_path(argv[0], run_name='__main__')\n"
+        "    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+        "    code = 0\n"
         "except SystemExit as e:\n"
         "    code = e.code\n"
-        "else:\n"
-        "    code = 0\n"
         f"loaded = sorted({{m.split('.')[0] for m in sys.modules}} & set({heavy!r}))\n"
         "print('LOADED', loaded, file=sys.stderr); sys.exit(code or 0)\n"
     )
