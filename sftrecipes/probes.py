@@ -43,7 +43,7 @@ def _elements(module) -> tuple[int, int, int]:
 def fp32_partitions(optimizer) -> list:
     """This rank's fp32 master partitions of a live DeepSpeed ZeRO optimizer (flat tensors, one per param group):
     `single_partition_of_fp32_groups` under ZeRO-1/2, `fp32_partitioned_groups_flat` under ZeRO-3; [] for others.
-    (A saved checkpoint keys them differently; export._ZeroSource reads those.)"""
+    (A saved checkpoint keys them differently; export.readers._ZeroSource reads those.)"""
     return (getattr(optimizer, "single_partition_of_fp32_groups", None)
             or getattr(optimizer, "fp32_partitioned_groups_flat", None) or [])
 
