@@ -269,11 +269,11 @@ def supervise(run: Launch, lock: runlock.Lock | None = None) -> int:
         raise
     watch = (heartbeats.Watch(out / heartbeats.HEARTBEATS, recipe.run.heartbeat_timeout, pids=lambda: {p.pid for p in _ranks(agent.pid)})
              if recipe.run.heartbeat_timeout else None)  # this node's ranks (the ranks watch the others)
-    handled, deadline, code, asked_ranks = 0, None, None, set()
+    handled, deadline, code, asked_ranks, next_watch = 0, None, None, set(), 0.0
     try:
         while True:
-            try:
-                code = agent.wait(timeout=0.5)
+            try:  # a signal is passed on within 0.1 s (a fast run does several steps in 0.5 s)
+                code = agent.wait(timeout=0.1)
                 break
             except subprocess.TimeoutExpired:
                 pass
@@ -294,7 +294,9 @@ def supervise(run: Launch, lock: runlock.Lock | None = None) -> int:
                 if time.time() > deadline:
                     return _kill_run(agent, f"the ranks did not save and exit within preempt_timeout {timeout}s; killing "
                                      "them (the latest complete checkpoint stays; raise preempt_timeout if saves take longer)")
-            stale = watch.stale() if watch else []
+            stale = []
+            if watch and time.monotonic() >= next_watch:  # (the heartbeat files and /proc twice a second)
+                stale, next_watch = watch.stale(), time.monotonic() + 0.5
             if stale:  # a rank stopped beating: collectives cannot complete; end this node's part now
                 return _kill_run(agent, "\nlaunch: ".join(heartbeats.describe_silent(r, recipe.run.heartbeat_timeout) for r in stale))
     finally:

@@ -38,7 +38,8 @@ CASES = {  # recipe + flags, the preemption signal
     "zero3": (["recipes/tiny/zero3.yaml"], signal.SIGTERM),
     "fsdp": (["recipes/tiny/fsdp.yaml"], signal.SIGUSR1),
 }
-STEPS = 20  # (steps take ~0.1-0.3 s: a killed run may be several checkpoints further than asked)
+STEPS = 20  # room for the latest preemption: killed <= 3 steps after checkpoint-4 (resumed from <= 6), signalled <= 1 step
+#            after the next checkpoint (8), forwarded by launch within 0.1 s, every rank stopped <= 2 steps later: ~12
 COMMON = ["--max_steps", str(STEPS), "--save_strategy", "steps", "--save_steps", "2", "--logging_steps", "1",
           "--lr_scheduler_type", "linear", "--learning_rate", "5e-3", "--bf16", "false", "--sample_max_new_tokens", "0"]
 
@@ -113,13 +114,18 @@ def final_weights(out) -> dict[str, torch.Tensor]:
 def test_kill_preempt_resume_gives_the_uninterrupted_weights(tiny_model, tmp_path, case):
     seed = int(os.environ.get("RESUME_TEST_SEED", time.time_ns() % 10_000))
     rng = random.Random(seed)
-    after, delay = rng.choice([2, 4]), rng.uniform(0.0, 0.6)
+    after, kill_in, preempt_in = rng.choice([2, 4]), rng.uniform(0.0, 2.0), rng.uniform(0.0, 1.0)
     recipe, preempt = CASES[case]
-    print(f"{case}: seed {seed}: SIGKILL {delay:.2f}s after checkpoint-{after} is complete; then {preempt.name}")
     argv = recipe + COMMON
     world = 1 if case == "single" else 2
 
     finish(start(argv + ["--save_strategy", "no"], tmp_path / "straight"), tmp_path / "straight")
+    # The moments are in steps of this machine (a DDP step can take 0.1 s: delays in seconds let the killed run get so
+    # far that the resumed one ended before the preemption reached it, seen on CI)
+    step_s = json.loads((tmp_path / "straight" / "run_summary.json").read_text())["seconds"] / STEPS
+    delay = kill_in * step_s
+    print(f"{case}: seed {seed}: SIGKILL {kill_in:.2f} steps ({delay:.2f}s) after checkpoint-{after} is complete; "
+          f"then {preempt.name} {preempt_in:.2f} steps after the resumed run's first checkpoint")
 
     # 2. SIGKILL of the launcher: its ranks end with it
     out = tmp_path / "killed"
@@ -141,7 +147,7 @@ def test_kill_preempt_resume_gives_the_uninterrupted_weights(tiny_model, tmp_pat
     before = complete_checkpoints(out)
     proc = start(resume, out)
     wait_for(lambda: complete_checkpoints(out) - before, proc, out, "a new checkpoint")
-    time.sleep(rng.uniform(0.0, 0.3))
+    time.sleep(preempt_in * step_s)
     assert proc.poll() is None, "finished before the preemption"
     proc.send_signal(preempt)
     finish(proc, out, expect=75)
