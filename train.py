@@ -187,8 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except TrainingStopped as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        if not e.every_rank or os.environ.get("RANK", "0") == "0":  # a verdict of every rank: said once
+            print(f"error: {e}", file=sys.stderr)
+        return leave_process_group(1) if e.every_rank else 1
     except lifecycle.Preempted as e:
         if os.environ.get("RANK", "0") == "0":
             log.warning("%s", e)

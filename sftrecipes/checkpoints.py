@@ -393,7 +393,13 @@ def _left_incomplete(folder: Path) -> str:
 
 
 class TrainingStopped(RuntimeError):
-    """The run stopped itself (non-finite loss or gradient norm); its message is one line."""
+    """The run stopped itself (non-finite loss or gradient norm); its message is one line. `every_rank`: raised on
+    every rank of the process group together (a collective verdict), so they can leave the group in step and only rank
+    0 need say why; otherwise a rank raises it alone."""
+
+    def __init__(self, message: str, every_rank: bool = False):
+        super().__init__(message)
+        self.every_rank = every_rank
 
 
 class SaveFailed(TrainingStopped):

@@ -7,7 +7,7 @@ import json
 import logging
 from pathlib import Path
 
-from accelerate.utils import save_fsdp_model
+from accelerate.utils import broadcast_object_list, save_fsdp_model
 from peft import PeftModel, get_peft_model_state_dict
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -86,7 +86,8 @@ def save_final(trainer, recipe) -> int:
 
 
 def save_checked(trainer, recipe) -> int:
-    """The run's final save, then its check (every expected tensor present and non-empty). Returns the tensor count.
+    """The run's final save, then its check (every expected tensor present and non-empty). Returns the tensor count
+    (0 on ranks other than 0); a failed check raises SaveFailed on every rank, rank 0's line.
 
     LoRA adapters are small: under FSDP they are gathered (FULL_STATE_DICT) and saved as safetensors. A full model
     under FSDP with SHARDED_STATE_DICT is saved sharded (one piece per rank, no rank-0 gather of the whole model) as
@@ -111,11 +112,18 @@ def save_checked(trainer, recipe) -> int:
         acc.wait_for_everyone()
         add_resized_embeddings_under_zero3(trainer, out, expected)
     acc.wait_for_everyone()
-    if not trainer.is_world_process_zero():
-        return 0
-    if sharded:
-        return check_saved(out / "pytorch_model_fsdp_0", {f"model.{n}" for n in expected})
-    return check_saved(out, expected)
+    count, verdict = 0, None
+    if trainer.is_world_process_zero():
+        try:
+            count = (check_saved(out / "pytorch_model_fsdp_0", {f"model.{n}" for n in expected}) if sharded
+                     else check_saved(out, expected))
+        except SaveFailed as e:
+            verdict = str(e)
+    if acc.num_processes > 1:  # rank 0's verdict to every rank: they fail together (a rank 0 leaving alone broke the
+        verdict = broadcast_object_list([verdict])[0]  # others' next collective: a traceback each, or a hang)
+    if verdict:
+        raise SaveFailed(verdict, every_rank=acc.num_processes > 1)
+    return count
 
 
 def add_resized_embeddings_under_zero3(trainer, out: Path, expected: set[str]) -> None:

@@ -1,5 +1,6 @@
 """Faults met for real (issue 12, part B), each reproduced: resuming on another process count, a full disk while
-saving, a checkpoint whose marker lists an empty or changed file, non-finite losses from broken weights or data.
+saving, a checkpoint whose marker lists an empty or changed file, non-finite losses from broken weights or data, a
+final save that fails its check (one process, and rank 0 of two: every rank ends with it).
 
 Resuming on another process count must continue exactly or stop with one line before the model loads: DDP and FSDP2
 checkpoints continue (2 -> 1 -> 2 processes, gradient accumulation keeping the global batch: the same weights as the
@@ -10,6 +11,8 @@ the tiny Llama, 3 steps, a checkpoint at each).
 import builtins
 import json
 import logging
+import os
+import re
 import shutil
 import types
 
@@ -18,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import train
-from conftest import accelerate_command, run_cli
+from conftest import ROOT, accelerate_command, run_cli
 from sftrecipes import checkpoints as ck, finalsave
 from sftrecipes.errors import RecipeError
 from sftrecipes.recipe import load_recipe
@@ -29,13 +32,13 @@ STEPS = ["--save_strategy", "steps", "--save_steps", "1", "--logging_steps", "1"
          "--sample_max_new_tokens", "0", "--lr_scheduler_type", "constant"]  # the schedule must not depend on max_steps
 
 
-def launch(backend: str, out, processes: int, extra=()) -> tuple[int, str]:
+def launch(backend: str, out, processes: int, extra=(), env: dict | None = None) -> tuple[int, str]:
     """Run a twin recipe on `processes` processes as its launcher would; (exit code, log)."""
     argv = [RECIPES[backend], *STEPS, "--launch.gpus_per_node", str(processes), *extra]
     if backend != "fsdp":
         argv += ["--lora_dropout", "0"]
-    cmd, env = accelerate_command(argv, out)
-    res = run_cli(cmd[1:], env=env)
+    cmd, launcher_env = accelerate_command(argv, out)
+    res = run_cli(cmd[1:], env={**launcher_env, **(env or {})})
     return res.returncode, res.stdout + res.stderr
 
 
@@ -234,6 +237,32 @@ def test_failed_save_check_exits_1_with_one_line(tmp_path, monkeypatch, capsys):
     rc = train.main(["recipes/tiny/lora.yaml", "--output_dir", str(out)])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1 and len(err) == 1 and err[0].startswith(f"error: save check: 1 empty tensors (0 elements) in {bad}"), err
+    assert not (out / ck.FINAL).exists()
+
+
+@pytest.mark.parametrize("backend", ["ddp", "fsdp"])  # the safetensors check and the sharded (DCP) one
+def test_failed_save_check_on_two_ranks_ends_every_rank_with_one_line(tiny_model, tmp_path, backend):
+    """The check fails on rank 0 of a 2-rank run (a tensor name the save cannot hold is added to what it expects, by a
+    sitecustomize in each rank): rank 0's line is said once and every rank exits 1 together. Rank 0 used to leave
+    alone, and the other rank's next collective died with gloo's "Connection closed by peer" traceback (with NCCL it
+    waits until the launcher kills it)."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import sys\n"
+        "if sys.argv and sys.argv[0].endswith('train.py'):\n"
+        f"    sys.path.insert(0, {str(ROOT)!r})\n"
+        "    from sftrecipes import finalsave\n"
+        "    expected = finalsave.expected_saved_names\n"
+        "    finalsave.expected_saved_names = lambda *a, **k: expected(*a, **k) | {'never.saved.weight'}\n")
+    out = tmp_path / "run"
+    code, log = launch(backend, out, 2, ["--max_steps", "1"], env={"PYTHONPATH": os.pathsep.join(
+        [str(hook), *filter(None, [os.environ.get("PYTHONPATH")])])})
+    assert code != 0 and log.count("error: save check: ") == 1, log[-3000:]
+    assert "expected tensors missing" in log and "never.saved.weight" in log
+    assert log.count("Traceback (most recent call last)") == 1, log[-3000:]  # the launcher's report of the exits only
+    assert "Connection closed by peer" not in log
+    assert re.findall(r"^\s*exitcode\s*:\s*(-?\d+)", log, re.M) == ["1", "1"], log[-2000:]  # both ranks, not killed
     assert not (out / ck.FINAL).exists()
 
 
