@@ -103,6 +103,12 @@ def slurm_signal_lead(recipe: Recipe) -> int:
     return max(1, min(want, slurm_seconds(recipe.launch.slurm_time) // 2, 65535))
 
 
+def job_port_span(recipe: Recipe) -> int:
+    """The SLURM script's rendezvous port is launch.main_process_port + SLURM_JOB_ID % this span (<= 1000 ports above
+    it, within 65535): jobs sharing a host meet on different ports, and every node of one job on the same."""
+    return max(1, min(1000, 65536 - recipe.launch.main_process_port))
+
+
 def slurm_script(recipe: Recipe, rel: str, name: str) -> str:
     """sbatch script: one `launch` per node (scripts/run_<name>.sh) under srun, with the cluster hygiene of the
     anchors put together (alignment-handbook's launch.slurm, torchtune's multi-node script): submittable from any
@@ -112,7 +118,7 @@ def slurm_script(recipe: Recipe, rel: str, name: str) -> str:
 
     L = recipe.launch
     mem_gb = max(1, math.ceil(plan_recipe(recipe, _alternatives=False).cpu_total_gb))
-    span = max(1, min(1000, 65536 - L.main_process_port))
+    span = job_port_span(recipe)
     sb = [f"--job-name={_q(name)}", f"--nodes={L.num_machines}", "--ntasks-per-node=1"]
     if L.hardware == "cpu":
         sb.append(f"--cpus-per-task={L.gpus_per_node * L.cpu_threads}")

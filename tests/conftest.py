@@ -54,6 +54,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def bindable(port: int) -> bool:
+    """Whether `port` is free on this host now (a rendezvous binds every address)."""
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+            return True
+        except OSError:
+            return False
+
+
 def accelerate_command(argv: list[str], out: Path) -> tuple[list[str], dict]:
     """The command and environment scripts/run_*.sh would use, with an accelerate config rendered by `emit`'s code
     for this recipe + flags (launch keys of the flags included); plain train.py for a single-process recipe."""

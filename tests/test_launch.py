@@ -9,7 +9,6 @@ import json
 import os
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT, free_port
+from conftest import ROOT, bindable, free_port
 from sftrecipes import cli
 from sftrecipes.recipe import load_recipe
 
@@ -52,15 +51,6 @@ def dry_run(res) -> tuple[dict, list[str]]:
 
 def opt(argv: list[str], flag: str) -> str:
     return argv[argv.index(flag) + 1]
-
-
-def bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("", port))
-            return True
-        except OSError:
-            return False
 
 
 # ----------------------------------------------------------------------------------------------- the verbs
@@ -180,9 +170,9 @@ def test_multinode_rank_and_address_from_slurm(tmp_path):
     scontrol.write_text("#!/bin/sh\n[ \"$1 $2 $3\" = 'show hostnames node-[4-5]' ] && printf 'node-4\\nnode-5\\n'\n")
     scontrol.chmod(0o755)
     slurm = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node-[4-5]", "SLURM_NODEID": "1"}
+    port = str(free_port())  # every node reads the same recipe and flags: the port they meet on
     recipe = str(ROOT / "recipes/tiny/multinode.yaml")
-    _, argv = dry_run(sft(["launch", recipe, "--dry-run"], cwd=tmp_path, env=slurm))
-    port = str(load_recipe([recipe]).launch.main_process_port)  # every node reads the same recipe
+    _, argv = dry_run(sft(["launch", recipe, "--dry-run", "--launch.main_process_port", port], cwd=tmp_path, env=slurm))
     assert (opt(argv, "--machine_rank"), opt(argv, "--main_process_ip"), opt(argv, "--main_process_port")) == ("1", "node-4", port)
     assert opt(argv, "--num_machines") == "2" and opt(argv, "--num_processes") == "2"
     _, argv = dry_run(sft(["launch", recipe, "--dry-run"], cwd=tmp_path, env={"MACHINE_RANK": "0", "MAIN_PROCESS_IP": "10.0.0.7"}))

@@ -1,6 +1,7 @@
 """The emitted SLURM script under a real SLURM: scripts/slurm_tiny-multinode.sh (the 2-"machine" FSDP twin) submitted
 with sbatch to slurmctld and two slurmd on this host (Debian's slurm-wlm 22.05, munge for authentication), all started
-from a temporary folder of the test session on free ports and stopped at its end.
+from a temporary folder of the test session on free ports (the jobs' rendezvous ports too: first_job_id) and stopped at
+its end.
 
 What it proves: the job trains on 2 nodes from any submit directory; two jobs on the same nodes at once never meet; a
 node that fails before the rendezvous ends the job within a minute; a requeue (`scontrol requeue`, and the script's
@@ -11,6 +12,7 @@ the attempts. Skipped only outside CI when SLURM is not installed (.ci/run insta
 import itertools
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -23,9 +25,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, free_port
+from conftest import ROOT, bindable, free_port
+from sftrecipes.emit import job_port_span
+from sftrecipes.recipe import load_recipe
 
 SCRIPT = ROOT / "scripts" / "slurm_tiny-multinode.sh"
+RECIPE = ROOT / "recipes" / "tiny" / "multinode.yaml"  # the recipe SCRIPT was emitted from
 # a short deterministic run that saves often (fp32, linear decay: resuming must restore optimizer and scheduler)
 FLAGS = ["--max_steps", "24", "--save_strategy", "steps", "--save_steps", "4", "--save_total_limit", "2",
          "--lr_scheduler_type", "linear", "--learning_rate", "5e-3", "--bf16", "false", "--sample_max_new_tokens", "0"]
@@ -41,6 +46,19 @@ def _need_slurm():
     if os.environ.get("CI"):
         pytest.fail(f"{why}: CI must run the SLURM tests (.ci/run installs slurmctld slurmd slurm-client munge as root)")
     pytest.skip(f"{why} and CI is not set; to run these: apt-get install slurmctld slurmd slurm-client munge (as root)")
+
+
+def first_job_id(jobs: int = 8) -> int:
+    """A first job id for the local cluster whose next `jobs` jobs (this module submits 4) find their rendezvous ports
+    free on this host now. The script derives a job's port from its id (the recipe's port + id % job_port_span): with
+    ids from 1 every test session on a host would use the same ports, and two sessions at once (CI beside other work)
+    would meet. The place in the span is random, as two sessions may look at the same moment."""
+    recipe = load_recipe([str(RECIPE)])
+    base, span = recipe.launch.main_process_port, job_port_span(recipe)
+    for offset in random.sample(range(span), span):
+        if all(bindable(base + (offset + i) % span) for i in range(jobs)):
+            return offset + span * random.randint(1, 999)
+    raise RuntimeError(f"no {jobs} free ports in a row among {base}..{base + span - 1} for the local SLURM's jobs")
 
 
 class Cluster:
@@ -65,6 +83,7 @@ class Cluster:
         self.conf = home / "slurm.conf"
         self.conf.write_text("\n".join([
             "ClusterName=sftrecipes-test",
+            f"FirstJobId={first_job_id()}",  # (its jobs' rendezvous ports free on this host)
             f"SlurmctldHost={short}(127.0.0.1)",
             f"SlurmctldPort={ports[0]}",
             "SlurmUser=root", "SlurmdUser=root",
@@ -228,6 +247,7 @@ def test_two_nodes_from_any_directory_and_two_jobs_at_once_never_meet(slurm, ref
     one job's launcher joined the other's rendezvous (the fixed port with static rendezvous did), one would have failed
     or trained with the other's ranks, and the two results would differ."""
     outs, ids, submit = reference
+    recipe = load_recipe([str(RECIPE)])
     starts, ends = [], []
     for out, job_id in zip(outs, ids):
         info = slurm.job(job_id)
@@ -240,6 +260,8 @@ def test_two_nodes_from_any_directory_and_two_jobs_at_once_never_meet(slurm, ref
         assert summary["backend"]["world_size"] == 2 and summary["backend"]["distributed_type"] == "FSDP"
         log = (submit / f"tiny-multinode-{job_id}.out").read_text()
         assert "done: 24 steps" in log
+        port = recipe.launch.main_process_port + int(job_id) % job_port_span(recipe)  # the script's port for this job
+        assert log.count(f":{port}, rendezvous id slurm-{job_id}") == 2, log[-3000:]  # both nodes on it
     assert max(starts) < min(ends), (starts, ends)  # they overlapped
     assert_same_weights(final_weights(outs[0]), final_weights(outs[1]))
 

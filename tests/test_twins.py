@@ -146,26 +146,25 @@ def test_data_is_prepared_once(twin_runs):
 
 
 def test_multinode_launcher_two_machines(tiny_model, tmp_path):
-    """The multi-node launcher as two machines (machine rank 0 and 1, one process each) meeting on 127.0.0.1, on a
-    free port (MAIN_PROCESS_PORT): the recipe's own port is held by another socket meanwhile, as another run on the
-    same host once held it and failed this test."""
+    """The multi-node launcher as two machines (machine rank 0 and 1, one process each) meeting on 127.0.0.1, on the
+    port MAIN_PROCESS_PORT names: the recipe's port (set by a flag on both, as a copied recipe would) is held by
+    another socket meanwhile, as another run on the same host once held the shipped recipe's and failed this test.
+    Both ports are free ones of this host."""
     import socket
 
-    from sftrecipes.recipe import load_recipe
-
     out = tmp_path / "mn"
-    env = {**os.environ, "MAIN_PROCESS_IP": "127.0.0.1", "MAIN_PROCESS_PORT": str(free_port())}
     with socket.socket() as taken:
-        try:
-            taken.bind(("127.0.0.1", load_recipe(["recipes/tiny/multinode.yaml"]).launch.main_process_port))
-            taken.listen()
-        except OSError:
-            pass  # someone else holds it already: the same situation
-        procs = [subprocess.Popen(["scripts/run_tiny-multinode.sh", "--output_dir", str(out), "--sample_max_new_tokens", "0"],
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        held = str(taken.getsockname()[1])
+        env = {**os.environ, "MAIN_PROCESS_IP": "127.0.0.1", "MAIN_PROCESS_PORT": str(free_port())}  # (not `held`)
+        procs = [subprocess.Popen(["scripts/run_tiny-multinode.sh", "--output_dir", str(out), "--sample_max_new_tokens", "0",
+                                   "--launch.main_process_port", held],
                                   cwd=ROOT, env={**env, "MACHINE_RANK": str(rank)},
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
         logs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    assert all(f"main process at 127.0.0.1:{env['MAIN_PROCESS_PORT']}" in log for log in logs), logs[0][-3000:]
     b = json.loads((out / "run_summary.json").read_text())["backend"]
     assert b["world_size"] == 2 and b["distributed_type"] == "FSDP"
     assert b["param_elements_local"] * 2 == b["param_elements_full"]
