@@ -31,26 +31,51 @@ def _clean(name: str) -> str:
     return re.sub(r"\.base_layer(?=\.|$)", "", name.removeprefix("base_model.model."))
 
 
+def _is_experts(module) -> bool:
+    """A mixture-of-experts block's experts, by structure: transformers' experts classes (those its experts
+    implementations decorate carry `is_concatenated`; the others are named *Experts), not a convolution."""
+    if isinstance(module, torch.nn.modules.conv._ConvNd):
+        return False
+    return hasattr(module, "is_concatenated") or type(module).__name__.endswith("Experts")
+
+
 def moe_layout(model) -> tuple[dict[str, tuple[int, ...]], dict[str, bool]]:
     """(expert parameters: name -> [E, ., .] shape, routers: module name -> is an nn.Linear) of a model, by structure:
-    experts are the 3-D parameters; a router is a sibling module of the experts' module whose own 2-D parameter has E
-    rows. Names as in the base model (peft's wrappers looked through); shapes also under ZeRO-3 partitioning."""
-    params = {}
+    experts are the 3-D parameters of a mixture-of-experts block's experts module (_is_experts; or a module whose 3-D
+    parameters share E >= 2 rows with a router beside it) -- never a 3-D tensor for its shape alone (SigLIP's pooling
+    `probe` [1, 1, h], a convolution's kernel); a router is a sibling module of the experts' module whose own 2-D
+    parameter has E rows. Names as in the base model (peft's wrappers looked through); shapes also under ZeRO-3."""
+    params, owners = {}, {}
     for n, p in model.named_parameters():
         if not any(mark in n for mark in ("lora_", ".modules_to_save.", ".original_module.", ".token_adapter.")):
             params[_clean(n)] = tuple(getattr(p, "ds_shape", p.shape))
-    experts = {n: s for n, s in params.items() if len(s) == 3}
-    routers: dict[str, bool] = {}
-    for container in {n.rpartition(".")[0] for n in experts}:
-        e = next(s[0] for n, s in experts.items() if n.rpartition(".")[0] == container)
-        block = container.rpartition(".")[0]
+            owners[_clean(n)] = n.rpartition(".")[0]
+    candidates = {n: s for n, s in params.items() if len(s) == 3}
+
+    def routers_of(container: str, e: int) -> dict[str, bool]:
+        block, found = container.rpartition(".")[0], {}
         for n, s in params.items():
             module = n.rpartition(".")[0]
             if module != container and module.rpartition(".")[0] == block and len(s) == 2 and s[0] == e:
                 try:
-                    routers[module] = isinstance(model.get_submodule(module), torch.nn.Linear)
+                    found[module] = isinstance(model.get_submodule(module), torch.nn.Linear)
                 except AttributeError:  # a peft model: the path runs through wrappers
-                    routers[module] = False
+                    found[module] = False
+        return found
+
+    experts: dict[str, tuple[int, ...]] = {}
+    routers: dict[str, bool] = {}
+    for container in {n.rpartition(".")[0] for n in candidates}:
+        mine = {n: s for n, s in candidates.items() if n.rpartition(".")[0] == container}
+        rows = {s[0] for s in mine.values()}
+        owner = model.get_submodule(owners[next(iter(mine))])
+        if len(rows) != 1 or isinstance(owner, torch.nn.modules.conv._ConvNd):
+            continue
+        e = rows.pop()
+        found = routers_of(container, e)
+        if e >= 2 and (_is_experts(owner) or found):
+            experts.update(mine)
+            routers.update(found)
     return experts, routers
 
 

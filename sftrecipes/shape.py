@@ -17,10 +17,11 @@ torch, the planner to bytes) and the mixed-precision compute dtype it uses (`mix
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -56,13 +57,12 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 }
 # types whose q/k/v/o biases follow attention_bias (Qwen2 has q/k/v biases always, Qwen2-MoE per qkv_bias, the others none)
 ATTENTION_BIAS = ("llama", "qwen3", "qwen3_moe", "gemma2", "gemma3_text")
-# a multimodal config whose text part is another model type
-TEXT_TYPES = {"gemma3": "gemma3_text"}
 # peft 0.21 converts LoRA targets of these model types to transformers 5's fused experts (peft.utils.
 # transformers_weight_conversion): the v4 module names below become parameters of the fused experts (the two halves of
-# gate_up_proj together, at twice the rank and alpha: peft's rank_pattern) or the router, and stop naming modules (a
-# dense MLP's gate/up/down_proj of such a model is then not adapted). MoE types not listed (qwen2_moe) keep experts
-# and router out of LoRA: they are not nn.Linear.
+# gate_up_proj together, at twice the rank and alpha: peft's rank_pattern) or the router. Those names still adapt the
+# nn.Linear modules that have them (a dense layer's MLP, a shared expert): compat.keep_dense_linears_in_moe_conversion
+# puts them back, in the run and in the planner alike. Every MoE layout's fused experts are adapted under all-linear
+# (lora.lora_targets), the router only with lora_target_router.
 PEFT_EXPERT_NAMES = {
     "qwen3_moe": {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj", "gate": "gate"},
     "mixtral": {"w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj", "gate": "gate"},
@@ -82,8 +82,9 @@ class Weight:
     """One parameter tensor of a decoder layer, named as in the model (relative to `model.layers.N.`).
 
     kind: "linear" (an nn.Linear weight, dims (out, in)), "bias", "norm", "experts" (a fused expert tensor, dims
-    (experts, out, in)) or "router" (the router's weight, dims (experts, hidden)); name: the module's path for
-    linear/norm/router weights, the parameter's path for experts and biases."""
+    (experts, out, in), or (experts, in, out) where the model stores them transposed), "router" (the router's weight,
+    dims (experts, hidden)) or "other" (any other parameter a layer holds: attention sinks, a convolution, gates);
+    name: the module's path for linear/norm/router weights, the parameter's path for experts, biases and others."""
 
     name: str
     kind: str
@@ -95,7 +96,7 @@ class Weight:
 
     @property
     def param_name(self) -> str:
-        return self.name if self.kind in ("experts", "bias") else f"{self.name}.weight"
+        return self.name if self.kind in ("experts", "bias", "other") else f"{self.name}.weight"
 
     @property
     def leaf(self) -> str:
@@ -166,6 +167,12 @@ class Shape:
     top_k: int = 0  # experts per token
     expert_intermediate: int = 0
     shared_intermediate: int = 0
+    # the parameters outside the decoder layers, embeddings and head (full names): None for the table's layouts (the
+    # final norm alone); the meta model's (meta.py): the final norm, vision towers, projectors, ... every one
+    rest: tuple[Weight, ...] | None = None
+    supports_sdpa: bool | None = None  # the model class's own flag (meta.py); None: the table's NO_SDPA
+    source: str = "table"  # "table" (DEFAULTS, torch-free) or "meta" (the model transformers builds: meta.py)
+    config_json: str = field(default="", compare=False)  # the config it was read from (meta.py rebuilds the model)
 
     @property
     def layers(self) -> int:
@@ -177,7 +184,12 @@ class Shape:
 
     @property
     def sdpa(self) -> bool:
-        return self.model_type not in NO_SDPA
+        return self.supports_sdpa if self.supports_sdpa is not None else self.model_type not in NO_SDPA
+
+    @property
+    def rest_params(self) -> int:
+        """Parameters outside the decoder layers, embeddings and head (the table: the final norm)."""
+        return self.hidden if self.rest is None else sum(w.numel for w in self.rest)
 
     @property
     def embed_params(self) -> int:
@@ -190,12 +202,12 @@ class Shape:
     @cached_property
     def params(self) -> int:
         """Every parameter, as sum(p.numel() for p in model.parameters()) counts them (a tied head once)."""
-        return sum(L.params for L in self.decoder) + self.embed_params + self.head_params + self.hidden
+        return sum(L.params for L in self.decoder) + self.embed_params + self.head_params + self.rest_params
 
     @cached_property
     def active_params(self) -> int:
         """Parameters one token uses (MoE: its top-k experts only; embeddings and head included, as model cards count)."""
-        return sum(L.active_params for L in self.decoder) + self.embed_params + self.head_params + self.hidden
+        return sum(L.active_params for L in self.decoder) + self.embed_params + self.head_params + self.rest_params
 
     @cached_property
     def expert_params(self) -> int:
@@ -203,13 +215,19 @@ class Shape:
 
     @cached_property
     def linear_params(self) -> int:
-        """nn.Linear weights of the decoder layers: what bitsandbytes quantizes (not experts, router, lm_head)."""
-        return sum(w.numel for L in self.decoder for w in L.weights if w.kind == "linear")
+        """nn.Linear weights (decoder layers, and outside them: a vision tower's): what bitsandbytes quantizes (not
+        experts, router, lm_head)."""
+        return sum(w.numel for w in self._all_weights if w.kind == "linear")
+
+    @property
+    def _all_weights(self):
+        yield from (w for L in self.decoder for w in L.weights)
+        yield from self.rest or ()
 
     @cached_property
     def linear_rows(self) -> int:
         """Output rows of those nn.Linear weights (8-bit quantization keeps one scale per row)."""
-        return sum(w.fan_out for L in self.decoder for w in L.weights if w.kind == "linear")
+        return sum(w.fan_out for w in self._all_weights if w.kind == "linear")
 
     @cached_property
     def matmul_params(self) -> int:
@@ -219,7 +237,7 @@ class Shape:
     @cached_property
     def largest_weight(self) -> int:
         """Elements of the largest single parameter tensor (embedding or a decoder weight)."""
-        return max(self.embed_params, max(w.numel for L in self.decoder for w in L.weights))
+        return max(self.embed_params, max(w.numel for w in self._all_weights))
 
     # -- LoRA
     def lora_targets(self, targets: str, router: bool = False) -> tuple[tuple[tuple[Weight, int], ...], ...]:
@@ -229,12 +247,12 @@ class Shape:
         (PEFT_EXPERT_NAMES) also the fused expert tensors (gate_up_proj at twice the rank) and, only with router=True
         (the project's lora_target_router), the router. A comma list: nn.Linears by leaf name (q_proj, qkv_proj, ...);
         on a converted MoE type the v4 names peft maps (gate_proj+up_proj, or w1+w3: gate_up_proj at twice the rank;
-        down_proj or w2; gate: the router) and the model's own names of the expert tensors (gate_up_proj, down_proj:
-        at the given rank). A name that adapts nothing is a RecipeError naming the ones that would."""
+        down_proj or w2; gate: the router); on any MoE type the model's own names of the expert tensors (gate_up_proj
+        at twice the rank, as lora.lora_targets doubles it; down_proj at the given rank). A name that adapts nothing is a RecipeError naming the ones that would."""
         renamed = PEFT_EXPERT_NAMES.get(self.model_type, {})
         if targets.strip() == "all-linear":
-            picks = {"linear": None, "experts": {"gate_up_proj": 2, "down_proj": 1} if renamed else {},
-                     "router": {"gate": 1} if renamed and router else {}}
+            picks = {"linear": None, "experts": {"gate_up_proj": 2, "down_proj": 1} if self.moe else {},
+                     "router": {"gate": 1} if self.moe and router else {}}
         else:
             names = [t.strip() for t in targets.split(",") if t.strip()]
             fused = [n for n in names if renamed.get(n) == "gate_up_proj"]
@@ -243,17 +261,20 @@ class Shape:
                 raise RecipeError(f"lora_target_modules: '{fused[0]}' is half of the fused experts' gate_up_proj in "
                                   f"{self.name}; list '{other}' too (or gate_up_proj)")
             experts = {"gate_up_proj": 2} if fused else {}
-            if renamed:
-                experts.update({renamed.get(n, n): 1 for n in names if renamed.get(n, n) in ("gate_up_proj", "down_proj")
-                                and renamed.get(n, n) not in experts})
-            picks = {"linear": {n for n in names if n not in renamed}, "experts": experts,
-                     "router": {"gate": 1} if "gate" in renamed and "gate" in names else {}}
+            if self.moe:
+                experts.update({renamed.get(n, n): 2 if renamed.get(n, n) == "gate_up_proj" else 1 for n in names
+                                if renamed.get(n, n) in ("gate_up_proj", "down_proj") and renamed.get(n, n) not in experts})
+            picks = {"linear": {n for n in names if n != "gate"}, "experts": experts,
+                     "router": {"gate": 1} if self.moe and router else {}}
+            if self.moe and "gate" in names:  # as lora.lora_targets refuses it
+                raise RecipeError("lora_target_modules: 'gate' is the router of this mixture-of-experts model; remove it "
+                                  "and set lora_target_router: true")
             adapted = {w.leaf for L in self.decoder for w in L.weights if w.kind == "linear" and w.leaf in picks["linear"]}
             adapted |= set(picks["experts"]) | set(picks["router"])
             adapted |= {n for n in names if renamed.get(n) in adapted}
             unknown = [n for n in names if n not in adapted]
             if unknown:
-                known = sorted({w.leaf for L in self.decoder for w in L.weights if w.kind == "linear" and w.leaf not in renamed}
+                known = sorted({w.leaf for L in self.decoder for w in L.weights if w.kind == "linear"}
                                | ({"gate_up_proj", "down_proj", "gate"} | set(renamed) if renamed else set()))
                 raise RecipeError(f"lora_target_modules: '{unknown[0]}' is not a linear layer of {self.name}; "
                                   f"use 'all-linear' or some of {','.join(known)}")
@@ -261,7 +282,7 @@ class Shape:
         for L in self.decoder:
             picked = []
             for w in L.weights:
-                if w.kind == "linear" and w.leaf not in renamed and (picks["linear"] is None or w.leaf in picks["linear"]):
+                if w.kind == "linear" and (picks["linear"] is None or w.leaf in picks["linear"]):
                     picked.append((w, 1))
                 elif w.kind in ("experts", "router") and w.leaf in picks[w.kind]:
                     picked.append((w, picks[w.kind][w.leaf]))
@@ -300,23 +321,27 @@ def read_config(name: str) -> dict:
 
 
 def model_shape(source: str | Path | dict, name: str | None = None) -> Shape:
-    """Shape of a model: a local folder or hub id (its config.json), or a config dict (e.g. `config.to_dict()`)."""
+    """Shape of a model: a local folder or hub id (its config.json), or a config dict (e.g. `config.to_dict()`).
+
+    A flat config of a type DEFAULTS holds is read here, torch-free (tests/test_shape.py proves every such layout equal
+    to the model transformers builds, and its LoRA counts equal to the run's). Any other config -- another of the
+    causal-LM architectures transformers maps, or a multimodal config (text_config beside a vision tower), counted
+    whole -- is read from the model transformers builds from it on the meta device (meta.py: imports torch)."""
     if isinstance(source, dict):
         c, where = source, "the model config"
     else:
         c, where = read_config(str(source)), str(config_path(str(source)))
         name = name or str(source)
     mt = c.get("model_type")
-    if "text_config" in c:  # multimodal: the decoder is the text part
-        text = dict(c["text_config"] or {})
-        text.setdefault("model_type", TEXT_TYPES.get(mt, mt))
-        c, mt = text, text["model_type"]
     if not mt:
-        raise RecipeError(f"model_name_or_path: {where} has no model_type; the shape needs one of {', '.join(DEFAULTS)}")
-    if mt not in DEFAULTS:
-        raise RecipeError(f"model_name_or_path: {where} is a '{mt}' model, whose layout sftrecipes/shape.py does not know "
-                          f"(known: {', '.join(DEFAULTS)}); add its layout there")
-    return _build(c, mt, name or c.get("_name_or_path") or mt)
+        raise RecipeError(f"model_name_or_path: {where} has no model_type; a config.json names its architecture "
+                          "(e.g. \"model_type\": \"llama\"); fix the file or point at the model's own folder")
+    if mt in DEFAULTS and "text_config" not in c:
+        shape = _build(c, mt, name or c.get("_name_or_path") or mt)
+        return dataclasses.replace(shape, config_json=json.dumps(c, sort_keys=True, default=str))
+    from .meta import meta_shape  # noqa: PLC0415 - torch: only layouts the table does not hold need the model built
+
+    return meta_shape(c, name or c.get("_name_or_path") or mt, where)
 
 
 def _build(c: dict, mt: str, name: str) -> Shape:

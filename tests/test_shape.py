@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import ROOT
+from sftrecipes import meta
 from sftrecipes import shape as shapes
 from sftrecipes.plan import sharding
 from sftrecipes.plan import main, plan_recipe
@@ -78,12 +79,19 @@ def test_shipped_config_is_the_model_weight_by_weight(name):
     assert s.active_params / 1e9 == pytest.approx(ACTIVE[name], abs=0.06) if name in ACTIVE else s.active_params == s.params
 
 
-def test_nested_text_config_is_read_like_the_flat_one():
-    """Gemma-3's hub config.json nests the decoder in text_config (model_type gemma3, a vision tower beside it)."""
+def test_multimodal_config_is_counted_whole():
+    """Gemma-3's hub config.json nests the decoder in text_config beside a SigLIP vision tower: the shape is the model
+    transformers builds (Gemma3ForConditionalGeneration), vision tower and projector included; its decoder layers are
+    the flat text model's."""
     flat = read_config("google/gemma-3-12b-pt")
     nested = {"model_type": "gemma3", "text_config": {k: v for k, v in flat.items() if k != "model_type"},
               "vision_config": {"model_type": "siglip_vision_model"}}
-    assert dataclasses.replace(model_shape(nested), name="") == dataclasses.replace(model_shape(flat), name="")
+    s, text = model_shape(nested), model_shape(flat)
+    model = meta.meta_model(nested)
+    assert s.params == sum(p.numel() for p in model.parameters())
+    assert [set(L.weights) for L in s.decoder] == [set(L.weights) for L in text.decoder]
+    assert s.params - text.params == sum(w.numel for w in s.rest) - text.hidden > 0.05e9  # SigLIP and the projector
+    assert {w.name.split(".")[1] for w in s.rest} >= {"vision_tower", "multi_modal_projector"}
 
 
 @pytest.mark.parametrize("model_type", list(shapes.DEFAULTS))
@@ -118,56 +126,48 @@ def test_layouts_weight_by_weight(layout):
                          ["sparse", "sparse", "dense", "sparse"])
 
 
-# ----------------------------------------------------------------------------------------------- LoRA against peft
+# ----------------------------------------------------------------------------------------------- LoRA: the table = the run
 
 
-def peft_count(model, targets: str, r: int) -> tuple[int, int]:
-    """(trainable parameters peft creates, of them on the router) for target_modules as the recipe writes it."""
-    from peft import LoraConfig, get_peft_model
-
-    spec = targets if targets == "all-linear" else targets.split(",")
-    with torch.device("meta"):  # adapters made on the meta device: seconds for 70B instead of minutes
-        peft = get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules=spec, task_type="CAUSAL_LM"))
-    try:
-        counts = [(p.numel(), ".mlp.gate." in n) for n, p in peft.named_parameters() if p.requires_grad]
-        return sum(c for c, _ in counts), sum(c for c, router in counts if router)
-    finally:
-        peft.unload()
+def run_count(name, targets: str, r: int, router: bool = False) -> int:
+    """The trainable parameters the run creates: peft applying lora.lora_config (train.py's LoraConfig, targets
+    resolved on the model, compat's MoE conversion fix) to the model transformers builds, on the meta device."""
+    recipe = load_recipe(["recipes/tiny/lora.yaml", "--model_name_or_path", name, "--lora_target_modules", targets,
+                          "--lora_r", str(r), "--lora_alpha", str(2 * r), "--lora_target_router", str(router).lower()])
+    return meta.lora_layout(recipe, model_shape(name)).trainable
 
 
 LLAMA_NAMES = "q_proj,k_proj,v_proj,o_proj,down_proj,up_proj,gate_proj"  # the schema's default lora_target_modules
 EXPLICIT = {"microsoft/Phi-3-mini-4k-instruct": ["qkv_proj,down_proj"],
-            "Qwen/Qwen3-30B-A3B": ["q_proj,v_proj", LLAMA_NAMES],  # peft maps gate/up/down_proj to the fused experts
+            "Qwen/Qwen3-30B-A3B": ["q_proj,v_proj", LLAMA_NAMES, "gate_up_proj,down_proj,q_proj"],  # fused experts
             "mistralai/Mixtral-8x7B-v0.1": ["q_proj,v_proj", "q_proj,v_proj,w1,w2,w3"]}  # and Mixtral's w1/w3, w2
 
 
 def lora_cases():
     for name in sorted(PUBLISHED):
         for targets in ["all-linear", *EXPLICIT.get(name, ["q_proj,v_proj"])]:
-            for r in (8, 16):
-                yield pytest.param(name, targets, r, id=f"{name}-{targets}-r{r}")
+            yield pytest.param(name, targets, id=f"{name}-{targets}")
 
 
-@pytest.mark.parametrize("name,targets,r", list(lora_cases()))
-def test_lora_count_is_peft_count(name, targets, r):
-    """all-linear on an MoE model: peft adapts the fused experts (gate_up_proj at twice the rank) and the router; the
-    project leaves the router out unless lora_target_router: true."""
+@pytest.mark.parametrize("name,targets", list(lora_cases()))
+def test_table_lora_count_is_the_runs(name, targets):
+    """The torch-free table (the planner's fast path) counts what the run trains, router off and on; MoE: the fused
+    experts (gate_up_proj at twice the rank), the router only with lora_target_router."""
     s = model_shape(name)
-    total, router = peft_count(meta_model(name, read_config(name)), targets, r)
-    assert s.lora_params(targets, r, router=True) == total
-    assert s.lora_params(targets, r) == total - router
-    assert (router > 0) == (s.moe and targets == "all-linear")
+    for r, router in ((8, False), (16, s.moe)):
+        assert s.lora_params(targets, r, router=router) == run_count(name, targets, r, router), (r, router)
 
 
 @pytest.mark.parametrize("layout", ["qwen3_moe-dense-layers", "qwen2_moe-shared-expert"])
-def test_lora_count_on_dense_layers_and_shared_experts(layout):
-    """peft 0.21 quirks, counted as they are: on Qwen3-MoE, all-linear drops the dense layers' gate/up/down_proj (their
-    v4 names become the expert parameters); Qwen2-MoE is not converted, so only its nn.Linears (shared expert
-    included) are adapted, experts and router not."""
-    s = model_shape(LAYOUTS[layout])
-    total, router = peft_count(meta_model(layout, LAYOUTS[layout]), "all-linear", 8)
-    assert s.lora_params("all-linear", 8, router=True) == total
-    assert s.lora_params("all-linear", 8) == total - router
+def test_lora_count_on_dense_layers_and_shared_experts(layout, tmp_path):
+    """Dense layers' MLPs and shared experts are adapted under all-linear beside the fused experts, also where peft's
+    v4->v5 conversion would drop them (Qwen3-MoE; compat.keep_dense_linears_in_moe_conversion)."""
+    (tmp_path / "config.json").write_text(json.dumps(LAYOUTS[layout]))
+    s = model_shape(str(tmp_path))
+    for targets in ("all-linear", LLAMA_NAMES):
+        assert s.lora_params(targets, 8) == run_count(str(tmp_path), targets, 8), targets
+    adapted = {w.name for layer in s.lora_targets("all-linear") for w, _ in layer}
+    assert {"mlp.gate_proj", "mlp.experts.gate_up_proj"} <= adapted or {"mlp.shared_expert.gate_proj", "mlp.experts.gate_up_proj"} <= adapted
 
 
 def test_unknown_target_names_the_models_own():
@@ -184,15 +184,17 @@ def test_unknown_target_names_the_models_own():
 # ----------------------------------------------------------------------------------------------- errors, torch-free
 
 
-def test_unknown_architecture_is_one_line_naming_it(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "falcon", "hidden_size": 4544}))
-    with pytest.raises(RecipeError) as e:
-        model_shape(str(tmp_path))
-    msg = str(e.value)
-    assert "\n" not in msg and msg.startswith("model_name_or_path:") and "'falcon'" in msg and "shape.py" in msg
+def test_a_type_the_table_lacks_is_read_from_the_model(tmp_path):
+    """A layout shape.py's table does not hold (Falcon here) is the model transformers builds, not a refusal; a config
+    without model_type is one line naming the fix."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "falcon", "hidden_size": 256, "num_hidden_layers": 2,
+                                                      "num_attention_heads": 4, "vocab_size": 512}))
+    s = model_shape(str(tmp_path))
+    assert s.source == "meta" and s.params == sum(p.numel() for p in meta.meta_model(read_config(str(tmp_path))).parameters())
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 4544}))
-    with pytest.raises(RecipeError, match="no model_type"):
+    with pytest.raises(RecipeError, match="no model_type") as e:
         model_shape(str(tmp_path))
+    assert "\n" not in str(e.value) and str(e.value).startswith("model_name_or_path:")
 
 
 def test_shape_and_plan_import_no_torch():

@@ -96,6 +96,7 @@ def estimate(recipe: Recipe) -> Plan:
     total = phases[peak_phase] + allowance
     if L.gpu_memory_gb is None:
         notes.append("launch.gpu_memory_gb is not set: this is the requirement only (set it, e.g. 80, for a verdict)")
+    notes += _outside_notes(shape, st, s.lora)
     if shape.moe:
         notes += _moe_notes(shape, s, st.adapted, st.float_b, recipe.model.lora_target_modules)
     return Plan(
@@ -108,6 +109,30 @@ def estimate(recipe: Recipe) -> Plan:
         global_batch=recipe.trl_value("per_device_train_batch_size") * ga * s.world, notes=notes,
         weights_shard_gb=(st.frozen + st.trainable * st.p_b) / s.shard_w / GB, active_params=shape.active_params,
         live={k: _items(v) for k, v in live.items()})
+
+
+def _outside_notes(shape: Shape, st: ModelStates, lora: bool) -> list[str]:
+    """What the model holds outside its text decoder (a vision tower, a projector), each part's parameters and
+    whether training changes it: multimodal configs are counted whole."""
+    parts: dict[str, int] = {}
+    for w in shape.rest or ():
+        top = ".".join(w.name.split(".")[:2])
+        parts[top] = parts.get(top, 0) + w.numel
+    big = {k: v for k, v in parts.items() if v > 4 * shape.hidden}  # not just a final norm
+    if not big:
+        return []
+    adapted = dict(st.outside)
+    said = []
+    for k, v in sorted(big.items(), key=lambda kv: -kv[1]):
+        if not lora:
+            how = "trained (full fine-tuning)"
+        elif adapted.get(k):
+            how = f"frozen, LoRA adapts its linear layers ({adapted[k] / 1e6:.2f}M trainable)"
+        else:
+            how = "frozen, no LoRA"
+        said.append(f"{k} {v / 1e6:.2f}M params: {how}")
+    return [f"besides the text decoder ({shape.layers} layers) the model holds: " + "; ".join(said)
+            + ("; lora_target_modules names the layers to adapt, exclude_modules the ones to leave" if lora else "")]
 
 
 def _items(live: list[tuple]) -> list[Item]:
@@ -133,6 +158,21 @@ class ModelStates:
     optim: str
     gather_b: float  # bytes per parameter of a gathered (ZeRO-3/FSDP) layer
     grads_total: float  # bytes of one rank's gradients (0 when FSDP offloads them)
+    outside: tuple = ()  # LoRA's trainable parameters outside the decoder layers, by module ((name, count), ...)
+
+
+def lora_layout(recipe: Recipe, shape: Shape) -> tuple[tuple, int, tuple]:
+    """(per decoder layer: the adapted weights and their rank multipliers, LoRA's trainable parameters, those outside
+    the decoder layers by module): the table's arithmetic for its layouts (shape.lora_targets: tests/test_shape.py
+    proves it equal to the run's peft count), else peft applying the run's LoraConfig to the meta model (meta.py)."""
+    m = recipe.model
+    if shape.source == "table":
+        adapted = shape.lora_targets(m.lora_target_modules, m.lora_target_router)
+        return adapted, sum(layer_lora_params(ad, m.lora_r) for ad in adapted), ()
+    from ..meta import lora_layout as meta_layout  # noqa: PLC0415 - torch: only layouts the table does not hold need it
+
+    layout = meta_layout(recipe, shape)
+    return layout.adapted, layout.trainable, layout.outside
 
 
 def _model_states(recipe: Recipe, shape: Shape, s: Setup) -> ModelStates:
@@ -140,8 +180,7 @@ def _model_states(recipe: Recipe, shape: Shape, s: Setup) -> ModelStates:
     m, L = recipe.model, recipe.launch
     lin = shape.linear_params  # what bitsandbytes quantizes: nn.Linear weights (not experts, router, embeddings, head)
     other = shape.params - lin
-    adapted = shape.lora_targets(m.lora_target_modules, s.lora_router) if s.lora else tuple(() for _ in shape.decoder)
-    trainable = sum(layer_lora_params(ad, m.lora_r) for ad in adapted) if s.lora else shape.params
+    adapted, trainable, outside = lora_layout(recipe, shape) if s.lora else (tuple(() for _ in shape.decoder), shape.params, ())
     float_b = 2 if s.deepspeed16 else s.load_bytes  # DeepSpeed bf16/fp16 casts the whole module
     p_b = g_b = trainable_bytes(recipe, s)
     optim = str(recipe.trl_value("optim"))
@@ -176,7 +215,7 @@ def _model_states(recipe: Recipe, shape: Shape, s: Setup) -> ModelStates:
     if s.lora and s.mixed16 and L.backend == "fsdp":
         gather_b = (frozen + trainable * 2) / shape.params
     grads_total = trainable * g_b / s.shard_g if not fsdp_offloads_grads else 0.0
-    return ModelStates(items, adapted, trainable, frozen, float_b, p_b, g_b, o_b, optim, gather_b, grads_total)
+    return ModelStates(items, adapted, trainable, frozen, float_b, p_b, g_b, o_b, optim, gather_b, grads_total, outside)
 
 
 # ----------------------------------------------------------------------------------------------- 2. live at each phase
