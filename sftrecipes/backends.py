@@ -42,6 +42,7 @@ def apply_process_env(recipe: Recipe, target: str) -> None:
         compat.fix_peft_prefixes_under_wrappers()
     if recipe.model.use_peft_lora:
         compat.trainable_token_heads_for_trl()
+        compat.keep_dense_linears_in_moe_conversion()
     if target != "cpu":
         return
     for k, v in cpu_env(recipe).items():

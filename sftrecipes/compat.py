@@ -236,3 +236,37 @@ def trainable_tokens_init_under_zero3_on_cpu() -> None:
         return values
 
     _patch("trainable_tokens_init_under_zero3_on_cpu", TrainableTokensLayer, "_collect_token_weights", collect)
+
+
+@_shim("peft's v4->v5 MoE target conversion drops dense nn.Linear targets named like the old expert projections",
+       peft="~=0.21.2")
+def keep_dense_linears_in_moe_conversion() -> None:
+    """peft 0.21 rewrites a LoRA config for the MoE types transformers 5 converted (peft.utils.
+    transformers_weight_conversion._convert_peft_config_moe: Qwen2/3-MoE, DeepSeek-V2/V3, GLM-4-MoE, MiniMax, ...):
+    every target named gate_proj / up_proj / down_proj (or gate) becomes the fused experts' parameter and leaves
+    target_modules. On v4 those names also adapted the dense layers' MLPs and the shared experts, which are still
+    nn.Linear modules on v5: after the rewrite they get no LoRA, silently. Put back the names that still name
+    nn.Linear modules of the model (the output head aside), so a v4 adapter keeps its meaning and a v5 config (the
+    project's lora.lora_targets) adapts what it lists."""
+    import peft.utils.transformers_weight_conversion as twc  # noqa: PLC0415 - loaded by peft on first use only
+
+    original = twc._convert_peft_config_moe
+
+    def convert(peft_config, model) -> None:
+        before = peft_config.target_modules
+        original(peft_config, model)
+        after = peft_config.target_modules
+        if before is after or after is None:
+            return
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        linear = {n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                  if isinstance(m, torch.nn.Linear) and m is not head}
+        if isinstance(before, str):  # all-linear (or a regex): what peft resolved it to, before the rewrite
+            wanted = linear if before.lower() == "all-linear" else set()
+        else:
+            wanted = {t.rsplit(".", 1)[-1] for t in before}
+        back = {t for t in wanted if t in linear} - set(after)
+        if back:
+            peft_config.target_modules = set(after) | back
+
+    _patch("keep_dense_linears_in_moe_conversion", twc, "_convert_peft_config_moe", convert)

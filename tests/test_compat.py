@@ -46,6 +46,7 @@ TARGETS = {
     "fix_peft_prefixes_under_wrappers": ("peft.tuners.tuners_utils", "_get_tuner_state_dict_key_prefixes"),
     "trainable_token_heads_for_trl": ("peft.utils.other", "TrainableTokensWrapper._getattr_wrapped"),
     "trainable_tokens_init_under_zero3_on_cpu": ("peft.tuners.trainable_tokens.layer", "TrainableTokensLayer._collect_token_weights"),
+    "keep_dense_linears_in_moe_conversion": ("peft.utils.transformers_weight_conversion", "_convert_peft_config_moe"),
 }
 
 
@@ -188,3 +189,34 @@ def test_canary_trainable_tokens_init_under_zero3_on_cpu():
                 pytest.fail(fixed_upstream(name) + f" (it now fails otherwise: {e})")
         else:
             pytest.fail(fixed_upstream(name))
+
+
+def test_canary_keep_dense_linears_in_moe_conversion():
+    """peft's v4->v5 MoE conversion takes gate/up/down_proj for the fused experts' tensors and drops them from
+    target_modules, though a dense layer's MLP (DeepSeek-V3's first_k_dense_replace layers) still has nn.Linear modules
+    of those names: without the shim they get no LoRA."""
+    import torch
+    from peft import LoraConfig
+    from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from sftrecipes.tiny import tiny_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**tiny_config("deepseek_v3")))
+    assert isinstance(model.model.layers[0].mlp.gate_proj, torch.nn.Linear)  # layer 0 is dense
+
+    def converted():
+        config = LoraConfig(r=8, target_modules=["q_a_proj", "gate_proj", "up_proj", "down_proj"])
+        convert_peft_config_for_transformers(config, model=model, conversions=None)
+        return set(config.target_modules), set(config.target_parameters or ())
+
+    name = "keep_dense_linears_in_moe_conversion"
+    with compat.upstream(name):
+        modules, params = converted()
+        if "gate_proj" in modules:
+            pytest.fail(fixed_upstream(name))
+        assert "gate_up_proj" in params
+        compat.keep_dense_linears_in_moe_conversion()
+        modules, params = converted()
+        assert {"q_a_proj", "gate_proj", "up_proj", "down_proj"} <= modules and {"gate_up_proj", "down_proj"} <= params

@@ -99,7 +99,11 @@ def _from_pretrained(folder: Path):
 
 def _base_for_adapter(base_dir: Path, adapter: Path):
     """The base model in fp32, its embeddings resized as the run resized them when it added tokens: to the size of
-    the resized embedding saved beside the adapter, or else past the highest trainable-token row."""
+    the resized embedding saved beside the adapter, or else past the highest trainable-token row. peft then reads the
+    adapter with the run's own target conversion (compat.keep_dense_linears_in_moe_conversion)."""
+    from .. import compat  # noqa: PLC0415 - compat imports peft, whose bitsandbytes log line would precede a bad input's one-line error
+
+    compat.keep_dense_linears_in_moe_conversion()
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     rows = {shape[0] for name, (_, shape) in folder_tensors(adapter).items()
             if re.search(r"embed_tokens\.(token_adapter\.base_layer\.)?weight$", name)}
