@@ -16,6 +16,7 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+from . import meta
 from .attention import register
 from .errors import RecipeError
 from .recipe import Recipe
@@ -84,6 +85,19 @@ def attention_support(recipe: Recipe) -> tuple[str, dict[str, bool]] | None:
 
 def _sixteen_bit(recipe: Recipe) -> bool:
     return load_dtype(recipe) != torch.float32 or bool(recipe.trl_value("bf16") or recipe.trl_value("fp16"))
+
+
+def check_packing(recipe: Recipe) -> None:
+    """Packed batches where the model's kernels cannot keep samples apart on this machine: refused before loading
+    (meta.check_packing reads the model's own modeling module)."""
+    if not packed(recipe):
+        return
+    try:
+        cfg = AutoConfig.from_pretrained(recipe.model.model_name_or_path, trust_remote_code=bool(recipe.trl_value("trust_remote_code")))
+    except (OSError, ValueError):  # a hub id offline: the planner's shipped config of it
+        cfg = AutoConfig.for_model(**read_config(recipe.model.model_name_or_path))
+    if type(cfg) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        meta.check_packing(recipe, cfg)
 
 
 def packed(recipe: Recipe) -> bool:

@@ -37,10 +37,15 @@ def gpu_count() -> int:
 def before_launch(recipe: Recipe, force: bool = False) -> str:
     """Can this recipe start on this machine? First the memory plan (does it fit the GPUs it names?), then the
     hardware (are those GPUs here?). Returns the text to print; a RecipeError (exit 2) says why not; --force skips
-    only the memory verdict."""
+    the memory verdict (also a plan that cannot be made), never the hardware check."""
     L = recipe.launch
     world = L.world_size
-    fits, plan_text = verdict(recipe)
+    try:
+        fits, plan_text = verdict(recipe)
+    except RecipeError as e:  # the planner cannot plan this model: --force goes on, and loading will tell
+        if not force:
+            raise
+        fits, plan_text = True, f"preflight: no memory plan ({e}); launching anyway (--force)"
     lines = [plan_text, "", f"preflight: {L.backend} on {L.num_machines} node(s) x {L.gpus_per_node} process(es), hardware {L.hardware}"]
     if not fits:
         if not force:

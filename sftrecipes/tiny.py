@@ -312,3 +312,61 @@ def ensure_family(name: str) -> Path:
         out.parent.mkdir(parents=True, exist_ok=True)
         build_family(name, out)
     return out
+
+
+# ------------------------------------------------------------------------------------------------ any architecture
+
+# Small values for the size keys transformers' config classes use, set only where a config class has the key. Layer
+# counts keep one layer of each kind a config's layer_types has (sliding/full, linear/full attention) and at least one
+# dense and one sparse layer where a mixture of experts starts with dense layers.
+TINY_SIZES = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  max_position_embeddings=1024, num_experts=4, num_local_experts=4, n_routed_experts=4,
+                  num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64, n_shared_experts=1,
+                  first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=32, q_lora_rank=32,
+                  qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, linear_num_key_heads=2,
+                  linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, sliding_window=32,
+                  attention_chunk_size=32, global_head_dim=16, num_global_key_value_heads=2)
+TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                   patch_size=8, depth=1, out_hidden_size=64, num_channels=3)
+
+
+def tiny_config(model_type: str, vocab_size: int = 512, token_ids: tuple[int, int, int] = (1, 2, 3), **extra) -> dict:
+    """A tiny config dict of any architecture transformers has a config class for: the class defaults with the size
+    keys it has set small (TINY_SIZES; a vision tower's TINY_VISION), for a random-init model of a few MB; its
+    bos/eos/pad token ids (where it has them) those of the tiny tokenizers (token_ids)."""
+    from transformers import AutoConfig  # noqa: PLC0415 - transformers: cli imports tiny (FAMILIES) and --help stays torch-free
+
+    cfg = AutoConfig.for_model(model_type)
+    text = cfg.get_text_config()
+    d = {k: v for k, v in text.to_dict().items() if k not in ("transformers_version", "architectures")}
+    small = {k: v for k, v in TINY_SIZES.items() if k in d and (d[k] is not None or k in ("head_dim", "sliding_window"))}
+    small["vocab_size"] = vocab_size
+    if "qk_rope_head_dim" in small and "head_dim" in d:  # MLA (DeepSeek): RoPE runs over the rope part of each head
+        small["head_dim"] = small["qk_rope_head_dim"]
+    types = d.get("layer_types")
+    if types:
+        kinds = list(dict.fromkeys(types))
+        small["layer_types"] = kinds + kinds[:max(0, 2 - len(kinds))]
+        small["num_hidden_layers"] = len(small["layer_types"])
+    else:
+        small["num_hidden_layers"] = 2
+    n = small["num_hidden_layers"]
+    for k, v in d.items():  # per-layer lists and {layer: ...} tables cut to the layers kept
+        if isinstance(v, list) and k.endswith(("_layers", "_idxs")) and all(isinstance(i, int) for i in v):
+            small[k] = [i for i in v if i < n]
+        elif isinstance(v, dict) and v and all(str(i).isdigit() for i in v):
+            small[k] = {i: x for i, x in v.items() if int(i) < n}
+    for k, i in zip(("bos_token_id", "eos_token_id", "pad_token_id"), token_ids):
+        if k in d:
+            small[k] = i
+    d.update(small)
+    d.update(extra)
+    if text is cfg:
+        return d
+    top = {k: v for k, v in cfg.to_dict().items() if k not in ("transformers_version", "architectures")}
+    top[next(k for k in ("text_config", "language_config", "llm_config") if k in top)] = d
+    for key in ("vision_config", "audio_config"):
+        if isinstance(top.get(key), dict):
+            sub = top[key]
+            sub.update({k: v for k, v in TINY_VISION.items() if k in sub})
+    return top
