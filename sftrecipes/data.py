@@ -157,10 +157,12 @@ def load_datasets(recipe: Recipe, tokenizer, eot: str):
                           "eval_rows": len(raw_eval) if raw_eval is not None else 0})
             raw = raw.select(idx)
         name = f"train split of {src.key}" if mixture else "train split"
-        train_parts.append(tokenize_split(recipe, tokenizer, eot, raw, name, fmt))
+        train_parts.append(tokenize_split(recipe, tokenizer, eot, raw, name, fmt, f"{src.key} {src.path} ({src.split})",
+                                          idx if mixture else None))
         train_formats[fmt] = train_formats.get(fmt, 0) + len(raw)
         if raw_eval is not None:
-            eval_parts.append(tokenize_split(recipe, tokenizer, eot, raw_eval, f"eval split of {src.key}" if mixture else "eval split", fmt))
+            eval_parts.append(tokenize_split(recipe, tokenizer, eot, raw_eval, f"eval split of {src.key}" if mixture else "eval split", fmt,
+                                             f"{src.key} {src.path} ({src.eval_split})"))
             eval_formats[fmt] = eval_formats.get(fmt, 0) + len(raw_eval)
     if completion_only_set and "prompt_completion" not in train_formats:
         raise RecipeError(f"completion_only_loss: applies to prompt/completion data, but the data is {', '.join(train_formats)}; "

@@ -2,7 +2,8 @@
 apart by their columns.
 
 `dataset_format: auto` reads the shape from the columns; an asked format is checked against them. Conversational data
-needs a chat template. ShareGPT turns (from/value) become role/content messages.
+needs a chat template. ShareGPT turns (from/value) become role/content messages, keeping their other fields (tool
+calls, reasoning: chat.py).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ FORMATS = ("messages", "conversations", "prompt_completion", "text")
 CONVERSATIONAL = ("messages", "conversations")
 # ShareGPT `from` values -> chat roles
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
-                  "system": "system"}
+                  "system": "system", "tool": "tool"}
 SHAPES = ("messages (column 'messages': role/content turns), conversations (column 'conversations': ShareGPT "
           "from/value turns), prompt_completion (columns 'prompt' + 'completion': text, or lists of messages), "
           "text (the dataset_text_field column, now '{field}')")
@@ -51,7 +52,8 @@ def is_conversational(fmt: str, example: dict) -> bool:
 
 
 def from_sharegpt(turns: list[dict], where: str) -> list[dict]:
-    """ShareGPT turns (from/value) as chat messages (role/content); role/content turns pass through."""
+    """ShareGPT turns (from/value) as chat messages (role/content); role/content turns pass through. A turn's other
+    fields (tool_calls, reasoning_content, tool_call_id, ...) stay on its message."""
     out = []
     for t in turns:
         if "from" in t:
@@ -61,9 +63,10 @@ def from_sharegpt(turns: list[dict], where: str) -> list[dict]:
                     f"conversations: unknown 'from' value {t['from']!r} in {where}; the accepted ones are "
                     f"{', '.join(SHAREGPT_ROLES)} — rewrite those turns' 'from' to one of them"
                 )
-            out.append({"role": role, "content": t.get("value", "")})
+            rest = {k: v for k, v in t.items() if k not in ("from", "value", "role", "content")}
+            out.append({"role": role, "content": t.get("value", ""), **rest})
         elif "role" in t:
-            out.append({"role": t["role"], "content": t.get("content", "")})
+            out.append({**t, "content": t.get("content", "")})
         else:
             raise RecipeError(f"conversations: a turn in {where} has neither 'from'/'value' nor 'role'/'content' (keys: {', '.join(t)}); fix the data")
     return out

@@ -7,6 +7,11 @@ end-of-turn token to ChatML text). Samples are cut at `max_length` as `truncatio
 trainable label are dropped and counted; what reaches TRL is then never longer than `max_length`, so TRL's own
 truncation and its drop of fully masked samples change nothing, and its packing (`bfd`, `bfd_split`) keeps each sample
 whole. TRL still packs and shuffles (sources.TRL_DATA_KEYS).
+
+Conversations go through chat.Chat: tool calls, tool turns, `content: null`, reasoning and a row's `tools` reach the
+template; a template that fails on a row is one line naming the row; the fields it leaves out are counted per split
+and reported on the data line. Under `assistant_only_loss` an assistant turn is trained whole (its reasoning, text
+and tool calls, with its end of turn); tool turns are not.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import logging
 import numpy as np
 from trl.data_utils import pack_dataset
 
+from .chat import NOT_RENDERED, Chat, arrow_structs, describe_not_rendered, template_key
 from .errors import RecipeError
 from .formats import CONVERSATIONAL, check_template, detect_format, from_sharegpt, is_conversational
 from .recipe import Recipe
@@ -26,14 +32,14 @@ log = logging.getLogger("sftrecipes")
 KEPT, FULLY_MASKED, CUT_AWAY, CUT_KEPT = 0, 1, 2, 3
 
 
-def _assistant_spans(tokenizer, messages: list[dict], text: str) -> list[tuple[int, int]]:
-    """Character spans of the assistant turns in the rendered text (content + end-of-turn)."""
+def _assistant_spans(chat: Chat, messages: list[dict], text: str) -> list[tuple[int, int]]:
+    """Character spans of the assistant turns in the rendered text (reasoning, content and tool calls + end-of-turn)."""
     spans = []
     for i, msg in enumerate(messages):
         if msg["role"] != "assistant":
             continue
-        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
-        through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        before = chat.apply(messages[:i], add_generation_prompt=True) if i else ""
+        through = chat.apply(messages[: i + 1])
         if not text.startswith(through) or not through.startswith(before):
             raise RecipeError(
                 "assistant_only_loss: the chat template renders a conversation's prefix differently from the whole "
@@ -43,29 +49,33 @@ def _assistant_spans(tokenizer, messages: list[dict], text: str) -> list[tuple[i
     return spans
 
 
-def render(example: dict, fmt: str, tokenizer, recipe: Recipe) -> tuple[str, list[list[tuple[int, int]]], bool]:
-    """(text, span sets, ends with EOS). A token is trained when it overlaps a span of every set (no set: every
-    token). Plain prompt/completion text always ends with EOS, as TRL writes it."""
+def render(example: dict, fmt: str, tokenizer, recipe: Recipe, where: str = "the example",
+           structs: tuple[bool, bool] = (False, False)) -> tuple[str, list[list[tuple[int, int]]], bool, int]:
+    """(text, span sets, ends with EOS, NOT_RENDERED bits). A token is trained when it overlaps a span of every set
+    (no set: every token). Plain prompt/completion text always ends with EOS, as TRL writes it. where: the row, for
+    errors; structs: chat.arrow_structs of its split."""
     aol = bool(recipe.trl_value("assistant_only_loss"))
     completion_only = recipe.trl_value("completion_only_loss") is not False  # TRL: None and True mean completion only
     if is_conversational(fmt, example):
         check_template(recipe, fmt, "a row", example)
     if fmt in CONVERSATIONAL:
-        msgs = example["messages"] if fmt == "messages" else from_sharegpt(example["conversations"], "a conversations row")
-        text = tokenizer.apply_chat_template(msgs, tokenize=False)
-        return text, ([_assistant_spans(tokenizer, msgs, text)] if aol else []), False
+        chat = Chat(tokenizer, recipe, example, where, structs)
+        msgs = chat.messages(example["messages"] if fmt == "messages" else from_sharegpt(example["conversations"], where))
+        text = chat.apply(msgs)
+        return text, ([_assistant_spans(chat, msgs, text)] if aol else []), False, chat.not_rendered(msgs, text)
     if fmt == "prompt_completion":
         prompt, completion = example["prompt"], example["completion"]
         if isinstance(prompt, list) != isinstance(completion, list):
             raise RecipeError("dataset_format: prompt_completion needs prompt and completion both text or both lists of messages; fix the data")
         if not isinstance(prompt, list):
             text = prompt + completion
-            return text, ([[(len(prompt), len(text))]] if completion_only else []), True
-        msgs = prompt + completion
-        text = tokenizer.apply_chat_template(msgs, tokenize=False)
+            return text, ([[(len(prompt), len(text))]] if completion_only else []), True, 0
+        chat = Chat(tokenizer, recipe, example, where, structs)
+        msgs = chat.messages(prompt + completion)
+        text = chat.apply(msgs)
         sets = []
         if completion_only:
-            head = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            head = chat.apply(msgs[: len(prompt)], add_generation_prompt=True)
             if not text.startswith(head):
                 raise RecipeError(
                     "completion_only_loss: the chat template renders the prompt differently from the start of prompt + "
@@ -73,9 +83,9 @@ def render(example: dict, fmt: str, tokenizer, recipe: Recipe) -> tuple[str, lis
                 )
             sets.append([(len(head), len(text))])
         if aol:
-            sets.append(_assistant_spans(tokenizer, msgs, text))
-        return text, sets, False
-    return example[recipe.trl_value("dataset_text_field")], [], False
+            sets.append(_assistant_spans(chat, msgs, text))
+        return text, sets, False, chat.not_rendered(msgs, text)
+    return example[recipe.trl_value("dataset_text_field")], [], False, 0
 
 
 def end_ids(tokenizer, eot: str) -> tuple[list[list[int]], str | None]:
@@ -102,12 +112,12 @@ def _ends_with_end(ids: list[int], offsets: list, text: str, ends: list[list[int
 
 
 def tokenize_example(example: dict, tokenizer, recipe: Recipe, eot: str, fmt: str | None = None,
-                     ends: tuple | None = None) -> dict:
-    """One example -> {dataset_text_field: text, input_ids, labels, _bos_removed}. Pure; mapped over the dataset.
-    fmt: the example's format (None: read from its keys)."""
+                     ends: tuple | None = None, where: str = "the example", structs: tuple[bool, bool] = (False, False)) -> dict:
+    """One example -> {dataset_text_field: text, input_ids, labels, _bos_removed, _unrendered}. Pure; mapped over the
+    dataset. fmt: the example's format (None: read from its keys); where: the row, named by errors."""
     if fmt is None:
         fmt = detect_format(recipe, list(example), "the example")
-    text, span_sets, force_eos = render(example, fmt, tokenizer, recipe)
+    text, span_sets, force_eos, unrendered = render(example, fmt, tokenizer, recipe, where, structs)
     special = recipe.data.add_special_tokens
     enc = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
     ids, offsets = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
@@ -128,7 +138,8 @@ def tokenize_example(example: dict, tokenizer, recipe: Recipe, eot: str, fmt: st
         return all(any(a < e and b > s for s, e in spans) for spans in span_sets)
 
     labels = [t if trained(a, b) else -100 for t, (a, b) in zip(ids, offsets)]
-    return {recipe.trl_value("dataset_text_field"): text, "input_ids": ids, "labels": labels, "_bos_removed": bos_removed}
+    return {recipe.trl_value("dataset_text_field"): text, "input_ids": ids, "labels": labels, "_bos_removed": bos_removed,
+            "_unrendered": unrendered}
 
 
 def _trainable(labels: list[int]) -> bool:
@@ -136,8 +147,10 @@ def _trainable(labels: list[int]) -> bool:
     return any(label != -100 for label in labels[1:])
 
 
-def _prepare_row(example: dict, tokenizer, recipe: Recipe, eot: str, fmt: str, ends: tuple) -> dict:
-    row = tokenize_example(example, tokenizer, recipe, eot, fmt, ends)
+def _prepare_row(example: dict, index: int, tokenizer, recipe: Recipe, eot: str, fmt: str, ends: tuple, source: str,
+                 rows: list[int] | None, structs: tuple[bool, bool]) -> dict:
+    where = f"row {rows[index] if rows is not None else index} of {source}"
+    row = tokenize_example(example, tokenizer, recipe, eot, fmt, ends, where, structs)
     max_length = recipe.trl_value("max_length")
     if not _trainable(row["labels"]):
         return {**row, "_status": FULLY_MASKED}
@@ -148,15 +161,24 @@ def _prepare_row(example: dict, tokenizer, recipe: Recipe, eot: str, fmt: str, e
     return {**row, "input_ids": ids, "labels": labels, "_status": CUT_KEPT if _trainable(labels) else CUT_AWAY}
 
 
-def tokenize_split(recipe: Recipe, tokenizer, eot: str, dataset, name: str, fmt: str):
-    """Format, tokenize and cut one split; rows keep a `_status` (KEPT, FULLY_MASKED, CUT_AWAY, CUT_KEPT) and
-    `_bos_removed` until finish_split counts and drops."""
+def tokenize_split(recipe: Recipe, tokenizer, eot: str, dataset, name: str, fmt: str, source: str | None = None,
+                   rows: list[int] | None = None):
+    """Format, tokenize and cut one split; rows keep a `_status` (KEPT, FULLY_MASKED, CUT_AWAY, CUT_KEPT),
+    `_bos_removed` and `_unrendered` until finish_split counts and drops. source: the dataset as errors name it;
+    rows: the source row of each row (a mixture's draw), for errors."""
     if recipe.trl_value("assistant_only_loss") and not (fmt in CONVERSATIONAL or (len(dataset) and is_conversational(fmt, dataset[0]))):
         raise RecipeError(f"assistant_only_loss: {name} is {fmt} text, without assistant turns; remove assistant_only_loss"
                           + (" (prompt/completion data trains on the completion only by default)" if fmt == "prompt_completion" else ""))
+    structs = arrow_structs(dataset.features)
+    if structs[0]:
+        log.info("data: %s: tool-call arguments are stored as an Arrow struct (every argument name of the column in every "
+                 "call, null where a call has none): null arguments are dropped; store arguments as JSON strings to keep "
+                 "explicit nulls", source or name)
     return dataset.map(
         _prepare_row,
-        fn_kwargs={"tokenizer": tokenizer, "recipe": recipe, "eot": eot, "fmt": fmt, "ends": end_ids(tokenizer, eot)},
+        with_indices=True,
+        fn_kwargs={"tokenizer": tokenizer, "recipe": recipe, "eot": eot, "fmt": fmt, "ends": end_ids(tokenizer, eot),
+                   "source": source or name, "rows": rows, "structs": structs},
         remove_columns=dataset.column_names,
         num_proc=recipe.trl_value("dataset_num_proc"),
         desc=f"Formatting and tokenizing {name}",
@@ -190,11 +212,13 @@ def finish_split(recipe: Recipe, dataset, name: str, formats: dict[str, int], is
     status = np.asarray(dataset.with_format("numpy")["_status"], dtype=np.int64)
     n = np.bincount(status, minlength=4)
     bos_removed = int(np.asarray(dataset.with_format("numpy")["_bos_removed"], dtype=bool).sum())
+    unrendered = np.asarray(dataset.with_format("numpy")["_unrendered"], dtype=np.int64)
     counts = {
         "read": int(len(status)), "formats": formats, "truncated": int(n[CUT_AWAY] + n[CUT_KEPT]),
         "dropped_after_cut": int(n[CUT_AWAY]), "fully_masked": int(n[FULLY_MASKED]),
         "kept": int(n[KEPT] + n[CUT_KEPT]), "max_length": recipe.trl_value("max_length"),
         "truncation_mode": recipe.trl_value("truncation_mode"), "duplicate_bos_removed": bos_removed,
+        "not_rendered": {field: int(((unrendered & bit) != 0).sum()) for field, bit in NOT_RENDERED.items()},
     }
     if counts["read"] == 0:
         raise RecipeError(f"dataset_name: the {name} has no rows; check the data and splits")
@@ -212,7 +236,7 @@ def finish_split(recipe: Recipe, dataset, name: str, formats: dict[str, int], is
             f"({counts['truncation_mode']}); raise max_length or set truncation_mode: keep_end"
         )
     dataset = dataset.filter(lambda s: s in (KEPT, CUT_KEPT), input_columns="_status", desc=f"Dropping untrainable {name} samples")
-    dataset = dataset.remove_columns(["_status", "_bos_removed"])
+    dataset = dataset.remove_columns(["_status", "_bos_removed", "_unrendered"])
     packed = _packed_rows(recipe, dataset, is_eval)
     if packed is not None:
         counts["packing"] = packed
@@ -224,7 +248,9 @@ def finish_split(recipe: Recipe, dataset, name: str, formats: dict[str, int], is
     if packed is not None:
         line += (f"; packing {packed['strategy']}: {packed['fully_masked_rows']} of {packed['rows']} packed rows fully masked"
                  if packed["rows"] is not None else f"; packing {packed['strategy']}: every packed row holds whole samples, none fully masked")
-    (log.warning if counts["dropped_after_cut"] or counts["fully_masked"] or (packed or {}).get("fully_masked_rows") else log.info)("%s", line)
+    line += describe_not_rendered(counts["not_rendered"], template_key(recipe))
+    warn = counts["dropped_after_cut"] or counts["fully_masked"] or (packed or {}).get("fully_masked_rows") or any(counts["not_rendered"].values())
+    (log.warning if warn else log.info)("%s", line)
     return dataset, counts
 
 

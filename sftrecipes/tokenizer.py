@@ -1,4 +1,7 @@
-"""Tokenizer: the recipe's tokenizer set up for its chat template (end-of-turn and pad tokens, where generation stops)."""
+"""Tokenizer: the recipe's tokenizer set up for its chat template (end-of-turn and pad tokens, where generation stops).
+
+The project's templates (chatml, zephyr: `_turns_template`) render plain turns as `<open>content<close>` and, besides
+text, a row's tools, an assistant's reasoning and tool calls, and tool turns (docs/chat_data.md)."""
 
 from __future__ import annotations
 
@@ -12,14 +15,45 @@ from .recipe import Recipe
 
 log = logging.getLogger("sftrecipes")
 
-CHATML_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-ZEPHYR_TEMPLATE = (
-    "{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token + '\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
-)
+def _turns_template(start: str, end: str, generation: str) -> str:
+    """A chat template whose turns open with `start` (a jinja expression of `role`) and close with `end`.
+
+    Plain text turns render as `start + content + end`. Besides text it renders (docs/chat_data.md):
+    - a row's tools: their JSON schemas, one a line between <tools> and </tools>, in the system turn (one is opened
+      when the conversation has none);
+    - an assistant's reasoning (`reasoning_content`) first, as `<think>\\n...\\n</think>\\n\\n`;
+    - its tool calls after its content, each `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one a line;
+    - `tool` turns as turns of their own role; `content: null` as empty text (another kind of content: an error).
+    """
+    text = ("{%- macro text(m) -%}{%- if m['content'] is string -%}{{- m['content'] -}}"
+            "{%- elif m['content'] is defined and m['content'] is not none -%}"
+            "{{- raise_exception('content must be text or null; this template renders no other kind of content') -}}"
+            "{%- endif -%}{%- endmacro -%}")
+    tools = ("{%- set system_first = messages | length > 0 and messages[0]['role'] == 'system' -%}"
+             "{%- if tools -%}{{- " + start.replace("ROLE", "'system'") + " -}}"
+             "{%- if system_first and text(messages[0]) -%}{{- text(messages[0]) + '\\n\\n' -}}{%- endif -%}"
+             "{{- '# Tools\\nThe functions you may call, one JSON schema a line:\\n<tools>' -}}"
+             "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
+             "{{- '\\n</tools>\\nA call is a JSON object {\"name\": ..., \"arguments\": {...}} between <tool_call> and "
+             "</tool_call>.' + " + end + " -}}{%- endif -%}")
+    calls = ("{%- if message['role'] == 'assistant' and message['tool_calls'] -%}{%- for tc in message['tool_calls'] -%}"
+             "{%- set call = tc['function'] if tc['function'] is defined else tc -%}"
+             "{%- set args = call['arguments'] if call['arguments'] is defined else {} -%}"
+             "{%- if body or not loop.first -%}{{- '\\n' -}}{%- endif -%}"
+             "{{- '<tool_call>\\n{\"name\": ' + (call['name'] | tojson) + ', \"arguments\": ' "
+             "+ (args if args is string else (args | tojson)) + '}\\n</tool_call>' -}}"
+             "{%- endfor -%}{%- endif -%}")
+    turn = ("{%- for message in messages -%}{%- if not (tools and system_first and loop.first) -%}"
+            "{{- " + start.replace("ROLE", "message['role']") + " -}}"
+            "{%- if message['role'] == 'assistant' and message['reasoning_content'] is string and message['reasoning_content'] -%}"
+            "{{- '<think>\\n' + message['reasoning_content'] + '\\n</think>\\n\\n' -}}{%- endif -%}"
+            "{%- set body = text(message) -%}{{- body -}}" + calls + "{{- " + end + " -}}"
+            "{%- endif -%}{%- endfor -%}")
+    return text + tools + turn + "{%- if add_generation_prompt -%}{{- " + generation + " -}}{%- endif -%}"
+
+
+CHATML_TEMPLATE = _turns_template("'<|im_start|>' + ROLE + '\\n'", "'<|im_end|>\\n'", "'<|im_start|>assistant\\n'")
+ZEPHYR_TEMPLATE = _turns_template("'<|' + ROLE + '|>\\n'", "eos_token + '\\n'", "'<|assistant|>\\n'")
 # format -> (template, special tokens it needs, end-of-turn token: None = the tokenizer's eos)
 TEMPLATES = {
     "chatml": (CHATML_TEMPLATE, ["<|im_start|>", "<|im_end|>"], "<|im_end|>"),

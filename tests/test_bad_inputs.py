@@ -51,6 +51,16 @@ def _text_txt(tmp: Path, tiny: Path) -> None:
     (tmp / "chat.txt").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
 
 
+def _tool_calls_jsonl(tmp: Path, tiny: Path) -> None:
+    """An OpenAI-style tool call (content null) and a template that concatenates content as text."""
+    rows = [{"messages": [{"role": "user", "content": "Weather in Paris?"},
+                          {"role": "assistant", "content": None,
+                           "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+                          {"role": "tool", "content": "22 C"}, {"role": "assistant", "content": "It is 22 C."}]}]
+    (tmp / "tools.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp / "text.jinja").write_text("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}")
+
+
 def _tokenizer_without_template(tmp: Path, tiny: Path) -> None:
     """The tiny model with its chat template removed (it lives only in chat_template.jinja)."""
     dst = tmp / "notemplate"
@@ -131,6 +141,7 @@ SETUPS = {
     "text_jsonl": _text_jsonl,
     "text_txt": _text_txt,
     "tokenizer_without_template": _tokenizer_without_template,
+    "tool_calls_jsonl": _tool_calls_jsonl,
     "adapter_hub_base": _adapter_hub_base,
     "adapter_and_4bit_base": _adapter_and_4bit_base,
     "empty_dir": _empty_dir,
