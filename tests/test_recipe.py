@@ -351,10 +351,15 @@ def test_a_qlora_copy_unsets_its_4bit_keys_and_plans_16bit_lora(tmp_path):
     assert "68.98B params, 2 B/param" in weights, weights
     plan = res.stdout.split("\nStrategies")[0]  # (the strategies table offers QLoRA among the other ways to run it)
     assert "4-bit" not in plan and "VERDICT: fits" in plan, plan
-    # without the nulls the copy is one line naming the first 4-bit key and the fix
+    # without the nulls train.py stops before torch, exit 2, one line naming the first 4-bit key and the fix
     bare = write(tmp_path, "bare.yaml", f"base: {ROOT}/recipes/llama2-70b/qlora.yaml\nuse_4bit_quantization: false\n")
-    with pytest.raises(RecipeError, match=r"^use_nested_quant: true only applies to 4-bit loading; .*use_nested_quant: null where a base recipe sets it\)$"):
-        load_recipe([str(bare)])
+    probe = ("import sys; sys.path.insert(0, '.'); import train; rc = train.main(sys.argv[1:]);"
+             "assert 'torch' not in sys.modules, 'torch imported before validation'; sys.exit(rc)")
+    res = run_cli(["-c", probe, str(bare), "--output_dir", str(tmp_path / "out")])
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 2 and len(lines) == 1, res.stderr
+    assert lines[0].startswith("error: use_nested_quant: true only applies to 4-bit loading; ") and lines[0].endswith(
+        "use_nested_quant: null where a base recipe sets it)") and not (tmp_path / "out").exists(), lines
 
 
 BASE_SETS = {  # a key of each section and kind -> a value other than its default, all valid together
