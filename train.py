@@ -127,6 +127,7 @@ def run(recipe, life=None):
             "first_loss": losses[0] if losses else None,
             "last_loss": losses[-1] if losses else None,
             "losses": losses,
+            "train_loss": final_train_loss(trainer.state.log_history),
             "steps": trainer.state.global_step,
             "seconds": round(seconds, 2),
             "saved_tensors": n_tensors,
@@ -149,10 +150,27 @@ def run(recipe, life=None):
             stop = (f"stopped on {sample['stopped_on']}" if sample["stopped_on"] else
                     f"no end of turn within {sample['new_tokens']} tokens (sample_max_new_tokens)")
             log.info("sample: %r -> %r (%s)", prompt[-1]["content"] if isinstance(prompt, list) else prompt, sample["reply"], stop)
-        log.info("done: %d steps in %.1fs, loss %s -> %s, %d tensors saved to %s", summary["steps"], seconds,
-                 summary["first_loss"], summary["last_loss"], n_tensors, args.output_dir)
+        log.info("done: %d steps in %.1fs, %s, %d tensors saved to %s", summary["steps"], seconds,
+                 loss_words(losses, summary["train_loss"], args.logging_steps, summary["steps"]), n_tensors, args.output_dir)
     life.finish(trainer.state.global_step)  # final.complete.json: resume 'auto' on this folder has nothing to do
     return trainer, summary
+
+
+def final_train_loss(log_history: list[dict]) -> float | None:
+    """The train_loss transformers logs when train() ends (the mean loss over the steps this call trained), or None
+    when training did not run (a resumed checkpoint already at max_steps)."""
+    return next((e["train_loss"] for e in reversed(log_history) if "train_loss" in e), None)
+
+
+def loss_words(losses: list[float], train_loss: float | None, logging_steps, steps: int) -> str:
+    """The loss part of the run's last log line: the first and last logged loss, and the trainer's train_loss; what
+    it is when no step was logged (logging_steps above the steps run), or that no step was trained."""
+    mean = f"train_loss {train_loss:.4g} (the trainer's mean over the steps trained)" if train_loss is not None else None
+    if losses:
+        return f"loss {losses[0]:.4g} -> {losses[-1]:.4g}" + (f", {mean}" if mean else "")
+    if mean:
+        return f"no loss logged (logging_steps {logging_steps}, {steps} steps), {mean}"
+    return "no step trained in this run, no loss logged"
 
 
 def leave_process_group(code: int = 0) -> int:

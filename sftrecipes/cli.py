@@ -2,7 +2,7 @@
 parses its own ARGS; everything but training (train.py) starts here.
 
     python -m sftrecipes tiny [--data] [--size tiny|medium] [--family F] [--out DIR]   offline tiny model / dataset
-    python -m sftrecipes merge ADAPTER OUT [--base DIR] [--dtype D]        streaming LoRA merge
+    python -m sftrecipes merge ADAPTER OUT [--base DIR] [--dtype D] [--verify]  streaming LoRA merge
     python -m sftrecipes launch RECIPE [--key value ...] [--dry-run] [--force]   start any recipe on its processes
     python -m sftrecipes cp RECIPE|NAME DEST [--force]                     copy a recipe (e.g. tiny/ddp) to edit and launch
     python -m sftrecipes emit [RECIPE ...] [--check]                       configs/, scripts/, docs/generated/setups/
@@ -78,10 +78,12 @@ def _merge(argv: list[str]) -> int:
     p.add_argument("out")
     p.add_argument("--base", default=None, help="base model folder or hub id (default: the adapter's base_model_name_or_path)")
     p.add_argument("--dtype", default=None, choices=schema.DTYPES, help="output dtype (default: the base's)")
+    p.add_argument("--verify", action="store_true", help="before publishing, compare the merged model's logits with peft's "
+                   "unmerged adapter on the base (one line; exit 2 above the dtype's tolerance; needs RAM for two fp32 copies)")
     ns = p.parse_args(argv)
     from .export import merge_lora  # noqa: PLC0415 - torch: --help and the other verbs stay torch-free
 
-    print(merge_lora(ns.adapter, ns.out, base=ns.base, dtype=ns.dtype))
+    print(merge_lora(ns.adapter, ns.out, base=ns.base, dtype=ns.dtype, verify=ns.verify))
     return 0
 
 

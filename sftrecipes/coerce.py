@@ -23,14 +23,29 @@ def suggest(name: str, candidates: list[str]) -> str:
     return "see `python train.py --help` for the valid keys"
 
 
+def is_null(opt: Option, value: Any, src: str) -> bool:
+    """The value is null: YAML's null (`key: null`, `key: ~` or `key:`), or on the command line the word null, or
+    none, where that word is not one of the key's own values (a choice such as chat_template_format's none, or a list
+    item such as report_to's none). A list flag's single word counts as that word (`--report_to null`)."""
+    if value is None:
+        return True
+    if not src.startswith("--"):
+        return False
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    if not isinstance(value, str) or value in (opt.choices or ()):
+        return False
+    word = value.lower()
+    return word == "null" or (word == "none" and opt.kind != "list")
+
+
 def coerce(opt: Option, value: Any, src: str) -> Any:
-    """One value of one option to its declared type, or a RecipeError naming the key and the fix."""
+    """One value of one option to its declared type, or a RecipeError naming the key and the fix. A null value is
+    None for a nullable option; recipe.load_recipe reads null as "unset" before it gets here (schema.NULL_IS_A_VALUE)."""
     name = opt.name
     where = src if src.startswith("--") else f"{name} (in {src})"
     from_cli = src.startswith("--")
-    cli_null = (from_cli and isinstance(value, str) and value.lower() in ("none", "null") and opt.kind != "list"
-                and opt.nullable and value not in (opt.choices or ()))
-    if value is None or cli_null:
+    if is_null(opt, value, src):
         if opt.nullable:
             return None
         raise RecipeError(f"{where}: may not be empty; give a {opt.kind} value")

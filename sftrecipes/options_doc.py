@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .schema import ALIASES, all_options
+from .schema import ALIASES, NULL_IS_A_VALUE, all_options
 from .snapshots import Option
 
 
@@ -19,9 +19,18 @@ def grouped_options() -> list[tuple[str, list[Option]]]:
     return [(GROUP_TITLES[owner], groups.get(owner, [])) for owner in GROUP_TITLES]
 
 
+def null_rule(code: str = "") -> str:
+    """What null does, in one sentence (`code`: the markdown quote for keys and values)."""
+    c = code
+    kept = "; ".join(f"{c}{k}{c} ({why})" for k, why in NULL_IS_A_VALUE.items())
+    return (f"{c}KEY: null{c} ({c}--KEY null{c}) unsets a key: it takes its default, as if never set, whatever a base "
+            f"recipe set; except where null is a value of the key's own: {kept}.")
+
+
 def help_text() -> str:
     lines = ["usage: python train.py RECIPE.yaml [--key value ...]", "",
-             "Every key below is a YAML key and a --flag. Launch keys go under `launch:` (flag --launch.KEY).", ""]
+             "Every key below is a YAML key and a --flag. Launch keys go under `launch:` (flag --launch.KEY).",
+             null_rule(), ""]
     for title, options in grouped_options():
         lines += [f"{title.replace('`', '')}:"] + [f"  --{o.name}  {o.describe()}" for o in options] + [""]
     lines.append("Aliases: " + ", ".join(f"{a} -> {c}" for a, c in ALIASES.items()))
@@ -32,7 +41,8 @@ def options_markdown() -> str:
     """docs/generated/options.md: the option table, generated from the schema (tests fail when the file is stale)."""
     out = ["# Recipe options", "",
            "Generated from `sftrecipes/schema.py` and TRL's `SFTConfig` by `make docs`; do not edit by hand.",
-           "Every key is a YAML key and a `--flag`; launch keys live under `launch:` (flag `--launch.KEY`).", ""]
+           "Every key is a YAML key and a `--flag`; launch keys live under `launch:` (flag `--launch.KEY`).",
+           null_rule("`"), ""]
     for title, options in grouped_options():
         out += [f"## {title}", "", "| key | type | default | help |", "|---|---|---|---|"]
         for o in options:

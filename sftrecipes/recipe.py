@@ -2,7 +2,8 @@
 
     recipe.yaml ──base:──► parent.yaml (merged deeply, child wins) ──► CLI flags win ──► coerce + validate
 
-Coercion of each value lives in coerce.py, the cross-key rules in validation.py. Only the standard library and PyYAML
+`key: null` (`--key null`) unsets a key: it takes its default, whatever a base set (unsets; schema.NULL_IS_A_VALUE
+names the keys where null is a value). Coercion of each value lives in coerce.py, the cross-key rules in validation.py. Only the standard library and PyYAML
 are imported on this path, so a bad recipe fails in well under a second with one line that names the key and the fix
 (`RecipeError`, exit code 2 in the CLI).
 """
@@ -16,10 +17,11 @@ from typing import Any
 
 import yaml
 
-from .coerce import FALSE, TRUE, coerce, suggest
+from .coerce import FALSE, TRUE, coerce, is_null, suggest
 from .errors import RecipeError
 from .paths import RECIPES, ROOT
-from .schema import ALIASES, NESTED, DataOptions, LaunchOptions, ModelOptions, RunOptions, all_options
+from .schema import ALIASES, NESTED, NULL_IS_A_VALUE, DataOptions, LaunchOptions, ModelOptions, RunOptions, all_options
+from .snapshots import Option
 from .validation import adopt_model_init_kwargs, looks_local, validate
 
 # Options whose value may be a local path. A relative path means one relative to the current directory, except in
@@ -175,6 +177,9 @@ def from_repo_root(key: str, value: Any) -> Any:
 
 # ----------------------------------------------------------------------------------------------- CLI
 
+NULL_WORDS = {"null", "none"}  # a bool flag takes them as its value (`--use_nested_quant null`), not as a file
+
+
 
 def parse_argv(argv: list[str]) -> tuple[list[str], dict[str, tuple[Any, str]]]:
     """Split a command line into recipe files and `--key value` pairs (values still strings)."""
@@ -210,7 +215,7 @@ def parse_argv(argv: list[str]) -> tuple[list[str], dict[str, tuple[Any, str]]]:
                 i += 1
             if kind == "list|str" and len(raw) == 1:
                 raw = raw[0]  # one word: a string (peft: a regex); several: a list of names
-        elif i < len(argv) and not argv[i].startswith("--") and (kind != "bool" or argv[i].lower() in TRUE | FALSE):
+        elif i < len(argv) and not argv[i].startswith("--") and (kind != "bool" or argv[i].lower() in TRUE | FALSE | NULL_WORDS):
             raw, i = argv[i], i + 1
         elif kind == "bool" or name == "fsdp":
             raw = "true"  # bare `--push_to_hub`
@@ -221,6 +226,12 @@ def parse_argv(argv: list[str]) -> tuple[list[str], dict[str, tuple[Any, str]]]:
 
 
 # ----------------------------------------------------------------------------------------------- build
+
+
+def unsets(opt: Option, raw: Any, src: str) -> bool:
+    """`key: null` (or `--key null`) unsets the key: whatever a base recipe (or an earlier file) set, it takes its
+    default, as if never set. On the keys of schema.NULL_IS_A_VALUE null is a value of its own and is kept."""
+    return is_null(opt, raw, src) and opt.name not in NULL_IS_A_VALUE
 
 
 def load_recipe(argv: list[str] | None = None, files: list[str] | None = None, overrides: dict | None = None) -> Recipe:
@@ -263,7 +274,8 @@ def load_recipe(argv: list[str] | None = None, files: list[str] | None = None, o
                 if full not in options:
                     subs = [n.split(".", 1)[1] for n in options if n.startswith(key + ".")]
                     raise RecipeError(f"unknown key '{full}' ({src}); {suggest(sub, subs)}")
-                values[full] = coerce(options[full], raw, src)
+                if not unsets(options[full], raw, src):
+                    values[full] = coerce(options[full], raw, src)
             continue
         raw, src = entry
         alias = getattr(src, "alias", None)  # the spelling used, when it was an old name (see _tag)
@@ -272,6 +284,8 @@ def load_recipe(argv: list[str] | None = None, files: list[str] | None = None, o
             hint = f"it belongs under '{nested_hint[0].split('.')[0]}:' ({nested_hint[0]})" if nested_hint else suggest(key, flat_names)
             raise RecipeError(f"unknown key '{key}' ({src}); {hint}")
         canonical = key
+        if unsets(options[canonical], raw, src):
+            continue  # as if never set: the default (and not explicit)
         if alias:
             renamed[alias] = canonical
         values[canonical] = coerce(options[canonical], raw, src)

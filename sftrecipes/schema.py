@@ -272,6 +272,15 @@ ALIASES: dict[str, str] = {
 }
 
 
+# `key: null` (on the command line `--key null`) unsets the key: it takes its default, as if no recipe or base had set
+# it (recipe.load_recipe). Except on these keys, where null is a value of its own, not the default; the default of
+# one of them is given by writing it (max_length: 1024).
+NULL_IS_A_VALUE: dict[str, str] = {
+    "max_length": "null: no cut, samples keep their whole length",
+    "pad_to_multiple_of": "null: no padding to a multiple; unset: the project pads packed batches under sdpa on a GPU",
+}
+
+
 # peft's LoraConfig fields that are not recipe keys, and why. Every other field is a recipe key of the same name
 # (owner "peft"; it needs use_peft_lora and goes to LoraConfig as given). tests/test_schema_and_assets.py fails when
 # a field of the installed peft is in neither group, so a field peft adds is placed on purpose.

@@ -44,7 +44,10 @@ def adopt_model_init_kwargs(values: dict[str, Any], renamed: dict[str, str]) -> 
         key = MODEL_INIT_OWNED.get(k)
         if key is None:
             continue
-        value = coerce(all_options()[key], mik.pop(k), "model_init_kwargs")
+        raw = mik.pop(k)
+        if raw is None:  # null: not set, as for a recipe key
+            continue
+        value = coerce(all_options()[key], raw, "model_init_kwargs")
         if key in values and values[key] != value:
             raise RecipeError(f"model_init_kwargs.{k} ({value}) and {key} ({values[key]}) disagree; keep one, as the recipe key {key}")
         values[key] = value
@@ -55,6 +58,30 @@ def adopt_model_init_kwargs(values: dict[str, Any], renamed: dict[str, str]) -> 
 def looks_local(s: str) -> bool:
     """Clearly a filesystem path (a hub id is `name` or `org/name`)."""
     return s.startswith((".", "/", "~")) or s.count("/") > 1 or s.endswith((".json", ".jsonl", ".parquet", ".csv"))
+
+
+def setting(r: Recipe, key: str) -> Any:
+    """The value the recipe gives `key` (a flat name, or launch.<name>), set or not."""
+    section, _, name = key.rpartition(".")
+    if section:
+        return getattr(getattr(r, section), name)
+    owner = all_options()[name].owner
+    if owner in ("trl", "peft"):
+        held = r.trl if owner == "trl" else r.peft
+        return held[name] if name in held else all_options()[name].default
+    return getattr(getattr(r, owner), name)
+
+
+def changed(r: Recipe, keys: list[str]) -> list[str]:
+    """Those of `keys` the recipe sets to something other than their default. A rule that a key only applies in some
+    setting refuses these only: a default written out (use_nested_quant: false without 4-bit) has no effect to lose."""
+    options = all_options()
+    return [k for k in keys if k in r.explicit and setting(r, k) != options[k].default]
+
+
+def _word(value: Any) -> str:
+    """A value as a recipe writes it (true, not True)."""
+    return str(value).lower() if isinstance(value, bool) or value is None else str(value)
 
 
 def validate(r: Recipe) -> None:
@@ -79,9 +106,10 @@ def validate(r: Recipe) -> None:
         raise RecipeError("use_4bit_quantization and use_8bit_quantization are both true; keep one of them")
     quant = m.use_4bit_quantization or m.use_8bit_quantization
     four_bit_keys = ["use_nested_quant", "bnb_4bit_compute_dtype", "bnb_4bit_quant_type", "bnb_4bit_quant_storage_dtype"]
-    stray = [k for k in four_bit_keys if k in ex and not m.use_4bit_quantization]
-    if stray and not (stray == ["use_nested_quant"] and not m.use_nested_quant):
-        raise RecipeError(f"{stray[0]}: only applies to 4-bit loading; set use_4bit_quantization: true or remove {stray[0]}")
+    stray = [] if m.use_4bit_quantization else changed(r, four_bit_keys)
+    if stray:
+        raise RecipeError(f"{stray[0]}: {_word(setting(r, stray[0]))} only applies to 4-bit loading; set use_4bit_quantization: true, "
+                          f"or remove {stray[0]} ({stray[0]}: null where a base recipe sets it)")
     if quant and not m.use_peft_lora:
         raise RecipeError("use_4bit_quantization/use_8bit_quantization: quantized weights cannot be trained directly; set use_peft_lora: true (QLoRA)")
     if m.use_4bit_quantization and m.bnb_4bit_quant_storage_dtype != "uint8" and m.dtype not in ("auto", m.bnb_4bit_quant_storage_dtype):
@@ -92,9 +120,10 @@ def validate(r: Recipe) -> None:
 
     # LoRA keys without LoRA would be silently ignored
     lora_keys = ["lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_router", *r.peft]
-    stray = [k for k in lora_keys if k in ex and not m.use_peft_lora]
-    if stray and not (stray == ["lora_target_router"] and not m.lora_target_router):
-        raise RecipeError(f"{stray[0]}: only applies to LoRA; set use_peft_lora: true or remove {stray[0]}")
+    stray = [] if m.use_peft_lora else changed(r, lora_keys)
+    if stray:
+        raise RecipeError(f"{stray[0]}: only applies to LoRA; set use_peft_lora: true, or remove {stray[0]} "
+                          f"({stray[0]}: null where a base recipe sets it)")
     if m.use_peft_lora:
         if m.lora_r < 1:
             raise RecipeError(f"lora_r: must be >= 1, got {m.lora_r}")
@@ -124,8 +153,9 @@ def validate(r: Recipe) -> None:
     gc_old, gc_new = r.trl.get("gradient_checkpointing"), r.trl.get("activation_checkpointing")
     if gc_old is not None and gc_new is not None and gc_old != gc_new:
         raise RecipeError(f"gradient_checkpointing ({gc_old}) and activation_checkpointing ({gc_new}) disagree; they are one option, keep activation_checkpointing")
-    if "use_reentrant" in ex and not r.gradient_checkpointing:
-        raise RecipeError("use_reentrant: only applies with gradient checkpointing; set gradient_checkpointing: true or remove use_reentrant")
+    if changed(r, ["use_reentrant"]) and not r.gradient_checkpointing:
+        raise RecipeError("use_reentrant: only applies with gradient checkpointing; set gradient_checkpointing: true, "
+                          "or remove use_reentrant (use_reentrant: null where a base recipe sets it)")
     for kw_key in ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"):
         kwv = r.trl.get(kw_key)
         if "use_reentrant" in ex and isinstance(kwv, dict) and "use_reentrant" in kwv and kwv["use_reentrant"] != m.use_reentrant:
@@ -338,7 +368,7 @@ FSDP_KEYS = ("fsdp_version", "fsdp_sharding_strategy", "fsdp_state_dict_type", "
 
 
 def _validate_launch(r: Recipe) -> None:
-    L, ex, m = r.launch, r.explicit, r.model
+    L, m = r.launch, r.model
     if L.backend != "none":  # the launch section renders the accelerate config; transformers' own switches would fight it
         for key in ("fsdp", "fsdp_config", "deepspeed"):
             if r.trl.get(key):
@@ -352,15 +382,15 @@ def _validate_launch(r: Recipe) -> None:
     if L.backend == "none" and world > 1:
         raise RecipeError(f"launch.backend: none runs one process, but num_machines x gpus_per_node = {world}; set backend: ddp, deepspeed or fsdp")
     for backend, keys in (("deepspeed", DEEPSPEED_KEYS), ("fsdp", FSDP_KEYS)):
-        stray = [k for k in keys if f"launch.{k}" in ex and L.backend != backend]
+        stray = [] if L.backend == backend else changed(r, [f"launch.{k}" for k in keys])
         if stray:
-            raise RecipeError(f"launch.{stray[0]}: only applies to backend {backend}, but backend is {L.backend}; set launch.backend: {backend} or remove it")
+            raise RecipeError(f"{stray[0]}: only applies to backend {backend}, but backend is {L.backend}; set launch.backend: "
+                              f"{backend}, or remove it ({stray[0].split('.', 1)[1]}: null under launch: where a base recipe sets it)")
     if L.backend == "deepspeed" and L.zero_stage != 3:
         for key in ("offload_optimizer", "offload_params"):
             if getattr(L, key):
                 raise RecipeError(f"launch.{key}: offload needs ZeRO-3 here, but zero_stage is {L.zero_stage}; set launch.zero_stage: 3")
-        if "launch.zero3_init" in ex and L.zero3_init:
-            raise RecipeError(f"launch.zero3_init: only applies to zero_stage 3 (got {L.zero_stage}); remove it")
+        # zero3_init below stage 3 is not refused: true is its default there too, and the rendered config turns it off
     if L.backend == "fsdp":
         if L.fsdp_version == 2 and L.fsdp_sharding_strategy not in ("FULL_SHARD", "SHARD_GRAD_OP"):
             raise RecipeError(f"launch.fsdp_sharding_strategy: {L.fsdp_sharding_strategy} needs fsdp_version: 1 (FSDP2 has FULL_SHARD and SHARD_GRAD_OP)")

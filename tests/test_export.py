@@ -283,6 +283,30 @@ def test_ddp_final_adapter_merges_with_verify(runs, tmp_path, capsys):
     assert len(load_file(out / "model.safetensors")) == 21
 
 
+def test_merge_verify_gives_one_verdict_and_a_wrong_merge_one_error_line(runs, tmp_path, monkeypatch, capsys):
+    """`python -m sftrecipes merge ADAPTER OUT --verify` (the ddp twin's final adapter): one verdict line against peft's
+    unmerged adapter on the base, then the folder. A merge that gets one tensor wrong (zeroed as it is written) exits 2
+    with one line on stderr and publishes nothing."""
+    from sftrecipes import cli
+    from sftrecipes.export import rewrite
+
+    adapter = runs("ddp")
+    assert cli.main(["merge", str(adapter), str(tmp_path / "merged"), "--verify"]) == 0
+    out, err = capsys.readouterr()
+    verdicts = [line for line in out.splitlines() if line.startswith("verify:")]
+    assert len(verdicts) == 1 and verdicts[0].endswith(", float32)"), out
+    assert float(verdicts[0].split("difference ")[1].split()[0]) <= 1e-4 and out.splitlines()[-1] == str(tmp_path / "merged")
+    assert len(load_file(tmp_path / "merged" / "model.safetensors")) == 21
+
+    apply, wrong = rewrite._apply, "model.layers.1.mlp.down_proj.weight"
+    monkeypatch.setattr(rewrite, "_apply", lambda w, entry, name, piece: torch.zeros_like(w) if name == wrong else apply(w, entry, name, piece))
+    assert cli.main(["merge", str(adapter), str(tmp_path / "bad"), "--verify"]) == 2
+    out, err = capsys.readouterr()
+    lines = [ln for ln in err.replace("\r", "\n").splitlines() if ln.strip() and not ln.startswith("Loading weights")]
+    assert len(lines) == 1 and lines[0].startswith("error: merge: verify failed: logits differ from the source by "), err
+    assert "was not published" in err and not list(tmp_path.glob("bad*"))
+
+
 # -------------------------------------------------------------------------------------------------- bad inputs
 
 def test_unknown_folder_and_unfinished_run_are_named(tmp_path):

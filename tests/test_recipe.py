@@ -93,7 +93,8 @@ def test_types_are_coerced_from_cli_and_yaml(tmp_path):
     assert r.trl["learning_rate"] == 1e-4  # YAML 1.1 reads 1e-4 as a string; the float option takes it
     assert r.trl["report_to"] == ["tensorboard", "wandb"]
     assert r.model.lora_r == 4 and r.model.use_peft_lora is True
-    assert r.trl["max_grad_norm"] == 2.0 and r.trl["eval_steps"] is None
+    assert r.trl["max_grad_norm"] == 2.0
+    assert r.trl_value("eval_steps") is None and "eval_steps" not in r.explicit  # None: unset, TRL's default (None)
 
 
 def test_defaults_are_trls_own(tmp_path):
@@ -310,3 +311,131 @@ def test_torch_free_paths_import_no_torch(name):
     res = run_cli(["-c", probe])
     assert res.returncode == 0, res.stderr[-2000:]
     assert "LOADED []" in res.stderr, res.stderr[-600:]
+
+
+# ------------------------------------------------------------------------------------- null: a copy undoes its base
+
+FOUR_BIT = ("use_nested_quant", "bnb_4bit_quant_type", "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage_dtype")
+
+
+def test_a_qlora_copy_unsets_its_4bit_keys_and_plans_16bit_lora(tmp_path):
+    """recipes/llama2-70b/qlora.yaml copied with base: to try 16-bit LoRA: use_4bit_quantization: false and null for
+    the 4-bit keys the base sets. The copy is the base's LoRA recipe in 16 bits, and plan says so."""
+    from sftrecipes.schema import ModelOptions
+
+    copy = write(tmp_path, "lora16.yaml", f"""\
+        base: {ROOT}/recipes/llama2-70b/qlora.yaml
+        use_4bit_quantization: false
+        use_nested_quant: null
+        bnb_4bit_quant_type: null
+        bnb_4bit_compute_dtype: ~
+        bnb_4bit_quant_storage_dtype:
+        launch: {{gpus_per_node: 8, gpu_memory_gb: 80}}
+        """)
+    r = load_recipe([str(copy)])
+    default = ModelOptions()
+    assert r.model.use_4bit_quantization is False and r.model.use_peft_lora is True
+    for key in FOUR_BIT:
+        assert getattr(r.model, key) == getattr(default, key) and key not in r.explicit, key
+    assert r.model.dtype == "auto" and r.model.lora_r == 8 and r.model.use_reentrant is True  # the rest is inherited
+    assert r.trl["per_device_train_batch_size"] == 2 and r.launch.backend == "deepspeed"
+    # the same on the command line: --key null (or none, a word the key does not take as a value)
+    cli = load_recipe([f"{ROOT}/recipes/llama2-70b/qlora.yaml", "--use_4bit_quantization", "false", "--use_nested_quant",
+                       "null", "--bnb_4bit_quant_type", "none", "--bnb_4bit_compute_dtype=null",
+                       "--bnb_4bit_quant_storage_dtype", "NULL", "--launch.gpus_per_node", "8", "--launch.gpu_memory_gb", "80"])
+    assert cli.model == r.model and cli.as_dict() == r.as_dict()
+
+    res = run_cli(["-m", "sftrecipes", "plan", str(copy)])
+    assert res.returncode == 0, res.stderr[-2000:]
+    weights = next(line for line in res.stdout.splitlines() if "weights (frozen base)" in line)
+    assert "68.98B params, 2 B/param" in weights, weights
+    plan = res.stdout.split("\nStrategies")[0]  # (the strategies table offers QLoRA among the other ways to run it)
+    assert "4-bit" not in plan and "VERDICT: fits" in plan, plan
+    # without the nulls train.py stops before torch, exit 2, one line naming the first 4-bit key and the fix
+    bare = write(tmp_path, "bare.yaml", f"base: {ROOT}/recipes/llama2-70b/qlora.yaml\nuse_4bit_quantization: false\n")
+    probe = ("import sys; sys.path.insert(0, '.'); import train; rc = train.main(sys.argv[1:]);"
+             "assert 'torch' not in sys.modules, 'torch imported before validation'; sys.exit(rc)")
+    res = run_cli(["-c", probe, str(bare), "--output_dir", str(tmp_path / "out")])
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 2 and len(lines) == 1, res.stderr
+    assert lines[0].startswith("error: use_nested_quant: true only applies to 4-bit loading; ") and lines[0].endswith(
+        "use_nested_quant: null where a base recipe sets it)") and not (tmp_path / "out").exists(), lines
+
+
+BASE_SETS = {  # a key of each section and kind -> a value other than its default, all valid together
+    "lora_r": 8, "lora_target_modules": "q_proj,v_proj", "attn_implementation": "eager", "dtype": "float32",  # model
+    "append_concat_token": True, "splits": "train,validation,test",  # data
+    "nan_patience": 3, "force_lock": True,  # run
+    "launch.cpu_threads": 2, "launch.slurm_time": "01:00:00", "launch.gpu_memory_gb": 80.0, "launch.hardware": "cpu",
+    "learning_rate": 1e-3, "report_to": ["tensorboard"], "lr_scheduler_kwargs": {"min_lr": 1}, "run_name": "x",  # TRL
+    "seed": 7, "save_total_limit": 3, "bf16": True,
+    "use_dora": True, "rank_pattern": {"q_proj": 4}, "modules_to_save": ["lm_head"], "layers_to_transform": [0],  # peft
+    "init_lora_weights": "gaussian",
+}
+
+
+@pytest.mark.parametrize("where", ["yaml", "cli"])
+def test_null_unsets_what_the_base_set_for_every_kind_of_key(tmp_path, where):
+    import yaml
+
+    from sftrecipes.schema import all_options
+
+    flat = {k: v for k, v in BASE_SETS.items() if not k.startswith("launch.")}
+    launch = {k.split(".", 1)[1]: v for k, v in BASE_SETS.items() if k.startswith("launch.")}
+    base = minimal(tmp_path, yaml.safe_dump({"use_peft_lora": True, **flat, "launch": launch}), name="base.yaml")
+    r = load_recipe([str(base)])
+    assert {k: r.as_dict()[k] for k in BASE_SETS} == BASE_SETS  # the base really sets each one
+    if where == "yaml":
+        nulls = {**{k: None for k in flat}, "launch": {k: None for k in launch}}
+        r = load_recipe([str(write(tmp_path, "copy.yaml", f"base: base.yaml\n{yaml.safe_dump(nulls)}"))])
+    else:
+        r = load_recipe([str(base), *[w for k in BASE_SETS for w in (f"--{k}", "null")]])
+    options = all_options()
+    assert not set(BASE_SETS) & r.explicit and set(r.trl) & set(BASE_SETS) == set() and r.peft == {}
+    for key in BASE_SETS:
+        section, _, name = key.rpartition(".")
+        owner = section or options[key].owner
+        got = r.trl_value(key) if owner == "trl" else r.peft.get(key, options[key].default) if owner == "peft" else getattr(getattr(r, owner), name)
+        assert got == options[key].default, key
+
+
+def test_null_means_the_default_with_or_without_a_base(tmp_path):
+    """Every key: null, in a recipe without a base, gives its default (not explicit), except where null is a value
+    of the key's own (schema.NULL_IS_A_VALUE: max_length: null is no cut). A required key nulled is required again."""
+    from sftrecipes.schema import NULL_IS_A_VALUE, all_options
+
+    for key in all_options():
+        section, _, name = key.rpartition(".")
+        text = f"{section}:\n  {name}: null\n" if section else f"{key}: null\n"
+        try:
+            r = load_recipe([str(minimal(tmp_path, text))])
+        except RecipeError as e:
+            assert str(e).startswith(f"{key}: required"), (key, str(e))
+            continue
+        if key in NULL_IS_A_VALUE:
+            assert key in r.explicit and r.trl[key] is None, key
+        else:
+            assert key not in r.explicit and key not in r.trl and key not in r.peft, key
+    r = load_recipe([str(minimal(tmp_path)), "--max_length", "null", "--pad_to_multiple_of", "none"])
+    assert r.trl["max_length"] is None and r.trl["pad_to_multiple_of"] is None
+    # the words keep their meaning where they are one of a key's values
+    r = load_recipe([str(minimal(tmp_path)), "--chat_template_format", "none", "--report_to", "none"])
+    assert r.model.chat_template_format == "none" and "chat_template_format" in r.explicit and r.trl["report_to"] == ["none"]
+
+
+def test_a_default_written_out_is_not_refused_where_the_key_does_not_apply(tmp_path):
+    """A key that applies only in some setting is refused there only with a value that would change something: its
+    default written out (use_nested_quant: false without 4-bit) has no effect to lose."""
+    from sftrecipes.backends import accelerate_config
+
+    r = load_recipe([str(minimal(tmp_path, "use_nested_quant: false\nbnb_4bit_quant_type: nf4\nlora_r: 64\n"
+                                            "lora_target_router: false\nuse_dora: false\nuse_reentrant: false\n"
+                                            "launch: {fsdp_version: 2, zero3_init: true}\n"))])
+    assert not r.model.use_4bit_quantization and not r.model.use_peft_lora and r.launch.backend == "none"
+    # the zero3 twin at ZeRO stage 2: zero3_init: true (inherited from the 70B recipe) is its default, turned off there
+    z2 = load_recipe(["recipes/tiny/zero3.yaml", "--launch.zero_stage", "2"])
+    assert "launch.zero3_init" in z2.explicit and accelerate_config(z2)["deepspeed_config"]["zero3_init_flag"] is False
+    with pytest.raises(RecipeError, match=r"^use_dora: only applies to LoRA; set use_peft_lora: true, or remove use_dora"):
+        load_recipe([str(minimal(tmp_path, "use_dora: true\n"))])
+    with pytest.raises(RecipeError, match=r"^launch.zero_stage: only applies to backend deepspeed, but backend is none"):
+        load_recipe([str(minimal(tmp_path, "launch: {zero_stage: 2}\n"))])

@@ -137,6 +137,29 @@ def test_guide_command_line_runs_on_cpu(tiny_model, tmp_path, caplog):
     assert summary["steps"] == 3
 
 
+def test_a_run_that_logs_no_step_still_reports_its_loss(tiny_model, tmp_path, caplog):
+    """logging_steps 5 over a 2-step run logs no step: the last line says so and gives the train_loss transformers
+    computed at the end (the mean over the steps trained), not `loss None -> None`."""
+    import math
+    import re
+
+    recipe = load_recipe(["recipes/tiny/lora.yaml", "--output_dir", str(tmp_path), "--max_steps", "2", "--logging_steps", "5",
+                          "--sample_max_new_tokens", "0"])
+    with caplog.at_level("INFO", logger="sftrecipes"):
+        trainer, summary = train.run(recipe)
+    assert summary["steps"] == 2 and summary["losses"] == [] and summary["last_loss"] is None
+    loss = summary["train_loss"]
+    assert loss == trainer.state.log_history[-1]["train_loss"] == json.loads((tmp_path / "run_summary.json").read_text())["train_loss"]
+    assert abs(loss - math.log(trainer.model.config.vocab_size)) < 1.5  # two LoRA steps on a random-init model: ~ln(vocab)
+    done = [r.getMessage() for r in caplog.records if r.getMessage().startswith("done: ")]
+    assert len(done) == 1 and re.fullmatch(
+        rf"done: 2 steps in [\d.]+s, no loss logged \(logging_steps 5, 2 steps\), train_loss {re.escape(f'{loss:.4g}')} "
+        rf"\(the trainer's mean over the steps trained\), {summary['saved_tensors']} tensors saved to {re.escape(str(tmp_path))}", done[0]), done
+    # the other two cases of the line, from the same function
+    assert train.loss_words([2.5, 1.25], 1.75, 1, 2) == "loss 2.5 -> 1.25, train_loss 1.75 (the trainer's mean over the steps trained)"
+    assert train.loss_words([], None, 5, 12) == "no step trained in this run, no loss logged"
+
+
 def test_resume_auto_continues_to_the_same_weights(tiny_model, tmp_path):
     common = ["recipes/tiny/lora.yaml", "--max_steps", "12", "--save_strategy", "steps", "--save_steps", "6",
               "--lr_scheduler_type", "linear"]

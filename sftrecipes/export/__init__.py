@@ -1,6 +1,6 @@
 """Exports: from whatever a run saved to a folder `from_pretrained` (or `PeftModel.from_pretrained`) loads, streamed.
 
-    python -m sftrecipes merge ADAPTER_DIR OUT_DIR [--base MODEL] [--dtype bfloat16|float16|float32]
+    python -m sftrecipes merge ADAPTER_DIR OUT_DIR [--base MODEL] [--dtype bfloat16|float16|float32] [--verify]
     python -m sftrecipes export RUN_OUTPUT_OR_CHECKPOINT DEST [--dtype ...] [--base ...] [--verify]
 
 `export` recognises, by looking at the folder: a DeepSpeed ZeRO-1/2/3 checkpoint (global_stepN/), an FSDP
@@ -67,7 +67,7 @@ def export(src: str | Path, dest: str | Path, dtype: str | None = None, base: st
         folder = src / "pytorch_model_fsdp_0"
         return _export_sharded(DCPSource(folder), src, dest, dtype, base, verify, "dcp", folder, max_shard_bytes)
     if (src / "adapter_config.json").is_file():
-        return merge_lora(src, dest, base=base, dtype=dtype, max_shard_bytes=max_shard_bytes, verify=verify)
+        return merge_lora(src, dest, base=base, dtype=dtype, max_shard_bytes=max_shard_bytes, verify=verify, verb="export")
     if (src / "config.json").is_file() and ((src / "model.safetensors").is_file() or (src / "model.safetensors.index.json").is_file()):
         reference = (lambda: _from_pretrained(src)) if verify else None
         return rewrite_model(src, dest, {}, dtype, src, max_shard_bytes, reference=reference)

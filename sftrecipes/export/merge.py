@@ -24,9 +24,11 @@ log = logging.getLogger("sftrecipes")
 
 
 def merge_lora(adapter_dir: str | Path, out_dir: str | Path, base: str | None = None, dtype: str | None = None,
-               max_shard_bytes: int = 2 * 1024**3, verify: bool = False) -> Path:
+               max_shard_bytes: int = 2 * 1024**3, verify: bool = False, verb: str = "merge") -> Path:
     """Merge a LoRA adapter into its (16-bit or fp32) base, streaming. A QLoRA adapter merges the same way: into the
-    unquantized base, which is what the 4-bit weights were quantized from. Returns the finished output folder."""
+    unquantized base, which is what the 4-bit weights were quantized from. verify=True: before the folder is
+    published, its logits are compared with peft's unmerged adapter on the same base (verify.verify_logits; the
+    error names `verb`, the command that asked). Returns the finished output folder."""
     adapter = Path(adapter_dir)
     cfg, tensors = read_adapter(adapter)
     base_dir = _local_model_dir(base or cfg.get("base_model_name_or_path") or "")
@@ -38,7 +40,7 @@ def merge_lora(adapter_dir: str | Path, out_dir: str | Path, base: str | None = 
     _check_fits(plan, lambda n: held[n] if n in held else source.meta(n)[1])
     tok_src = adapter if (adapter / "tokenizer_config.json").is_file() else base_dir
     reference = (lambda: _peft_reference(base_dir, adapter)) if verify else None
-    out = rewrite_model(base_dir, out_dir, plan, dtype, tok_src, max_shard_bytes, source=source, reference=reference)
+    out = rewrite_model(base_dir, out_dir, plan, dtype, tok_src, max_shard_bytes, source=source, reference=reference, verb=verb)
     log.info("merge: %d tensors changed (%d with LoRA) -> %s", len(plan), sum("A" in e for e in plan.values()), out)
     return out
 

@@ -19,11 +19,12 @@ from .writer import TOKENIZER_FILES, _nbytes, _shard_files, _shards, _Staging, _
 
 
 def rewrite_model(base_dir: Path, out_dir: str | Path, plan: dict[str, dict], dtype: str | None, tok_src: Path,
-                  max_shard_bytes: int = 2 * 1024**3, source=None, reference=None, names: list[str] | None = None) -> Path:
+                  max_shard_bytes: int = 2 * 1024**3, source=None, reference=None, names: list[str] | None = None,
+                  verb: str = "export") -> Path:
     """Write a model folder tensor by tensor from `source` (default: the safetensors in base_dir), applying `plan`
     and casting floats to `dtype`; config and tokenizer come from base_dir / tok_src. Before the folder is published
     its tensors are checked against the config (check_model_folder); with `reference` (a callable returning the
-    source as a model) the logits are compared too (verify_logits)."""
+    source as a model) the logits are compared too (verify_logits; `verb` names the command in its error)."""
     source = source or _SafetensorsSource(base_dir)
     out_dtype = DTYPES[dtype] if dtype else None
     names = names or source.names()
@@ -60,7 +61,7 @@ def rewrite_model(base_dir: Path, out_dir: str | Path, plan: dict[str, dict], dt
         _write_config(base_dir, st.tmp, layout, out_dtype or next((d for _, d, _ in layout if d.is_floating_point), None))
         check_model_folder(st.tmp, out_dtype)
         if reference is not None:
-            verify_logits(st.tmp, reference, out_dtype or torch.float32)
+            verify_logits(st.tmp, reference, out_dtype or torch.float32, verb=verb)
         return st.publish()
 
 

@@ -71,10 +71,11 @@ def _logits(model, ids) -> torch.Tensor:
         return model(input_ids=ids).logits.float()
 
 
-def verify_logits(folder: Path, reference, dtype: torch.dtype, base: Path | None = None) -> float:
+def verify_logits(folder: Path, reference, dtype: torch.dtype, base: Path | None = None, verb: str = "export") -> float:
     """Reload the export from `folder` (upcast to fp32; an adapter on `base`) and compare its logits on a fixed
     prompt with those of `reference()`, the source checkpoint read by upstream code. Prints the max abs difference;
-    above LOGIT_TOL[dtype] × max(1, max |logit|) it is an error. Needs RAM for both models in fp32."""
+    above LOGIT_TOL[dtype] × max(1, max |logit|) it is an error (a RecipeError starting with `verb`: the command
+    that wrote the folder, export or merge). Needs RAM for both models in fp32."""
     if base is None:
         ours = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     else:
@@ -89,7 +90,9 @@ def verify_logits(folder: Path, reference, dtype: torch.dtype, base: Path | None
     tol = LOGIT_TOL[dtype] * max(1.0, want.abs().max().item())
     print(f"verify: max abs logits difference {diff:.3g} on {ids.shape[1]} tokens (tolerance {tol:.3g}, {str(dtype).removeprefix('torch.')})", flush=True)
     if not diff <= tol:
-        raise RecipeError(f"export: verify failed: logits differ from the source by {diff:.3g} > {tol:.3g}; the export is not the trained model — do not use it (report the source checkpoint)")
+        source = "adapter and base" if verb == "merge" else "checkpoint"
+        raise RecipeError(f"{verb}: verify failed: logits differ from the source by {diff:.3g} > {tol:.3g}; the {verb} is not "
+                          f"the trained model and was not published — do not use it (report the source {source})")
     return diff
 
 
