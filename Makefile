@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export PYTHONDONTWRITEBYTECODE ?= 1
 
-.PHONY: venv assets demo lint test data schema docs emit plan bench bench-overhead bench-export clean sft-70b-lora sft-70b-qlora sft-offload sft-70b-fsdp sft-70b-qlora-fsdp sft-ddp sft-llama3-70b-lora sft-qwen3-32b-qlora sft-qwen3-moe-lora
+.PHONY: venv assets demo lint test data schema docs emit plan bench bench-overhead bench-export sweep clean sft-70b-lora sft-70b-qlora sft-offload sft-70b-fsdp sft-70b-qlora-fsdp sft-ddp sft-llama3-70b-lora sft-qwen3-32b-qlora sft-qwen3-moe-lora
 
 $(STAMP): requirements.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -71,6 +71,9 @@ bench-overhead: $(STAMP)    ## what train.py adds per step over bare TRL, by cou
 
 bench-export: $(STAMP)      ## export memory/time: streaming merge/export vs peft and torch DCP (~12 min); writes docs/benchmarks.md
 	$(BIN)/python bench/bench_export.py
+
+sweep: $(STAMP)             ## every causal-LM architecture transformers maps: tiny model, LoRA 3 steps, merge --verify, plan vs run (~40 min); writes docs/generated/architectures.md
+	$(BIN)/python bench/sweep.py $(ARGS)
 
 docs: $(STAMP)              ## regenerate docs/generated/options.md from the schema (checked in; tests compare)
 	$(BIN)/python -m sftrecipes schema --docs
