@@ -55,6 +55,7 @@ def run(recipe, life=None):
     resume = checkpoints.resolve_resume(recipe.trl.get("resume_from_checkpoint"), args.output_dir)
     checkpoints.match_resume(resume, recipe, args)  # its backend and global batch at this process count, or one line why not
     models.check_model_files(recipe)  # tokenizer files present, safetensors whole: named here, not deep in a loader
+    models.choose_attention(recipe, target)  # a kernel the model cannot run: refused here, before anything loads
     push_later = hub.prepare_hub(args)  # token out of saved files; no push attempt when the hub is unreachable
     if args.process_index == 0:
         for line in pitfalls(recipe):  # the global batch first, then any warning
