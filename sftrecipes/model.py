@@ -10,6 +10,7 @@ import functools
 import importlib.util
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -247,6 +248,63 @@ def log_attention(recipe: Recipe, hardware: str, ran: str, why: str) -> None:
         log.warning("attention: packing under sdpa attends through a dense block-diagonal mask; measured 2-3x slower per "
                     "token than a plain causal step on an H200 (docs/benchmarks.md, GPU); attn_implementation: %s "
                     "attends per sample", VARLEN)
+
+
+FSDP_WRAP_ENV = "FSDP_TRANSFORMER_CLS_TO_WRAP"  # what accelerate's FSDP plugin reads (the launcher exports it from the config)
+_wrap_set_here: dict[str, str] = {}  # the value this process exported (not a launcher's: a later run here may change it)
+
+
+def fsdp_layer_classes(model) -> list[str]:
+    """The layer classes the model says to keep whole (the union of `_no_split_modules` over every PreTrainedModel
+    class in it: a multimodal model's text and vision towers each declare theirs), those present in it, in order of
+    appearance. A class declared but absent (SigLIP's pooling head, which Gemma-3's vision tower leaves out) would
+    stop accelerate's wrapping ("Could not find the transformer layer class")."""
+    from transformers import PreTrainedModel  # noqa: PLC0415 - (already loaded with the model classes)
+
+    declared: set[str] = set()
+    for m in model.modules():
+        if isinstance(m, PreTrainedModel):
+            declared.update(type(m)._no_split_modules or ())
+    return list(dict.fromkeys(type(m).__name__ for m in model.modules() if type(m).__name__ in declared))
+
+
+def fsdp_wrap_classes(recipe: Recipe) -> list[str] | None:
+    """The layer classes FSDP wraps as units (accelerate's TRANSFORMER_BASED_WRAP): launch.fsdp_transformer_layer_
+    cls_to_wrap where the recipe names them (each must be a module class of the model), else the model's own
+    (fsdp_layer_classes of the model built on the meta device). Set where accelerate's plugin reads them
+    (FSDP_TRANSFORMER_CLS_TO_WRAP) before the trainer builds it, on every rank alike; RecipeError (one line) for a
+    named class the model lacks, a model that declares none, or a launcher config naming other classes. None (and
+    accelerate's own default) where the model cannot be built here."""
+    built = meta_model(recipe)
+    named = recipe.launch.wrap_classes
+    key = "launch.fsdp_transformer_layer_cls_to_wrap"
+    if built is None:
+        log.warning("fsdp: %s cannot be built on the meta device here; accelerate wraps the loaded model's "
+                    "_no_split_modules", recipe.model.model_name_or_path)
+        return None
+    model = built[1]
+    own = fsdp_layer_classes(model)
+    present = sorted({type(m).__name__ for m in model.modules()})
+    if named:
+        missing = [c for c in named if c not in present]
+        if missing:
+            raise RecipeError(f"{key}: {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not a module class of "
+                              f"{type(model).__name__} (its classes: {', '.join(present)}); name classes it has, or remove the "
+                              f"key to wrap the model's own ({', '.join(own) or 'none declared'})")
+        classes, why = list(named), key
+    elif own:
+        classes, why = own, f"{type(model).__name__}'s _no_split_modules present in it"
+    else:
+        raise RecipeError(f"{key}: {type(model).__name__} declares no layer classes to keep whole (_no_split_modules); "
+                          f"name its decoder layer class (its classes: {', '.join(present)})")
+    exported = os.environ.get(FSDP_WRAP_ENV)
+    if exported is not None and exported != _wrap_set_here.get(FSDP_WRAP_ENV) and set(exported.split(",")) != set(classes):
+        raise RecipeError(f"{key}: the recipe wraps {', '.join(classes)} but the launcher's accelerate config says {exported} "
+                          f"({FSDP_WRAP_ENV}); start it with python -m sftrecipes launch RECIPE, which renders the "
+                          "launcher's config from the recipe (or name the classes in the recipe)")
+    os.environ[FSDP_WRAP_ENV] = _wrap_set_here[FSDP_WRAP_ENV] = ",".join(classes)
+    log.info("fsdp: wrapping %s (%s)", ", ".join(classes), why)
+    return classes
 
 
 # Files a tokenizer can load from (a fast tokenizer's tokenizer.json, a SentencePiece/tiktoken model, BPE or WordPiece

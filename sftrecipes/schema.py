@@ -246,6 +246,11 @@ class LaunchOptions:
     )
     fsdp_sync_module_states: bool = opt(True, "fsdp only: broadcast rank 0's weights at wrap time (needed by RAM-efficient loading).")
     fsdp_offload_params: bool = opt(False, "fsdp only: keep parameters and gradients on the CPU.")
+    fsdp_transformer_layer_cls_to_wrap: list[str] | None = opt(
+        None, "fsdp only: the module classes FSDP wraps as units (a list, or one comma-separated string), each a class of "
+        "the model (checked in each rank before loading, against the model built on the meta device). None: the model's "
+        "own, the classes its _no_split_modules declare (text and vision towers alike) that are present in it."
+    )
     slurm_partition: str | None = opt(None, "Multi-node: SLURM partition for the emitted batch script.")
     slurm_time: str = opt("24:00:00", "Multi-node: SLURM time limit.")
 
@@ -253,6 +258,15 @@ class LaunchOptions:
     def world_size(self) -> int:
         """Processes the recipe launches: num_machines x gpus_per_node (one per GPU)."""
         return self.num_machines * self.gpus_per_node
+
+    @property
+    def wrap_classes(self) -> list[str] | None:
+        """fsdp_transformer_layer_cls_to_wrap as class names: its items split at commas (YAML `A,B`, or
+        `--launch.fsdp_transformer_layer_cls_to_wrap A,B` on the command line), blanks dropped; None when unset."""
+        named = self.fsdp_transformer_layer_cls_to_wrap
+        if named is None:
+            return None
+        return [c for item in named for c in (part.strip() for part in str(item).split(",")) if c]
 
 
 SECTIONS: dict[str, type] = {"model": ModelOptions, "data": DataOptions, "run": RunOptions}
