@@ -129,8 +129,8 @@ def attention_traits(cfg, model) -> tuple[str, ...]:
 def support_of(cls: type, traits: tuple[str, ...]) -> AttentionSupport:
     """The kernels a model class with these attention traits cannot run, each with the reason. sft_varlen
     (attention.py) implements causal attention with GQA, scaling, dropout and sliding windows, not sinks or
-    soft-capping; the flash-attn package's kernel has no sinks (a model that needs another flash kernel lists it in
-    _compatible_flash_implementations, and transformers swaps it in from the hub)."""
+    soft-capping; the flash-attn package's kernel has no sinks either (a model that needs another flash kernel lists it
+    in _compatible_flash_implementations, GPT-OSS does, and transformers swaps it in from the hub)."""
     name = cls.__name__
     why: dict[str, str] = {}
     if not cls._supports_sdpa:
@@ -141,6 +141,8 @@ def support_of(cls: type, traits: tuple[str, ...]) -> AttentionSupport:
     elif compatible and "flash_attention_2" not in compatible:
         why["flash_attention_2"] = (f"{name} runs flash attention only through {', '.join(compatible)} "
                                     "(_compatible_flash_implementations), not the flash-attn package")
+    elif "attention sinks" in traits:  # transformers passes s_aux only to a kernel that takes it: FA2 would drop them
+        why["flash_attention_2"] = f"the flash-attn package's kernel cannot apply {name}'s attention sinks"
     if not cls._supports_flex_attn:
         why["flex_attention"] = f"{name} does not support flex_attention (_supports_flex_attn False)"
     if not cls._supports_attention_backend:

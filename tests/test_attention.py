@@ -266,9 +266,9 @@ def test_auto_attention_is_what_the_loaded_class_supports(model, tiny_model, fam
         assert "logit soft-capping" in sup.traits
 
 
-def test_the_choice_follows_the_class_flags(tiny_model, gemma3_multimodal_model, monkeypatch):
+def test_the_choice_follows_the_class_flags(tiny_model, gemma3_multimodal_model, gpt_oss_model, monkeypatch):
     """The decision reads the loaded class's own flags: flip one and the choice follows (no table in between)."""
-    from transformers import Gemma3ForConditionalGeneration, LlamaForCausalLM
+    from transformers import Gemma3ForConditionalGeneration, GptOssForCausalLM, LlamaForCausalLM
 
     monkeypatch.setattr(LlamaForCausalLM, "_supports_sdpa", False)
     assert _choice(tiny_model, "cpu", "--packing", "false") == ("eager", "auto: LlamaForCausalLM does not support sdpa (_supports_sdpa False)")
@@ -280,6 +280,12 @@ def test_the_choice_follows_the_class_flags(tiny_model, gemma3_multimodal_model,
     assert _choice(gemma3_multimodal_model, "gpu", "--bf16", "true")[0] == attention.NAME
     monkeypatch.setattr(Gemma3ForConditionalGeneration, "_supports_flash_attn", True)
     assert _choice(gemma3_multimodal_model, "gpu", "--bf16", "true")[0] == "flash_attention_2"
+    # GPT-OSS's flash kernels are hub kernels (_compatible_flash_implementations); without that list the flash-attn
+    # package would still drop its sinks
+    monkeypatch.setattr(GptOssForCausalLM, "_compatible_flash_implementations", None)
+    assert _choice(gpt_oss_model, "gpu", "--bf16", "true")[0] == "eager"
+    monkeypatch.setattr(models, "attention_traits", lambda cfg, model: ())
+    assert _choice(gpt_oss_model, "gpu", "--bf16", "true")[0] == "flash_attention_2"
 
 
 def test_use_flash_attn_falls_back_on_every_model_and_an_explicit_kernel_is_refused(gemma3_multimodal_model, gpt_oss_model,
