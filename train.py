@@ -56,6 +56,9 @@ def run(recipe, life=None):
     checkpoints.match_resume(resume, recipe, args)  # its backend and global batch at this process count, or one line why not
     models.check_model_files(recipe)  # tokenizer files present, safetensors whole: named here, not deep in a loader
     models.check_packing(recipe)  # packed batches on kernels that cannot keep samples apart here: one line, exit 2
+    models.choose_attention(recipe, target)  # a kernel the model cannot run: refused here, before anything loads
+    if recipe.launch.backend == "fsdp":
+        models.fsdp_wrap_classes(recipe)  # the layer classes FSDP wraps: named for accelerate before the trainer builds its plugin
     push_later = hub.prepare_hub(args)  # token out of saved files; no push attempt when the hub is unreachable
     if args.process_index == 0:
         for line in pitfalls(recipe):  # the global batch first, then any warning

@@ -156,6 +156,8 @@ def accelerate_config(recipe: Recipe) -> dict:
             # activation checkpointing is the recipe's gradient_checkpointing (FSDP's own loses LoRA saves)
             "fsdp_activation_checkpointing": False,
         }
+        if L.wrap_classes:  # else each rank names the model's own (model.fsdp_wrap_classes)
+            fsdp["fsdp_transformer_layer_cls_to_wrap"] = ",".join(L.wrap_classes)
         if L.fsdp_version == 1:
             fsdp.update(fsdp_sharding_strategy=L.fsdp_sharding_strategy, fsdp_backward_prefetch="BACKWARD_PRE",
                         fsdp_forward_prefetch=False, fsdp_sync_module_states=L.fsdp_sync_module_states,

@@ -6,15 +6,17 @@ missing tokenizer file or a cut safetensors file. The tokenizer is tokenizer.py'
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import logging
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from . import meta
 from .attention import register
@@ -60,27 +62,108 @@ def requested_attention(recipe: Recipe) -> str:
     """The recipe's attention request: attn_implementation, with the PEFT guide's use_flash_attn as an alias of
     flash_attention_2 (recipe validation refuses the two disagreeing)."""
     m = recipe.model
-    return "flash_attention_2" if m.use_flash_attn and m.attn_implementation == "auto" else m.attn_implementation
+    return "flash_attention_2" if _flash_alias(recipe) else m.attn_implementation
 
 
-def attention_support(recipe: Recipe) -> tuple[str, dict[str, bool]] | None:
-    """(model class name, {kernel: supported, "softcap": the config soft-caps attention logits}) from the model's config
-    class, without loading weights; None when the class is unknown here (remote code, or no config reachable): transformers then decides at load time."""
+def _flash_alias(recipe: Recipe) -> bool:
+    """flash_attention_2 is asked for by use_flash_attn (the guide's switch), not by attn_implementation."""
+    return recipe.model.use_flash_attn and recipe.model.attn_implementation == "auto"
+
+
+@functools.lru_cache(maxsize=4)
+def _meta_model(name: str, trust_remote_code: bool):
+    """(config, the model AutoModelForCausalLM builds from it on the meta device: no memory, no weights read) for a
+    model folder or hub id; a hub id offline falls back to the planner's shipped config of it."""
     try:
-        name = recipe.model.model_name_or_path
-        try:
-            cfg = AutoConfig.from_pretrained(name, trust_remote_code=bool(recipe.trl_value("trust_remote_code")))
-        except (OSError, ValueError):  # a hub id offline: the planner's shipped config of it
-            cfg = AutoConfig.for_model(**read_config(name))
-        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]
-        softcap = getattr(cfg.get_text_config(), "attn_logit_softcapping", None)
-        return cls.__name__, {"eager": True, "sdpa": bool(cls._supports_sdpa), "flash_attention_2": bool(cls._supports_flash_attn),
-                              "flex_attention": bool(cls._supports_flex_attn),
-                              # attention.py's kernel: any model whose attention goes through transformers' interface,
-                              # but no logit soft-capping (Gemma-2)
-                              VARLEN: bool(cls._supports_attention_backend) and softcap is None, "softcap": softcap is not None}
-    except Exception:  # noqa: BLE001 - any failure here only means "unknown": loading will say what is wrong
+        cfg = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):  # a hub id offline: the planner's shipped config of it
+        cfg = AutoConfig.for_model(**read_config(name))
+    with torch.device("meta"):  # the class from_pretrained would instantiate (auto mapping, or the model's own code)
+        model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=trust_remote_code, attn_implementation="eager")
+    return cfg, model
+
+
+def meta_model(recipe: Recipe):
+    """(config, meta-device model) of the recipe's model (cached per process), or None where it cannot be built
+    here (remote code not trusted, no config reachable): loading then says what is wrong."""
+    try:
+        return _meta_model(recipe.model.model_name_or_path, bool(recipe.trl_value("trust_remote_code")))
+    except Exception as e:  # noqa: BLE001 - any failure here only means "unknown": loading will say what is wrong
+        log.debug("model: %s cannot be built on the meta device (%s: %s)", recipe.model.model_name_or_path, type(e).__name__, e)
         return None
+
+
+KERNELS = ("sdpa", "eager", "flash_attention_2", "flex_attention", VARLEN)
+
+
+@dataclass(frozen=True)
+class AttentionSupport:
+    """What the model class the loader instantiates can attend with: its own flags (_supports_sdpa,
+    _supports_flash_attn, _compatible_flash_implementations, _supports_flex_attn, _supports_attention_backend) and
+    the traits of its attention that a kernel must implement, read from the config and the meta-device model."""
+
+    cls: str  # the class name, e.g. Gemma3ForConditionalGeneration
+    why_not: dict[str, str]  # kernel -> why this model cannot run it; a kernel not listed runs
+    traits: tuple[str, ...] = ()  # "attention sinks", "logit soft-capping", "sliding windows"
+
+    def runs(self, impl: str) -> bool:
+        return impl not in self.why_not
+
+
+def attention_traits(cfg, model) -> tuple[str, ...]:
+    """What the model's attention does beyond causal softmax attention: learned sinks (GPT-OSS: a `sinks` parameter
+    per attention layer, passed to the kernel as s_aux), logit soft-capping (Gemma-2: attn_logit_softcapping),
+    sliding windows (layer_types, or sliding_window where the config uses it)."""
+    text = cfg.get_text_config()
+    traits = []
+    if any(n.rsplit(".", 1)[-1] == "sinks" for n, _ in model.named_parameters()):
+        traits.append("attention sinks")
+    if getattr(text, "attn_logit_softcapping", None) is not None:
+        traits.append("logit soft-capping")
+    layer_types = getattr(text, "layer_types", None) or ()
+    if "sliding_attention" in layer_types or (not layer_types and getattr(text, "sliding_window", None)
+                                              and getattr(text, "use_sliding_window", True)):
+        traits.append("sliding windows")
+    return tuple(traits)
+
+
+def support_of(cls: type, traits: tuple[str, ...]) -> AttentionSupport:
+    """The kernels a model class with these attention traits cannot run, each with the reason. sft_varlen
+    (attention.py) implements causal attention with GQA, scaling, dropout and sliding windows, not sinks or
+    soft-capping; the flash-attn package's kernel has no sinks either (a model that needs another flash kernel lists it
+    in _compatible_flash_implementations, GPT-OSS does, and transformers swaps it in from the hub)."""
+    name = cls.__name__
+    why: dict[str, str] = {}
+    if not cls._supports_sdpa:
+        why["sdpa"] = f"{name} does not support sdpa (_supports_sdpa False)"
+    compatible = getattr(cls, "_compatible_flash_implementations", None)
+    if not cls._supports_flash_attn:
+        why["flash_attention_2"] = f"{name} does not support flash_attention_2 (_supports_flash_attn False)"
+    elif compatible and "flash_attention_2" not in compatible:
+        why["flash_attention_2"] = (f"{name} runs flash attention only through {', '.join(compatible)} "
+                                    "(_compatible_flash_implementations), not the flash-attn package")
+    elif "attention sinks" in traits:  # transformers passes s_aux only to a kernel that takes it: FA2 would drop them
+        why["flash_attention_2"] = f"the flash-attn package's kernel cannot apply {name}'s attention sinks"
+    if not cls._supports_flex_attn:
+        why["flex_attention"] = f"{name} does not support flex_attention (_supports_flex_attn False)"
+    if not cls._supports_attention_backend:
+        why[VARLEN] = f"{name} does not attend through transformers' attention interface (_supports_attention_backend False)"
+    elif "attention sinks" in traits:
+        why[VARLEN] = f"{VARLEN} cannot apply {name}'s attention sinks (its sinks parameters)"
+    elif "logit soft-capping" in traits:
+        why[VARLEN] = f"{VARLEN} cannot apply {name}'s attention logit soft-capping (attn_logit_softcapping)"
+    return AttentionSupport(name, why, traits)
+
+
+def attention_support(recipe: Recipe) -> AttentionSupport | None:
+    """What the recipe's model can attend with, from the class AutoModelForCausalLM instantiates for its config
+    (built on the meta device, without weights); None when it cannot be built here (remote code not trusted, no
+    config reachable): transformers then decides at load time."""
+    built = meta_model(recipe)
+    if built is None:
+        return None
+    cfg, model = built
+    return support_of(type(model), attention_traits(cfg, model))
 
 
 def _sixteen_bit(recipe: Recipe) -> bool:
@@ -105,19 +188,22 @@ def packed(recipe: Recipe) -> bool:
     return bool(recipe.trl_value("packing") or recipe.trl_value("padding_free"))
 
 
-def choose_attention(recipe: Recipe, hardware: str, support=None) -> tuple[str, str]:
-    """(attention kernel, why) for this recipe on this hardware; RecipeError for a choice the model or device cannot run.
+def choose_attention(recipe: Recipe, hardware: str, support: AttentionSupport | None = None) -> tuple[str, str]:
+    """(attention kernel, why) for this recipe on this hardware, from what the model class supports
+    (attention_support); RecipeError for an explicit choice the model or device cannot run.
 
     auto: flash_attention_2 where the flash-attn package, a GPU, 16-bit compute and the model allow it; else, for
-    packed batches, sft_varlen (attention.py: each sample attends within itself, no dense mask); else sdpa where the
-    model supports it; else eager (Gemma-2: its soft-capping has neither an sdpa nor an sft_varlen path). An explicit
-    flash_attention_2 (or use_flash_attn) without the package or a GPU, or an explicit sft_varlen on a soft-capping
-    model, falls back to the auto choice (the caller warns)."""
+    packed batches, sft_varlen (attention.py: each sample attends within itself, no dense mask) where the model's
+    attention has nothing sft_varlen lacks (sinks: GPT-OSS; soft-capping: Gemma-2); else sdpa where the class supports
+    it; else eager. An explicit kernel the model cannot run is refused (one line naming the key and the kernels it
+    can run); use_flash_attn (the guide's switch) instead falls back to the auto choice on any model, as does an
+    explicit flash_attention_2 without the flash-attn package or a GPU (the caller warns)."""
     want = requested_attention(recipe)
-    cls, sup = support or attention_support(recipe) or ("the model", None)
+    sup = support or attention_support(recipe)
+    key = "use_flash_attn" if _flash_alias(recipe) else "attn_implementation"
 
     def ok(impl: str) -> bool:
-        return sup is None or sup.get(impl, False)
+        return sup is None or sup.runs(impl)
 
     def auto() -> tuple[str, str]:
         if ok("flash_attention_2") and sup is not None and not _flash_missing(recipe, hardware) and _sixteen_bit(recipe):
@@ -126,29 +212,32 @@ def choose_attention(recipe: Recipe, hardware: str, support=None) -> tuple[str, 
             return VARLEN, "auto: packed batches attend per sample; flash_attention_2 does not run here"
         if ok("sdpa"):
             return "sdpa", "auto"
-        if packed(recipe) and sup is not None and sup.get("softcap"):
-            return "eager", f"auto: {cls}'s attention logit soft-capping (attn_logit_softcapping) has no sdpa or {VARLEN} path"
-        return "eager", f"auto: {cls} has no sdpa support"
+        not_here = [sup.why_not[k] for k in (VARLEN, "sdpa") if k in sup.why_not and (k == "sdpa" or packed(recipe))]
+        return "eager", "auto: " + "; ".join(not_here)
 
-    alternatives = ", ".join(k for k in ("sdpa", "eager", "flash_attention_2", "flex_attention", VARLEN) if ok(k) and k != want)
-    if want == VARLEN and sup is not None and sup.get("softcap"):  # not servable: the auto choice, warned
-        impl, _ = auto()
-        return impl, f"fallback: {VARLEN} cannot apply {cls}'s attention logit soft-capping (attn_logit_softcapping)"
-    if want != "auto" and not ok(want):
-        key = "use_flash_attn" if recipe.model.use_flash_attn and recipe.model.attn_implementation == "auto" else "attn_implementation"
-        raise RecipeError(f"{key}: {cls} does not support {want}; use attn_implementation: auto (or one of {alternatives})")
     if want == "auto":
         return auto()
+    if not ok(want):
+        if key == "use_flash_attn":  # the guide's switch: the auto choice on a model without flash attention too
+            impl, _ = auto()
+            return impl, f"fallback: {sup.why_not[want]}"
+        runs = [k for k in KERNELS if ok(k) and k != want and not (k == "flex_attention" and hardware == "cpu")]
+        raise RecipeError(f"attn_implementation: {sup.why_not[want]}; use attn_implementation: auto (or {_one_of(runs)})")
     if want == "flash_attention_2":
         missing = _flash_missing(recipe, hardware)
         if missing:
             impl, _ = auto()
             return impl, "fallback: flash_attention_2 needs " + " and ".join(missing)
         if not _sixteen_bit(recipe):
-            raise RecipeError("attn_implementation: flash_attention_2 computes in bf16/fp16 only; set bf16: true (or use sdpa)")
+            raise RecipeError(f"{key}: flash_attention_2 computes in bf16/fp16 only; set bf16: true (or use sdpa)")
     if want == "flex_attention" and hardware == "cpu":
-        raise RecipeError(f"attn_implementation: flex_attention has no backward pass on CPU (torch {torch.__version__}); use auto or one of {alternatives}")
+        runs = [k for k in KERNELS if ok(k) and k != want]
+        raise RecipeError(f"attn_implementation: flex_attention has no backward pass on CPU (torch {torch.__version__}); use auto or {_one_of(runs)}")
     return want, "recipe"
+
+
+def _one_of(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else "one of " + ", ".join(names)
 
 
 def packed_under_sdpa_on_gpu(recipe: Recipe, hardware: str) -> bool:
@@ -175,6 +264,63 @@ def log_attention(recipe: Recipe, hardware: str, ran: str, why: str) -> None:
         log.warning("attention: packing under sdpa attends through a dense block-diagonal mask; measured 2-3x slower per "
                     "token than a plain causal step on an H200 (docs/benchmarks.md, GPU); attn_implementation: %s "
                     "attends per sample", VARLEN)
+
+
+FSDP_WRAP_ENV = "FSDP_TRANSFORMER_CLS_TO_WRAP"  # what accelerate's FSDP plugin reads (the launcher exports it from the config)
+_wrap_set_here: dict[str, str] = {}  # the value this process exported (not a launcher's: a later run here may change it)
+
+
+def fsdp_layer_classes(model) -> list[str]:
+    """The layer classes the model says to keep whole (the union of `_no_split_modules` over every PreTrainedModel
+    class in it: a multimodal model's text and vision towers each declare theirs), those present in it, in order of
+    appearance. A class declared but absent (SigLIP's pooling head, which Gemma-3's vision tower leaves out) would
+    stop accelerate's wrapping ("Could not find the transformer layer class")."""
+    from transformers import PreTrainedModel  # noqa: PLC0415 - (already loaded with the model classes)
+
+    declared: set[str] = set()
+    for m in model.modules():
+        if isinstance(m, PreTrainedModel):
+            declared.update(type(m)._no_split_modules or ())
+    return list(dict.fromkeys(type(m).__name__ for m in model.modules() if type(m).__name__ in declared))
+
+
+def fsdp_wrap_classes(recipe: Recipe) -> list[str] | None:
+    """The layer classes FSDP wraps as units (accelerate's TRANSFORMER_BASED_WRAP): launch.fsdp_transformer_layer_
+    cls_to_wrap where the recipe names them (each must be a module class of the model), else the model's own
+    (fsdp_layer_classes of the model built on the meta device). Set where accelerate's plugin reads them
+    (FSDP_TRANSFORMER_CLS_TO_WRAP) before the trainer builds it, on every rank alike; RecipeError (one line) for a
+    named class the model lacks, a model that declares none, or a launcher config naming other classes. None (and
+    accelerate's own default) where the model cannot be built here."""
+    built = meta_model(recipe)
+    named = recipe.launch.wrap_classes
+    key = "launch.fsdp_transformer_layer_cls_to_wrap"
+    if built is None:
+        log.warning("fsdp: %s cannot be built on the meta device here; accelerate wraps the loaded model's "
+                    "_no_split_modules", recipe.model.model_name_or_path)
+        return None
+    model = built[1]
+    own = fsdp_layer_classes(model)
+    present = sorted({type(m).__name__ for m in model.modules()})
+    if named:
+        missing = [c for c in named if c not in present]
+        if missing:
+            raise RecipeError(f"{key}: {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not a module class of "
+                              f"{type(model).__name__} (its classes: {', '.join(present)}); name classes it has, or remove the "
+                              f"key to wrap the model's own ({', '.join(own) or 'none declared'})")
+        classes, why = list(named), key
+    elif own:
+        classes, why = own, f"{type(model).__name__}'s _no_split_modules present in it"
+    else:
+        raise RecipeError(f"{key}: {type(model).__name__} declares no layer classes to keep whole (_no_split_modules); "
+                          f"name its decoder layer class (its classes: {', '.join(present)})")
+    exported = os.environ.get(FSDP_WRAP_ENV)
+    if exported is not None and exported != _wrap_set_here.get(FSDP_WRAP_ENV) and set(exported.split(",")) != set(classes):
+        raise RecipeError(f"{key}: the recipe wraps {', '.join(classes)} but the launcher's accelerate config says {exported} "
+                          f"({FSDP_WRAP_ENV}); start it with python -m sftrecipes launch RECIPE, which renders the "
+                          "launcher's config from the recipe (or name the classes in the recipe)")
+    os.environ[FSDP_WRAP_ENV] = _wrap_set_here[FSDP_WRAP_ENV] = ",".join(classes)
+    log.info("fsdp: wrapping %s (%s)", ", ".join(classes), why)
+    return classes
 
 
 # Files a tokenizer can load from (a fast tokenizer's tokenizer.json, a SentencePiece/tiktoken model, BPE or WordPiece

@@ -25,6 +25,7 @@ RECIPE_KEY = {
     "fsdp_reshard_after_forward": "launch.fsdp_sharding_strategy",
 }
 DEEPSPEED_ENV = {"zero3_init_flag": "ACCELERATE_DEEPSPEED_ZERO3_INIT", "gradient_clipping": "ACCELERATE_GRADIENT_CLIPPING"}
+FSDP_ENV = {"fsdp_transformer_layer_cls_to_wrap": "FSDP_TRANSFORMER_CLS_TO_WRAP"}  # (not FSDP_<KEY> for this one)
 NOT_EXPORTED = {"deepspeed_multinode_launcher"}  # read by the launcher itself, not by the ranks
 
 
@@ -91,7 +92,9 @@ def check_launcher_matches(recipe: Recipe) -> None:
     ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE, ...). A recipe whose launch keys were changed on the command line,
     or a config from another recipe (`accelerate launch --config_file X train.py RECIPE`), would otherwise run and
     save silently as the launcher's config says, not the recipe's: every key of the recipe's own accelerate config
-    that the launcher exported must agree. (mixed_precision is left out: the training arguments' bf16/fp16 decide it.)"""
+    that the launcher exported must agree. (mixed_precision is left out: the training arguments' bf16/fp16 decide it.
+    The layer classes FSDP wraps, when the recipe leaves them to the model, are derived and compared in the rank by
+    model.fsdp_wrap_classes, which needs the model's classes.)"""
     env = os.environ
     if int(env.get("WORLD_SIZE", "1")) == 1 and not any(k.startswith("ACCELERATE_USE_") for k in env):
         return  # not started by accelerate: nothing to compare
@@ -108,7 +111,7 @@ def check_launcher_matches(recipe: Recipe) -> None:
     for key, want in section.items():
         if key in NOT_EXPORTED:
             continue
-        name = (f"FSDP_{key.removeprefix('fsdp_').upper()}" if ran == "fsdp"
+        name = (FSDP_ENV.get(key, f"FSDP_{key.removeprefix('fsdp_').upper()}") if ran == "fsdp"
                 else DEEPSPEED_ENV.get(key, f"ACCELERATE_DEEPSPEED_{key.upper()}"))
         have = env.get(name)
         if have is not None and not _same(want, have):

@@ -9,6 +9,7 @@ import resource
 import psutil
 import torch
 from accelerate.utils import gather_object
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers import TrainerCallback
 
@@ -74,7 +75,24 @@ def describe_backend(trainer) -> dict:
     plugin = getattr(acc.state, "fsdp_plugin", None)
     if plugin is not None:
         info["fsdp_version"] = plugin.fsdp_version
+        info["fsdp_units"] = fsdp_units(wrapped)
     return info
+
+
+def fsdp_units(module) -> dict[str, int]:
+    """The module classes FSDP sharded as units (the root included), with how many of each: FSDP2's fully_shard
+    makes a module an FSDPModule (class FSDP<name>); FSDP1 wraps it in FullyShardedDataParallel."""
+    units: dict[str, int] = {}
+    for m in module.modules():
+        if isinstance(m, FSDP):
+            inner = getattr(m.module, "_checkpoint_wrapped_module", m.module)
+            name = type(inner).__name__
+        elif isinstance(m, FSDPModule):
+            name = next(c.__name__ for c in type(m).__mro__[1:] if not issubclass(c, FSDPModule))
+        else:
+            continue
+        units[name] = units.get(name, 0) + 1
+    return dict(sorted(units.items()))
 
 
 def sample_reply(trainer, tokenizer, prompt, max_new_tokens: int) -> dict:

@@ -53,19 +53,23 @@ class ModelOptions:
     )
     attn_implementation: str = opt(
         "auto",
-        "Attention kernel. 'auto' picks what the model, dtype and device support: flash_attention_2 when asked for "
-        "(use_flash_attn) and available; otherwise, for packed batches (packing or padding_free), sft_varlen (this "
-        "project's kernel: each packed sample attends within itself, with torch's varlen flash kernel on a GPU in "
-        "bf16/fp16 and per-sample causal sdpa elsewhere, instead of sdpa's dense block-diagonal mask; padded batches "
-        "run exactly as sdpa); otherwise sdpa; eager for models without sdpa support (Gemma-2's soft-capping, which "
-        "sft_varlen cannot apply either). An explicit choice is used as given (flash_attention_2 falls back to the "
-        "auto choice, warned, without the flash-attn package or a GPU; sft_varlen likewise on a soft-capping model). "
-        "The run logs the attention that really ran, and run_summary.json records it.",
+        "Attention kernel, chosen from what the model class the loader instantiates supports (its _supports_sdpa, "
+        "_supports_flash_attn, _supports_flex_attn flags and its attention's sinks, soft-capping and sliding windows). "
+        "'auto': flash_attention_2 where the flash-attn package, a GPU, 16-bit compute and the model allow it; "
+        "otherwise, for packed batches (packing or padding_free), sft_varlen (this project's kernel: each packed sample "
+        "attends within itself, with torch's varlen flash kernel on a GPU in bf16/fp16 and per-sample causal sdpa "
+        "elsewhere, instead of sdpa's dense block-diagonal mask; padded batches run exactly as sdpa) unless the model's "
+        "attention has sinks (GPT-OSS) or logit soft-capping (Gemma-2), which sft_varlen does not implement; otherwise "
+        "sdpa; eager for models without sdpa support. An explicit kernel the model cannot run is refused in each rank "
+        "before anything loads (one line naming the kernels it can run); flash_attention_2 without the flash-attn "
+        "package or a GPU falls back to the auto choice, warned. The run logs the attention that really ran, and "
+        "run_summary.json records it.",
         choices=("auto", "sdpa", "eager", "flash_attention_2", "flex_attention", "sft_varlen"),
     )
     use_flash_attn: bool = opt(
-        False, "The PEFT guide's switch: the same as attn_implementation: flash_attention_2 (a different explicit "
-        "attn_implementation is an error)."
+        False, "The PEFT guide's switch for attn_implementation: flash_attention_2 (a different explicit "
+        "attn_implementation is an error). Where the model class has no flash attention (e.g. Gemma-3's multimodal "
+        "Gemma3ForConditionalGeneration), or flash-attn or a GPU is missing, it falls back to the auto choice, warned."
     )
     use_peft_lora: bool = opt(False, "Train LoRA adapters instead of all weights.")
     lora_r: int = opt(64, "LoRA rank.")
@@ -242,6 +246,11 @@ class LaunchOptions:
     )
     fsdp_sync_module_states: bool = opt(True, "fsdp only: broadcast rank 0's weights at wrap time (needed by RAM-efficient loading).")
     fsdp_offload_params: bool = opt(False, "fsdp only: keep parameters and gradients on the CPU.")
+    fsdp_transformer_layer_cls_to_wrap: list[str] | None = opt(
+        None, "fsdp only: the module classes FSDP wraps as units (a list, or one comma-separated string), each a class of "
+        "the model (checked in each rank before loading, against the model built on the meta device). None: the model's "
+        "own, the classes its _no_split_modules declare (text and vision towers alike) that are present in it."
+    )
     slurm_partition: str | None = opt(None, "Multi-node: SLURM partition for the emitted batch script.")
     slurm_time: str = opt("24:00:00", "Multi-node: SLURM time limit.")
 
@@ -249,6 +258,15 @@ class LaunchOptions:
     def world_size(self) -> int:
         """Processes the recipe launches: num_machines x gpus_per_node (one per GPU)."""
         return self.num_machines * self.gpus_per_node
+
+    @property
+    def wrap_classes(self) -> list[str] | None:
+        """fsdp_transformer_layer_cls_to_wrap as class names: its items split at commas (YAML `A,B`, or
+        `--launch.fsdp_transformer_layer_cls_to_wrap A,B` on the command line), blanks dropped; None when unset."""
+        named = self.fsdp_transformer_layer_cls_to_wrap
+        if named is None:
+            return None
+        return [c for item in named for c in (part.strip() for part in str(item).split(",")) if c]
 
 
 SECTIONS: dict[str, type] = {"model": ModelOptions, "data": DataOptions, "run": RunOptions}

@@ -364,7 +364,7 @@ def _validate_lora(r: Recipe) -> None:
 
 DEEPSPEED_KEYS = ("zero_stage", "offload_optimizer", "offload_params", "zero3_init")
 FSDP_KEYS = ("fsdp_version", "fsdp_sharding_strategy", "fsdp_state_dict_type", "fsdp_cpu_ram_efficient_loading",
-             "fsdp_sync_module_states", "fsdp_offload_params")
+             "fsdp_sync_module_states", "fsdp_offload_params", "fsdp_transformer_layer_cls_to_wrap")
 
 
 def _validate_launch(r: Recipe) -> None:
@@ -392,6 +392,14 @@ def _validate_launch(r: Recipe) -> None:
                 raise RecipeError(f"launch.{key}: offload needs ZeRO-3 here, but zero_stage is {L.zero_stage}; set launch.zero_stage: 3")
         # zero3_init below stage 3 is not refused: true is its default there too, and the rendered config turns it off
     if L.backend == "fsdp":
+        wrap = L.wrap_classes
+        if wrap is not None:  # (whether the model has them is checked in each rank, on the model built on the meta device)
+            bad = [c for c in wrap if not c.isidentifier()]
+            if not wrap or bad:
+                raise RecipeError(f"launch.fsdp_transformer_layer_cls_to_wrap: {bad[0]!r} is not a class name; give module class "
+                                  "names, e.g. LlamaDecoderLayer (a list or one comma-separated string)" if bad else
+                                  "launch.fsdp_transformer_layer_cls_to_wrap: empty; name module classes (e.g. "
+                                  "LlamaDecoderLayer), or remove the key to wrap the model's own (_no_split_modules)")
         if L.fsdp_version == 2 and L.fsdp_sharding_strategy not in ("FULL_SHARD", "SHARD_GRAD_OP"):
             raise RecipeError(f"launch.fsdp_sharding_strategy: {L.fsdp_sharding_strategy} needs fsdp_version: 1 (FSDP2 has FULL_SHARD and SHARD_GRAD_OP)")
         if L.hardware == "cpu" and L.fsdp_offload_params:

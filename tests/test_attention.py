@@ -1,6 +1,7 @@
 """sft_varlen (sftrecipes/attention.py): packed samples attend within themselves exactly as sdpa's block-diagonal mask
 makes them, in logits and gradients, for every family shape (GQA, sliding windows, Gemma-3's scaling); padded batches
-and cached generation are sdpa's; auto picks it for packed recipes, Gemma-2's soft-capping falls back in one line."""
+and cached generation are sdpa's; auto picks it for packed recipes where the loaded class's attention has nothing it
+lacks (GPT-OSS's sinks, Gemma-2's soft-capping: eager), and an explicit kernel the class cannot run is one line."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import logging
 import pytest
 import torch
 
+from conftest import run_cli
 from sftrecipes import attention, model as models
+from sftrecipes.errors import RecipeError
 from sftrecipes.recipe import load_recipe
 from sftrecipes.tokenizer import load_tokenizer
 
@@ -218,17 +221,120 @@ def test_auto_picks_varlen_for_packed_recipes_and_the_model_reports_it(tiny_mode
     assert unpacked.config._attn_implementation == "sdpa"
 
 
-def test_gemma2_soft_capping_falls_back_in_one_line(family_models, caplog):
+def test_gemma2_soft_capping_gets_eager_and_an_explicit_sft_varlen_is_refused(family_models, caplog):
     gemma2 = ["recipes/tiny/lora.yaml", "--model_name_or_path", str(family_models["gemma2"])]
-    impl, why = models.choose_attention(load_recipe([*gemma2, "--attn_implementation", "sft_varlen"]), "cpu")
-    assert impl == "eager" and "soft-capping" in why and why.startswith("fallback")
-    for flags, level in (([], logging.INFO), (["--attn_implementation", "sft_varlen"], logging.WARNING)):
-        r = load_recipe([*gemma2, *flags])
-        tok, _, _ = load_tokenizer(r)
-        caplog.clear()
-        with caplog.at_level(logging.INFO, logger="sftrecipes"):
-            model = models.load_model(r, tok, "cpu")
-        assert model.config._attn_implementation == "eager"
-        lines = [x for x in caplog.records if "attention" in x.getMessage()]
-        assert len(lines) == 1 and lines[0].levelno == level, [x.getMessage() for x in lines]
-        assert lines[0].getMessage().startswith("attention: eager") and "attn_logit_softcapping" in lines[0].getMessage()
+    with pytest.raises(RecipeError) as e:
+        models.choose_attention(load_recipe([*gemma2, "--attn_implementation", "sft_varlen"]), "cpu")
+    assert str(e.value) == ("attn_implementation: sft_varlen cannot apply Gemma2ForCausalLM's attention logit soft-capping "
+                            "(attn_logit_softcapping); use attn_implementation: auto (or one of eager, flash_attention_2)")
+    r = load_recipe(gemma2)
+    tok, _, _ = load_tokenizer(r)
+    with caplog.at_level(logging.INFO, logger="sftrecipes"):
+        model = models.load_model(r, tok, "cpu")
+    assert model.config._attn_implementation == "eager"
+    lines = [x for x in caplog.records if "attention" in x.getMessage()]
+    assert len(lines) == 1 and lines[0].levelno == logging.INFO, [x.getMessage() for x in lines]
+    assert lines[0].getMessage().startswith("attention: eager") and "attn_logit_softcapping" in lines[0].getMessage()
+
+
+# --------------------------------------------------------------- the choice read from the model class (issue 18)
+
+def _choice(folder, hardware="cpu", *flags):
+    return models.choose_attention(load_recipe(["recipes/tiny/lora.yaml", "--model_name_or_path", str(folder), *flags]), hardware)
+
+
+@pytest.mark.parametrize("model", ["llama", "gemma2", "gemma3_multimodal", "gpt_oss"])
+def test_auto_attention_is_what_the_loaded_class_supports(model, tiny_model, family_models, gemma3_multimodal_model,
+                                                          gpt_oss_model):
+    """auto, packed and unpacked, on CPU and on a GPU without flash-attn, for the class AutoModelForCausalLM loads:
+    GPT-OSS's sinks and Gemma-2's soft-capping keep sft_varlen out (and neither has sdpa: eager); Gemma-3's
+    multimodal class (Gemma3ForConditionalGeneration) and Llama take sft_varlen packed, sdpa padded."""
+    folder, cls, packed_want, padded_want = {
+        "llama": (tiny_model, "LlamaForCausalLM", attention.NAME, "sdpa"),
+        "gemma2": (family_models["gemma2"], "Gemma2ForCausalLM", "eager", "eager"),
+        "gemma3_multimodal": (gemma3_multimodal_model, "Gemma3ForConditionalGeneration", attention.NAME, "sdpa"),
+        "gpt_oss": (gpt_oss_model, "GptOssForCausalLM", "eager", "eager"),
+    }[model]
+    sup = models.attention_support(load_recipe(["recipes/tiny/lora.yaml", "--model_name_or_path", str(folder)]))
+    assert sup.cls == cls
+    for hardware in ("cpu", "gpu"):
+        assert _choice(folder, hardware)[0] == packed_want
+        assert _choice(folder, hardware, "--packing", "false")[0] == padded_want
+    if model == "gpt_oss":
+        assert "attention sinks" in sup.traits and "sinks" in _choice(folder)[1]
+    if model == "gemma2":
+        assert "logit soft-capping" in sup.traits
+
+
+def test_the_choice_follows_the_class_flags(tiny_model, gemma3_multimodal_model, gpt_oss_model, monkeypatch):
+    """The decision reads the loaded class's own flags: flip one and the choice follows (no table in between)."""
+    from transformers import Gemma3ForConditionalGeneration, GptOssForCausalLM, LlamaForCausalLM
+
+    monkeypatch.setattr(LlamaForCausalLM, "_supports_sdpa", False)
+    assert _choice(tiny_model, "cpu", "--packing", "false") == ("eager", "auto: LlamaForCausalLM does not support sdpa (_supports_sdpa False)")
+    monkeypatch.setattr(LlamaForCausalLM, "_supports_attention_backend", False)
+    assert _choice(tiny_model)[0] == "eager"  # packed: sft_varlen needs transformers' attention interface
+    # a GPU with flash-attn, bf16: flash_attention_2 where the class supports it, and not where it does not
+    monkeypatch.setattr(models, "flash_attn_installed", lambda: True)
+    assert _choice(tiny_model, "gpu", "--bf16", "true")[0] == "flash_attention_2"
+    assert _choice(gemma3_multimodal_model, "gpu", "--bf16", "true")[0] == attention.NAME
+    monkeypatch.setattr(Gemma3ForConditionalGeneration, "_supports_flash_attn", True)
+    assert _choice(gemma3_multimodal_model, "gpu", "--bf16", "true")[0] == "flash_attention_2"
+    # GPT-OSS's flash kernels are hub kernels (_compatible_flash_implementations); without that list the flash-attn
+    # package would still drop its sinks
+    monkeypatch.setattr(GptOssForCausalLM, "_compatible_flash_implementations", None)
+    assert _choice(gpt_oss_model, "gpu", "--bf16", "true")[0] == "eager"
+    monkeypatch.setattr(models, "attention_traits", lambda cfg, model: ())
+    assert _choice(gpt_oss_model, "gpu", "--bf16", "true")[0] == "flash_attention_2"
+
+
+def test_use_flash_attn_falls_back_on_every_model_and_an_explicit_kernel_is_refused(gemma3_multimodal_model, gpt_oss_model,
+                                                                                     tiny_model):
+    """use_flash_attn (the guide's switch) falls back to the auto choice with a reason, whatever stops flash attention:
+    the class (Gemma3ForConditionalGeneration drops flash attention; GPT-OSS needs a hub kernel) or the machine. An
+    explicit attn_implementation the class cannot run is one line naming the key and what it can run."""
+    for folder, want, why in ((gemma3_multimodal_model, attention.NAME, "Gemma3ForConditionalGeneration does not support flash_attention_2"),
+                              (gpt_oss_model, "eager", "GptOssForCausalLM runs flash attention only through"),
+                              (tiny_model, attention.NAME, "flash_attention_2 needs the flash-attn package")):
+        for hardware in ("cpu", "gpu"):
+            impl, reason = _choice(folder, hardware, "--use_flash_attn", "true")
+            assert impl == want and reason.startswith(f"fallback: {why}"), reason
+    refused = {
+        (gemma3_multimodal_model, "flash_attention_2"): "Gemma3ForConditionalGeneration does not support flash_attention_2 "
+        "(_supports_flash_attn False); use attn_implementation: auto (or one of sdpa, eager, sft_varlen)",
+        (gpt_oss_model, "sft_varlen"): "sft_varlen cannot apply GptOssForCausalLM's attention sinks (its sinks parameters); "
+        "use attn_implementation: auto (or eager)",
+        (gpt_oss_model, "sdpa"): "GptOssForCausalLM does not support sdpa (_supports_sdpa False); use attn_implementation: "
+        "auto (or eager)",
+    }
+    for (folder, impl), msg in refused.items():
+        with pytest.raises(RecipeError) as e:
+            _choice(folder, "cpu", "--attn_implementation", impl)
+        assert str(e.value) == f"attn_implementation: {msg}"
+
+
+def test_gpt_oss_auto_kernel_trains_a_packed_batch_where_sft_varlen_would_fail(gpt_oss_model):
+    """The kernel auto picks for GPT-OSS runs a packed forward and backward; sft_varlen, which the choice keeps out,
+    stops at its sinks (the failure issue 18 met after loading)."""
+    impl = _choice(gpt_oss_model)[0]
+    model = build(gpt_oss_model, {}, impl)
+    batch = packed_batch(model.config.vocab_size)
+    logits, grads = forward_backward(model, batch)
+    assert torch.isfinite(logits).all() and any(n.endswith("sinks") for n in grads)
+    model.set_attn_implementation(attention.NAME)
+    with pytest.raises(ValueError, match="sft_varlen has no attention sinks"):
+        forward_backward(model, batch)
+
+
+def test_an_explicit_kernel_the_model_cannot_run_exits_2_before_loading(gpt_oss_model, tmp_path):
+    """Refused in the rank before the tokenizer, the data or the model load, and before anything is written: one
+    line naming the key, exit 2 (each rank decides from the config alone, so every rank says the same)."""
+    out = tmp_path / "out"
+    res = run_cli(["train.py", "recipes/tiny/lora.yaml", "--model_name_or_path", str(gpt_oss_model), "--attn_implementation",
+                   "sft_varlen", "--output_dir", str(out)], timeout=300)
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert res.returncode == 2 and errors == [
+        "error: attn_implementation: sft_varlen cannot apply GptOssForCausalLM's attention sinks (its sinks parameters); "
+        "use attn_implementation: auto (or eager)"], res.stderr[-3000:]
+    assert "chat template:" not in res.stderr and "data:" not in res.stderr  # neither tokenizer nor data was prepared
+    assert not out.exists()

@@ -7,6 +7,7 @@
 """
 
 import json
+import os
 import shutil
 from types import SimpleNamespace
 from unittest import mock
@@ -363,6 +364,17 @@ def obs_launch_fsdp_sync_module_states(tiny_model, tmp_path):
 
 def obs_launch_fsdp_offload_params(tiny_model, tmp_path):
     assert fsdp("--launch.fsdp_offload_params", "True")["fsdp_offload_params"] is True
+
+
+def obs_launch_fsdp_transformer_layer_cls_to_wrap(tiny_model, tmp_path):
+    flags = ("--launch.fsdp_transformer_layer_cls_to_wrap", "LlamaDecoderLayer,LlamaMLP")
+    assert fsdp(*flags)["fsdp_transformer_layer_cls_to_wrap"] == "LlamaDecoderLayer,LlamaMLP"  # the launcher exports it
+    assert "fsdp_transformer_layer_cls_to_wrap" not in fsdp()  # unset: each rank names the model's own
+    with mock.patch.dict("os.environ"), mock.patch.object(models, "_wrap_set_here", {}):  # what the rank tells accelerate
+        os.environ.pop(models.FSDP_WRAP_ENV, None)
+        r = recipe("--launch.backend", "fsdp", "--launch.gpus_per_node", 2, *flags)
+        assert models.fsdp_wrap_classes(r) == ["LlamaDecoderLayer", "LlamaMLP"]
+        assert os.environ[models.FSDP_WRAP_ENV] == "LlamaDecoderLayer,LlamaMLP"
 
 
 def slurm_text(*flags):

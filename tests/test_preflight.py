@@ -14,6 +14,7 @@ from accelerate.commands.launch import _validate_launch_command, launch_command_
 from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 
 from conftest import ROOT, free_port, run_cli
+from sftrecipes import model as models
 from sftrecipes.backends import accelerate_config
 from sftrecipes.errors import RecipeError
 from sftrecipes.preflight import check_launcher_matches
@@ -48,6 +49,10 @@ CASES = {
     "zero3_init": (ZERO3, ["--launch.zero3_init", "false"], "launch.zero3_init"),
     "gradient_clipping": (ZERO3, ["--max_grad_norm", "0.5"], "max_grad_norm"),
     "backend": (["recipes/tiny/ddp.yaml"], ["--launch.backend", "fsdp"], "launch.backend"),
+    # exported as FSDP_TRANSFORMER_CLS_TO_WRAP (not FSDP_<KEY>)
+    "fsdp_transformer_layer_cls_to_wrap": (FSDP + ["--launch.fsdp_transformer_layer_cls_to_wrap", "LlamaDecoderLayer"],
+                                           ["--launch.fsdp_transformer_layer_cls_to_wrap", "LlamaDecoderLayer,LlamaMLP"],
+                                           "launch.fsdp_transformer_layer_cls_to_wrap"),
 }
 
 
@@ -83,3 +88,55 @@ def test_bare_accelerate_launch_with_another_config_stops_before_anything_is_wri
     errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error: ")]
     assert errors and all(ln.startswith("error: launch.fsdp_state_dict_type:") and "FULL_STATE_DICT" in ln for ln in errors), res.stderr[-3000:]
     assert not out.exists() or not any(out.rglob("*.safetensors")), sorted(out.rglob("*"))
+
+
+# ----------------------------------------------------------------------- the layer classes FSDP wraps (issue 18)
+
+WRAP_KEY = "launch.fsdp_transformer_layer_cls_to_wrap"
+GEMMA3_LAYERS = ["SiglipVisionEmbeddings", "SiglipEncoderLayer", "Gemma3DecoderLayer"]
+
+
+def test_fsdp_wraps_the_layer_classes_the_model_has(gemma3_multimodal_model, monkeypatch):
+    """The union of _no_split_modules over the model's PreTrainedModel classes (text and vision towers), those present
+    in the model built from the config: what accelerate is told (FSDP_TRANSFORMER_CLS_TO_WRAP). accelerate's own
+    default, model._no_split_modules, names SigLIP's pooling head, which Gemma-3's tower leaves out, and fails."""
+    from accelerate.utils.dataclasses import get_module_class_from_name
+
+    monkeypatch.delenv(models.FSDP_WRAP_ENV, raising=False)
+    monkeypatch.setattr(models, "_wrap_set_here", {})
+    argv = FSDP + ["--model_name_or_path", str(gemma3_multimodal_model)]
+    model = models.meta_model(load_recipe(argv))[1]
+    assert type(model).__name__ == "Gemma3ForConditionalGeneration"
+    absent = [c for c in model._no_split_modules if get_module_class_from_name(model, c) is None]
+    assert "SiglipMultiheadAttentionPoolingHead" in absent  # what stopped accelerate's auto-wrap
+    assert models.fsdp_wrap_classes(load_recipe(argv)) == GEMMA3_LAYERS
+    assert os.environ[models.FSDP_WRAP_ENV] == ",".join(GEMMA3_LAYERS)
+    assert all(get_module_class_from_name(model, c) is not None for c in GEMMA3_LAYERS)
+    # named in the recipe: used as named, on every rank the same
+    assert models.fsdp_wrap_classes(load_recipe(argv + ["--" + WRAP_KEY, "Gemma3DecoderLayer"])) == ["Gemma3DecoderLayer"]
+    assert os.environ[models.FSDP_WRAP_ENV] == "Gemma3DecoderLayer"
+
+
+def test_a_named_class_the_model_lacks_is_one_line_naming_the_key_and_the_classes(gemma3_multimodal_model, monkeypatch):
+    monkeypatch.delenv(models.FSDP_WRAP_ENV, raising=False)
+    monkeypatch.setattr(models, "_wrap_set_here", {})
+    argv = FSDP + ["--model_name_or_path", str(gemma3_multimodal_model)]
+    with pytest.raises(RecipeError) as e:
+        models.fsdp_wrap_classes(load_recipe(argv + ["--" + WRAP_KEY, "Gemma3DecoderLayer,SiglipMultiheadAttentionPoolingHead"]))
+    msg = str(e.value)
+    assert msg.startswith(f"{WRAP_KEY}: SiglipMultiheadAttentionPoolingHead is not a module class of "
+                          "Gemma3ForConditionalGeneration (its classes: ") and "\n" not in msg, msg
+    assert all(c in msg for c in GEMMA3_LAYERS + ["SiglipAttention", "Gemma3Attention"])
+    assert models.FSDP_WRAP_ENV not in os.environ  # nothing told to accelerate
+    # a launcher's accelerate config naming other classes than the recipe leaves to the model: refused too
+    monkeypatch.setenv(models.FSDP_WRAP_ENV, "Gemma3DecoderLayer")
+    with pytest.raises(RecipeError, match=f"^{WRAP_KEY}: the recipe wraps SiglipVisionEmbeddings, SiglipEncoderLayer, "
+                                          "Gemma3DecoderLayer but the launcher's accelerate config says Gemma3DecoderLayer"):
+        models.fsdp_wrap_classes(load_recipe(argv))
+    # names that cannot be classes, or the key with another backend: refused while the recipe loads (no torch needed)
+    for flags, start in ((["--" + WRAP_KEY, "Gemma3-DecoderLayer"], f"{WRAP_KEY}: 'Gemma3-DecoderLayer' is not a class name"),
+                         (["--" + WRAP_KEY, ","], f"{WRAP_KEY}: empty")):
+        with pytest.raises(RecipeError, match=f"^{start}"):
+            load_recipe(argv + flags)
+    with pytest.raises(RecipeError, match=f"^{WRAP_KEY}: only applies to backend fsdp"):
+        load_recipe(["recipes/tiny/ddp.yaml", "--" + WRAP_KEY, "LlamaDecoderLayer"])

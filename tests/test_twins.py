@@ -8,13 +8,14 @@ First run on a machine: DeepSpeed JIT-builds its CPU ops (shm comm ~40 s, cpu_ad
 """
 
 import json
+import math
 import os
 import subprocess
 
 import pytest
 import torch
 
-from conftest import ROOT, accelerate_run, free_port
+from conftest import ROOT, accelerate_run, free_port, run_cli
 
 TWINS = {
     # name: expectations on run_summary["backend"]
@@ -136,6 +137,33 @@ def test_fsdp_twin_writes_sharded_checkpoints(twin_runs, tmp_path):
     ref = torch.load(tmp_path / "ref.pt")
     ref = ref.get("model", ref)
     assert len(ours) == 21 and all(torch.equal(ours[k], ref[k]) for k in ours)
+
+
+def test_fsdp2_wraps_the_layer_classes_a_multimodal_gemma3_has(gemma3_multimodal_model, tmp_path):
+    """Issue 18: a Gemma-3 multimodal config (Gemma3ForConditionalGeneration: a text and a SigLIP tower) through the
+    FSDP2 twin's launcher. accelerate's own wrap list (model._no_split_modules) names SigLIP's pooling head, which
+    this tower lacks, and stopped both ranks; the ranks now name the classes the model has, and FSDP shards each
+    of them as a unit. The shipped recipe's use_flash_attn: true falls back on this class as on any other."""
+    out = tmp_path / "gemma3-multimodal"
+    res = run_cli(["-m", "sftrecipes", "launch", "recipes/tiny/fsdp.yaml", "--model_name_or_path", str(gemma3_multimodal_model),
+                   "--max_steps", "2", "--sample_max_new_tokens", "4", "--output_dir", str(out)],
+                  env={"MAIN_PROCESS_PORT": str(free_port())})
+    log = res.stdout + res.stderr
+    assert res.returncode == 0, log[-4000:]
+    summary = json.loads((out / "run_summary.json").read_text())
+    b = summary["backend"]
+    assert summary["steps"] == 2 and len(summary["losses"]) == 2 and all(math.isfinite(x) for x in summary["losses"])
+    assert b["distributed_type"] == "FSDP" and b["fsdp_version"] == 2 and b["world_size"] == 2
+    assert b["wrapper"] == "FSDPGemma3ForConditionalGeneration"
+    assert b["param_elements_local"] * 2 == pytest.approx(b["param_elements_full"], rel=0.02), b
+    units = b["fsdp_units"]  # (accelerate also shards the input embeddings and the LM head on their own)
+    assert {k: units.get(k) for k in ("Gemma3DecoderLayer", "SiglipEncoderLayer", "SiglipVisionEmbeddings")} == {
+        "Gemma3DecoderLayer": 2, "SiglipEncoderLayer": 1, "SiglipVisionEmbeddings": 1}, units
+    assert log.count("fsdp: wrapping SiglipVisionEmbeddings, SiglipEncoderLayer, Gemma3DecoderLayer "
+                     "(Gemma3ForConditionalGeneration's _no_split_modules present in it)") == 2, log[-3000:]
+    assert log.count("attention: sft_varlen (use_flash_attn: falling back to sft_varlen: Gemma3ForConditionalGeneration "
+                     "does not support flash_attention_2 (_supports_flash_attn False))") == 2, log[-3000:]
+    assert summary["attention"] == "sft_varlen" and summary["saved_tensors"] > 0 and summary["sample"]["new_tokens"] > 0
 
 
 def test_data_is_prepared_once(twin_runs):
