@@ -235,7 +235,7 @@ def lora_layout(recipe: Recipe, shape: Shape) -> LoraLayout:
 # ----------------------------------------------------------------------------------------------- packed batches
 
 
-def packed_batch_blockers(cfg) -> list[tuple[str, str]]:
+def packed_batch_blockers(cls: type) -> list[tuple[str, str]]:
     """(function, package) of the model's kernels that run their PyTorch fallback here, which cannot keep packed
     sequences apart: transformers' hub-kernel wrapper (integrations/hub_kernels.py) raises on `cu_seqlens` / `seq_idx`
     when the package (causal-conv1d, flash-linear-attention, mamba-ssm) is not installed. Read from the model's own
@@ -243,7 +243,7 @@ def packed_batch_blockers(cfg) -> list[tuple[str, str]]:
     import inspect  # noqa: PLC0415 - only this check reads closures
     import sys  # noqa: PLC0415 - the same
 
-    module = sys.modules[model_class(cfg).__module__]
+    module = sys.modules[cls.__module__]
     out = []
     for name, fn in vars(module).items():
         if not callable(fn) or getattr(fn, "__wrapped__", None) is None or not getattr(fn, "__closure__", None):
@@ -254,15 +254,15 @@ def packed_batch_blockers(cfg) -> list[tuple[str, str]]:
     return out
 
 
-def check_packing(recipe: Recipe, cfg) -> None:
-    """Packed (padding-free) batches on a model whose kernels cannot keep the samples apart here: one line, exit 2,
-    before the model loads."""
+def check_packing(recipe: Recipe, cls: type) -> None:
+    """Packed (padding-free) batches on a model class whose kernels cannot keep the samples apart here: one line,
+    exit 2, before the model loads."""
     if not (recipe.trl_value("packing") or recipe.trl_value("padding_free")):
         return
-    blockers = packed_batch_blockers(cfg)
+    blockers = packed_batch_blockers(cls)
     if blockers:
         fn, package = blockers[0]
         key = "packing" if recipe.trl_value("packing") else "padding_free"
-        raise RecipeError(f"{key}: {model_class(cfg).__name__}'s {fn} cannot keep packed samples apart without the "
+        raise RecipeError(f"{key}: {cls.__name__}'s {fn} cannot keep packed samples apart without the "
                           f"{package} package (transformers falls back to a PyTorch path that refuses packed batches); "
                           f"set {key}: false, or install {package} (GPU)")

@@ -172,15 +172,10 @@ def _sixteen_bit(recipe: Recipe) -> bool:
 
 def check_packing(recipe: Recipe) -> None:
     """Packed batches where the model's kernels cannot keep samples apart on this machine: refused before loading
-    (meta.check_packing reads the model's own modeling module)."""
-    if not packed(recipe):
-        return
-    try:
-        cfg = AutoConfig.from_pretrained(recipe.model.model_name_or_path, trust_remote_code=bool(recipe.trl_value("trust_remote_code")))
-    except (OSError, ValueError):  # a hub id offline: the planner's shipped config of it
-        cfg = AutoConfig.for_model(**read_config(recipe.model.model_name_or_path))
-    if type(cfg) in MODEL_FOR_CAUSAL_LM_MAPPING:
-        meta.check_packing(recipe, cfg)
+    (meta.check_packing reads the model class's own modeling module)."""
+    built = meta_model(recipe) if packed(recipe) else None
+    if built is not None:
+        meta.check_packing(recipe, type(built[1]))
 
 
 def packed(recipe: Recipe) -> bool:
