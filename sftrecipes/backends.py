@@ -38,6 +38,8 @@ def apply_process_env(recipe: Recipe, target: str) -> None:
     did not set, torch threads, and the compatibility shims the backend needs (compat.py)."""
     from . import compat  # noqa: PLC0415 - compat patches torch/transformers: launch/emit stay torch-free
 
+    compat.backbone_under_a_stale_prefix()
+    compat.llama4_num_experts_for_trl()
     if recipe.launch.backend == "fsdp":
         compat.fix_peft_prefixes_under_wrappers()
     if recipe.model.use_peft_lora:

@@ -270,3 +270,38 @@ def keep_dense_linears_in_moe_conversion() -> None:
             peft_config.target_modules = set(after) | back
 
     _patch("keep_dense_linears_in_moe_conversion", twc, "_convert_peft_config_moe", convert)
+
+
+@_shim("a causal LM whose base_model_prefix names no attribute gives itself as base_model; TRL's fused head then "
+       "reads last_hidden_state from its own CausalLM output (AttributeError every step)", transformers="~=5.24.0",
+       trl="~=1.16.0")
+def backbone_under_a_stale_prefix() -> None:
+    """transformers 5.24's PreTrainedModel.base_model is `getattr(self, self.base_model_prefix, self)`. Llama4ForCausalLM
+    (text-only Llama-4) keeps its backbone in `model` but declares base_model_prefix "language_model" (the multimodal
+    model's), so base_model is the CausalLM itself. TRL 1.16's fused LM head (trl.trainer.utils.add_fused_lm_head,
+    always on in SFTTrainer) runs `self.base_model(...)` and reads `.last_hidden_state`: a CausalLM output has none. Where
+    the prefix names no attribute and the model holds its backbone as `model`, give that backbone."""
+    from transformers import PreTrainedModel  # noqa: PLC0415 - already imported by every caller of this shim
+
+    original = PreTrainedModel.base_model
+
+    def base_model(self):
+        if getattr(self, self.base_model_prefix, None) is None and isinstance(getattr(self, "model", None), PreTrainedModel):
+            return self.model
+        return original.fget(self)
+
+    _patch("backbone_under_a_stale_prefix", PreTrainedModel, "base_model", property(base_model, doc=original.__doc__))
+
+
+@_shim("TRL's MoE aux loss reads config.num_experts, which Llama-4's text config names num_local_experts "
+       "(AttributeError every step)", transformers="~=5.24.0", trl="~=1.16.0")
+def llama4_num_experts_for_trl() -> None:
+    """TRL 1.16's SFTTrainer turns the load-balancing loss on for every config with output_router_logits and a
+    router_aux_loss_coef (Llama-4's is 0.001); its fused LM head then reads `text_config.num_experts`
+    (trl.trainer.utils.add_fused_lm_head). transformers 5.24's Llama4TextConfig names the count num_local_experts and
+    maps no alias, so every step fails. Alias the name on the class (attribute_map, as Mixtral's config does), which
+    reads and writes num_local_experts and adds no key to a saved config.json."""
+    from transformers.models.llama4.configuration_llama4 import Llama4TextConfig  # noqa: PLC0415 - only this shim needs it
+
+    aliased = {**Llama4TextConfig.attribute_map, "num_experts": "num_local_experts"}
+    _patch("llama4_num_experts_for_trl", Llama4TextConfig, "attribute_map", aliased)

@@ -25,7 +25,7 @@ from sftrecipes.tiny import tiny_config
 # Gemma-3 config as gemma-3-4b-it ships it (text + SigLIP vision tower)
 ARCHS = ["granite", "olmo2", "smollm3", "cohere2", "glm4", "qwen2_moe", "deepseek_v3", "gpt_oss", "qwen3_5",
          "qwen3_next", "llama4_text", "gemma3"]
-TRAINED = ["deepseek_v3", "gpt_oss", "qwen3_5", "gemma3"]  # one MLA + dense/sparse MoE, sinks, linear attention, multimodal
+TRAINED = ["deepseek_v3", "gpt_oss", "qwen3_5", "llama4_text", "gemma3"]  # MLA + dense/sparse MoE, sinks, linear attention, MoE + shared expert, multimodal
 
 
 @pytest.fixture(scope="session")

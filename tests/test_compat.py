@@ -47,6 +47,8 @@ TARGETS = {
     "trainable_token_heads_for_trl": ("peft.utils.other", "TrainableTokensWrapper._getattr_wrapped"),
     "trainable_tokens_init_under_zero3_on_cpu": ("peft.tuners.trainable_tokens.layer", "TrainableTokensLayer._collect_token_weights"),
     "keep_dense_linears_in_moe_conversion": ("peft.utils.transformers_weight_conversion", "_convert_peft_config_moe"),
+    "backbone_under_a_stale_prefix": ("transformers.modeling_utils", "PreTrainedModel.base_model"),
+    "llama4_num_experts_for_trl": ("transformers.models.llama4.configuration_llama4", "Llama4TextConfig.attribute_map"),
 }
 
 
@@ -220,3 +222,44 @@ def test_canary_keep_dense_linears_in_moe_conversion():
         compat.keep_dense_linears_in_moe_conversion()
         modules, params = converted()
         assert {"q_a_proj", "gate_proj", "up_proj", "down_proj"} <= modules and {"gate_up_proj", "down_proj"} <= params
+
+
+def test_canary_backbone_under_a_stale_prefix():
+    """Llama4ForCausalLM declares base_model_prefix 'language_model' but holds its backbone as `model`: upstream's
+    base_model is the CausalLM itself, and TRL's fused head fails on its output."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    from sftrecipes.tiny import tiny_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**tiny_config("llama4_text", vocab_size=64)))
+    add_fused_lm_head(model)
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    name = "backbone_under_a_stale_prefix"
+    with compat.upstream(name):
+        try:
+            model(input_ids=ids, labels=ids, fused_lm_head=True)
+        except AttributeError as e:
+            assert "last_hidden_state" in str(e), e
+        else:
+            pytest.fail(fixed_upstream(name))
+        compat.backbone_under_a_stale_prefix()
+        assert model.base_model is model.model
+        assert torch.isfinite(model(input_ids=ids, labels=ids, fused_lm_head=True).loss)
+
+
+def test_canary_llama4_num_experts_for_trl():
+    """Llama4TextConfig has no num_experts (TRL's aux loss reads it); with the alias it is num_local_experts, and a
+    saved config gains no key."""
+    from transformers.models.llama4.configuration_llama4 import Llama4TextConfig
+
+    name = "llama4_num_experts_for_trl"
+    with compat.upstream(name):
+        cfg = Llama4TextConfig(num_local_experts=4)
+        if hasattr(cfg, "num_experts"):
+            pytest.fail(fixed_upstream(name))
+        compat.llama4_num_experts_for_trl()
+        cfg = Llama4TextConfig(num_local_experts=4)
+        assert cfg.num_experts == 4 and "num_experts" not in cfg.to_dict()
