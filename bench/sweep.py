@@ -26,7 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-OUT = ROOT / "docs" / "generated" / "architectures.md"
+from sftrecipes.paths import SWEEP_DOC as OUT  # noqa: E402 - after the path the package is found on
 PARAM_TOL = 1e-3  # the plan's parameters within 0.1% of the meta model's
 
 

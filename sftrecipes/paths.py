@@ -8,3 +8,4 @@ RECIPES = ROOT / "recipes"  # the shipped recipes (edited by users; their relati
 DATA_DIR = ROOT / "data" / "tiny_chat"  # the small chat dataset shipped in the repository
 ASSETS = ROOT / ".assets"  # tiny models built locally (ignored by git)
 GENERATED_DOCS = ROOT / "docs" / "generated"  # pages written by commands (options.md, setups/), drift-tested
+SWEEP_DOC = GENERATED_DOCS / "architectures.md"  # make sweep's table (bench/sweep.py): a measurement, not drift-tested
