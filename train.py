@@ -207,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             run(recipe, life)
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
+        lifecycle.note_refusal(str(e))  # under launch: it exits 2 too when every rank refused
         return 2
     except TrainingStopped as e:
         if not e.every_rank or os.environ.get("RANK", "0") == "0":  # a verdict of every rank: said once

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -251,12 +253,26 @@ def supervise(run: Launch, lock: runlock.Lock | None = None) -> int:
     - SIGKILL of this command: Linux kills the agent (die_with_parent), whose ranks die with it the same way.
     - A rank of this node whose heartbeat stopped (heartbeat_timeout) ends this node's part of the run with a line
       naming it (exit 1); the ranks watch each other across nodes (and under launchers other than this one).
-    Returns the exit code: 75 when preempted.json was written during this run, else the agent's 0, else 1."""
+    - Every rank of this node refused the recipe (a RecipeError inside the ranks, each exiting 2 with its one line,
+      left in a temporary folder outside output_dir: lifecycle.note_refusal): exit 2, as for bad input found here.
+    Returns the exit code: 75 when preempted.json was written during this run, else the agent's 0, else 2 (every
+    rank refused the recipe), else 1."""
     recipe = run.recipe
     out, timeout = lifecycle.output_dir(recipe), recipe.run.preempt_timeout
     env = {**os.environ, **run.env, lifecycle.SUPERVISED_ENV: "1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(timeout)}
     if lock is not None:
         env[lifecycle.LOCK_ENV] = lock.token
+    refused = Path(tempfile.mkdtemp(prefix="sftrecipes-refused-"))  # outside output_dir: a refusal writes nothing there
+    env[lifecycle.REFUSED_ENV] = str(refused)
+    try:
+        return _supervise(run, agent_env=env, out=out, timeout=timeout, refused=refused)
+    finally:
+        shutil.rmtree(refused, ignore_errors=True)
+
+
+def _supervise(run: Launch, agent_env: dict, out: Path, timeout: int, refused: Path) -> int:
+    """supervise's loop: the agent started with agent_env, watched until it ends; its exit code as supervise says."""
+    recipe, env = run.recipe, agent_env
     asked: list[int] = []
     handlers = {s: signal.signal(s, lambda sig, _frame: asked.append(sig))
                 for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)}
@@ -309,6 +325,10 @@ def supervise(run: Launch, lock: runlock.Lock | None = None) -> int:
         return lifecycle.EXIT_PREEMPTED
     if code == 0:
         return 0
+    lines = lifecycle.refusals(refused)
+    if lines and len(lines) >= recipe.launch.gpus_per_node:  # every rank of this node refused the recipe: bad input
+        print(f"launch: every rank refused the recipe (exit 2): {lines[0]}", file=sys.stderr, flush=True)
+        return 2
     if asked:
         print("launch: the ranks ended without saving a preemption checkpoint; the latest complete checkpoint stays",
               file=sys.stderr, flush=True)

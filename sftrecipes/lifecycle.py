@@ -32,6 +32,7 @@ from .runlock import Lock, check_lock, read_lock, take_lock
 log = logging.getLogger("sftrecipes")
 
 LOCK_ENV = "SFTRECIPES_LOCK"  # the token of the lock `launch` took for the ranks it starts
+REFUSED_ENV = "SFTRECIPES_REFUSED_DIR"  # set by `launch`: a rank that refuses the recipe (exit 2) leaves its line there
 SUPERVISED_ENV = "SFTRECIPES_SUPERVISED"  # set by `launch` for its ranks: it turns their preemption into exit 75 itself
 PREEMPTED = "preempted.json"
 EXIT_PREEMPTED = 75
@@ -377,3 +378,16 @@ class RunLife:
         if self.owns:
             (self.out / PREEMPTED).unlink(missing_ok=True)
             mark_finished(self.out, step)
+
+
+def note_refusal(message: str) -> None:
+    """A rank refused the recipe (RecipeError, exit 2): leave its one line in the folder `launch` gave its ranks
+    (REFUSED_ENV, outside output_dir: nothing of the run is written), so `launch` exits 2 too when every rank did."""
+    folder = os.environ.get(REFUSED_ENV)
+    if folder and Path(folder).is_dir():
+        (Path(folder) / f"rank-{os.environ.get('RANK', '0')}").write_text(message)
+
+
+def refusals(folder: Path) -> list[str]:
+    """The lines the ranks that refused the recipe left (note_refusal), one per rank."""
+    return [f.read_text() for f in sorted(folder.glob("rank-*"))]

@@ -125,3 +125,16 @@ def test_lora_trains_merges_and_verifies(mt, arch_models, tmp_path):
     assert summary["backend"]["trainable_elements_full"] == planned
     assert summary["backend"]["param_elements_full"] == model_shape(str(folder)).params + planned
     merge_lora(out, tmp_path / "merged", verify=True)
+
+
+def test_a_refusal_in_every_rank_is_exit_2_under_launch(arch_models, tmp_path):
+    """A check only the ranks can make (packed batches on Qwen3.5's linear attention) stops every rank with the same
+    one line before anything loads; launch then exits 2, like bad input it finds itself, and output_dir stays empty."""
+    out = tmp_path / "out"
+    res = run_cli(["-m", "sftrecipes", "launch", "recipes/tiny/ddp.yaml", "--model_name_or_path", str(arch_models("qwen3_5")),
+                   "--output_dir", str(out), "--max_steps", "2"])
+    assert res.returncode == 2, res.stderr[-2000:]
+    refusals = [x for x in res.stderr.splitlines() if x.startswith("error: packing: Qwen3_5ForCausalLM's")]
+    assert len(refusals) == 2 and "launch: every rank refused the recipe (exit 2): packing:" in res.stderr
+    written = {p.name for p in out.rglob("*") if p.is_file()} if out.exists() else set()
+    assert written <= {"accelerate_config.yaml"}, written  # launch's own config; nothing of the run
