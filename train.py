@@ -59,6 +59,7 @@ def run(recipe, life=None):
     models.choose_attention(recipe, target)  # a kernel the model cannot run: refused here, before anything loads
     if recipe.launch.backend == "fsdp":
         models.fsdp_wrap_classes(recipe)  # the layer classes FSDP wraps: named for accelerate before the trainer builds its plugin
+        models.check_ram_efficient_buffers(recipe)  # buffers accelerate's RAM-efficient FSDP2 loading cannot hand out
     push_later = hub.prepare_hub(args)  # token out of saved files; no push attempt when the hub is unreachable
     if args.process_index == 0:
         for line in pitfalls(recipe):  # the global batch first, then any warning

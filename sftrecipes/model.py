@@ -279,6 +279,26 @@ def fsdp_layer_classes(model) -> list[str]:
     return list(dict.fromkeys(type(m).__name__ for m in model.modules() if type(m).__name__ in declared))
 
 
+def check_ram_efficient_buffers(recipe: Recipe) -> None:
+    """FSDP2 RAM-efficient loading (rank 0 reads, the others receive shards) of a model whose state dict holds
+    buffers (DeepSeek-V3's router bias e_score_correction_bias): accelerate 1.15's fsdp2_load_full_state_dict takes
+    every entry for a sharded parameter and fails on the plain buffer ('Tensor' has no device_mesh) after loading.
+    Refused before loading, one line with the fix."""
+    if ram_efficient_rank(recipe, quantized=bool(recipe.model.use_4bit_quantization or recipe.model.use_8bit_quantization)) is None:
+        return
+    built = meta_model(recipe)
+    if built is None:
+        return
+    model = built[1]
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    buffers = [n for n in model.state_dict() if n not in params]
+    if buffers:
+        raise RecipeError(f"launch.fsdp_cpu_ram_efficient_loading: {type(model).__name__} keeps buffers in its state dict "
+                          f"({', '.join(buffers[:2])}{', ...' if len(buffers) > 2 else ''}), which accelerate's RAM-efficient "
+                          "FSDP2 loading cannot hand out (it takes every entry for a sharded parameter); set "
+                          "launch.fsdp_cpu_ram_efficient_loading: false (every rank then reads the weights)")
+
+
 def fsdp_wrap_classes(recipe: Recipe) -> list[str] | None:
     """The layer classes FSDP wraps as units (accelerate's TRANSFORMER_BASED_WRAP): launch.fsdp_transformer_layer_
     cls_to_wrap where the recipe names them (each must be a module class of the model), else the model's own

@@ -330,7 +330,8 @@ TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, nu
                    patch_size=8, depth=1, out_hidden_size=64, num_channels=3)
 
 
-def tiny_config(model_type: str, vocab_size: int = 512, token_ids: tuple[int, int, int] = (1, 2, 3), **extra) -> dict:
+def tiny_config(model_type: str, vocab_size: int = 512, token_ids: tuple[int, int, int] = (1, 2, 3),
+                vision: dict | None = None, **extra) -> dict:
     """A tiny config dict of any architecture transformers has a config class for: the class defaults with the size
     keys it has set small (TINY_SIZES; a vision tower's TINY_VISION), for a random-init model of a few MB; its
     bos/eos/pad token ids (where it has them) those of the tiny tokenizers (token_ids)."""
@@ -369,4 +370,6 @@ def tiny_config(model_type: str, vocab_size: int = 512, token_ids: tuple[int, in
         if isinstance(top.get(key), dict):
             sub = top[key]
             sub.update({k: v for k, v in TINY_VISION.items() if k in sub})
+    if vision and isinstance(top.get("vision_config"), dict):
+        top["vision_config"].update(vision)
     return top

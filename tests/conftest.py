@@ -148,61 +148,48 @@ def twin_runs(tiny_model, family_models, tmp_path_factory):
     return get
 
 
-# Models users build offline from transformers' config classes (issue 18): tiny, random-init, saved with the tiny
-# tokenizer, so they load through the same code as hub checkpoints. Not tiny.FAMILIES: only the attention and FSDP
-# tests need them.
-_TINY_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=16)
+# Models users build offline from transformers' config classes (issue 18): tiny, random-init (tiny.tiny_config: any
+# architecture's config class with its size keys set small), saved with the tiny Llama's tokenizer, so they load
+# through the same code as hub checkpoints. Not tiny.FAMILIES: no tokenizer habits or templates of their own.
 
 
-def _tiny_tokenizer():
-    """tiny.py's tokenizer (the tiny Llama's), built once per session, with the token ids a config needs."""
-    global _TOKENIZER
-    if _TOKENIZER is None:
-        from sftrecipes.tiny import build_tokenizer
-
-        tok = build_tokenizer()
-        _TOKENIZER = tok, dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                               vocab_size=len(tok))
-    return _TOKENIZER
-
-
-_TOKENIZER = None
-
-
-def _save_tiny(cfg, out: Path) -> Path:
+@pytest.fixture(scope="session")
+def arch_models(tiny_model, tmp_path_factory):
+    """(architecture, vision-config keys) -> a saved tiny random-init model of it with the tiny Llama's tokenizer,
+    built on first use: arch_models("granite"), arch_models("gemma3", vision_use_head=False)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
-    _tiny_tokenizer()[0].save_pretrained(out)
-    return out
+    from sftrecipes.tiny import tiny_config
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    root, built = tmp_path_factory.mktemp("archs"), {}
+
+    def get(mt: str, **vision) -> Path:
+        key = (mt, tuple(sorted(vision.items())))
+        if key not in built:
+            c = tiny_config(mt, vocab_size=len(tok), token_ids=(tok.bos_token_id, tok.eos_token_id, tok.pad_token_id),
+                            vision=vision)
+            out = root / "-".join([mt, *(f"{k}{v}" for k, v in key[1])])
+            torch.manual_seed(0)
+            AutoModelForCausalLM.from_config(AutoConfig.for_model(**c)).save_pretrained(out)
+            tok.save_pretrained(out)
+            built[key] = out
+        return built[key]
+
+    return get
 
 
 @pytest.fixture(scope="session")
-def gpt_oss_model(tmp_path_factory) -> Path:
+def gpt_oss_model(arch_models) -> Path:
     """GPT-OSS (GptOssConfig): attention sinks (a `sinks` parameter per layer), sliding-window layers, no sdpa path;
-    4 experts. max_position_embeddings as the real config's (its YaRN factor 32 over 4096)."""
-    from transformers import GptOssConfig
-
-    ids = _tiny_tokenizer()[1]
-    cfg = GptOssConfig(**_TINY_TEXT, **ids, num_local_experts=4, num_experts_per_tok=2, sliding_window=32,
-                       max_position_embeddings=131072)
-    return _save_tiny(cfg, tmp_path_factory.mktemp("tiny-gpt-oss"))
+    4 experts."""
+    return arch_models("gpt_oss")
 
 
 @pytest.fixture(scope="session")
-def gemma3_multimodal_model(tmp_path_factory) -> Path:
+def gemma3_multimodal_model(arch_models) -> Path:
     """Gemma-3 as gemma-3-4b-it ships: Gemma3Config with a text_config and a SigLIP vision_config (no pooling head),
     which AutoModelForCausalLM loads as Gemma3ForConditionalGeneration (no flash attention; the SigLIP tower declares
     layer classes, its pooling head among them, that the model does not have)."""
-    from transformers import Gemma3Config
-
-    ids = _tiny_tokenizer()[1]
-    cfg = Gemma3Config(text_config=dict(**_TINY_TEXT, **ids, sliding_window=32, query_pre_attn_scalar=16,
-                                        max_position_embeddings=1024),
-                       vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                          image_size=32, patch_size=8, vision_use_head=False),
-                       mm_tokens_per_image=4, **{k: v for k, v in ids.items() if k != "vocab_size"})
-    return _save_tiny(cfg, tmp_path_factory.mktemp("tiny-gemma3-multimodal"))
+    return arch_models("gemma3", vision_use_head=False)
