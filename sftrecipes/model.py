@@ -284,7 +284,10 @@ def check_ram_efficient_buffers(recipe: Recipe) -> None:
     buffers (DeepSeek-V3's router bias e_score_correction_bias): accelerate 1.15's fsdp2_load_full_state_dict takes
     every entry for a sharded parameter and fails on the plain buffer ('Tensor' has no device_mesh) after loading.
     Refused before loading, one line with the fix."""
-    if ram_efficient_rank(recipe, quantized=bool(recipe.model.use_4bit_quantization or recipe.model.use_8bit_quantization)) is None:
+    L, m = recipe.launch, recipe.model
+    quantized = m.use_4bit_quantization or m.use_8bit_quantization
+    if not (L.backend == "fsdp" and L.fsdp_version == 2 and L.fsdp_cpu_ram_efficient_loading and not quantized
+            and L.world_size > 1):  # ram_efficient_rank's condition, from the recipe: every rank decides alike
         return
     built = meta_model(recipe)
     if built is None:
