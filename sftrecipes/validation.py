@@ -261,8 +261,9 @@ def _validate_datasets(entries: list[dict]) -> None:
 
 def moe_experts(model_name_or_path: str) -> int | None:
     """Routed experts per layer of the model (shape.py, from its config.json: a local folder's or the copy shipped in
-    model_configs/ for a hub id): 0 for a dense model, None when no config is at hand offline or its architecture is
-    unknown there. Torch-free, for validation."""
+    model_configs/ for a hub id): 0 for a dense model, None when no config is at hand offline or transformers cannot
+    build it. Torch-free for the layouts shape.py's table holds; another architecture's count is the meta model's
+    (meta.py imports torch), so its facts are the model's own."""
     if not config_path(model_name_or_path).is_file():
         return None
     try:
