@@ -12,6 +12,7 @@ recognised from the module structure (lora.moe_layout), never from a tensor's sh
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
@@ -56,13 +57,31 @@ def model_class(cfg, where: str = "the model config"):
                       "map it: an encoder, speech or vision-only model); fine-tune a decoder-only language model")
 
 
+@contextlib.contextmanager
+def on_meta():
+    """Build on the meta device with transformers' ZeRO-3 init off: inside a DeepSpeed ZeRO-3 rank, from_config wraps
+    a build in deepspeed.zero.Init, which fails on meta tensors (and the layout read here is then lost: an attention
+    kernel or a packing check decided blind). The rank's own model is loaded outside this block, partitioned as before."""
+    from transformers.integrations import deepspeed as hf_ds  # noqa: PLC0415 - transformers' own switch, read only here
+
+    ref = hf_ds._hf_deepspeed_config_weak_ref
+    held = ref() if ref is not None else None
+    hf_ds.unset_hf_deepspeed_config()
+    try:
+        with torch.device("meta"):
+            yield
+    finally:
+        if held is not None:
+            hf_ds.set_hf_deepspeed_config(held)
+
+
 @functools.lru_cache(maxsize=4)
 def _meta_model(config_json: str, where: str):
     c = json.loads(config_json)
     cfg = config_of(c, where)
     model_class(cfg, where)
     try:
-        with torch.device("meta"):
+        with on_meta():
             return AutoModelForCausalLM.from_config(cfg)
     except Exception as e:  # noqa: BLE001 - any failure to build is the config's: one line naming it
         raise RecipeError(f"model_name_or_path: transformers cannot build a '{c.get('model_type')}' model from {where} "

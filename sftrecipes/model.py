@@ -78,7 +78,7 @@ def _meta_model(name: str, trust_remote_code: bool):
         cfg = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
     except (OSError, ValueError):  # a hub id offline: the planner's shipped config of it
         cfg = AutoConfig.for_model(**read_config(name))
-    with torch.device("meta"):  # the class from_pretrained would instantiate (auto mapping, or the model's own code)
+    with meta.on_meta():  # the class from_pretrained would instantiate (auto mapping, or the model's own code)
         model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=trust_remote_code, attn_implementation="eager")
     return cfg, model
 
@@ -89,7 +89,7 @@ def meta_model(recipe: Recipe):
     try:
         return _meta_model(recipe.model.model_name_or_path, bool(recipe.trl_value("trust_remote_code")))
     except Exception as e:  # noqa: BLE001 - any failure here only means "unknown": loading will say what is wrong
-        log.debug("model: %s cannot be built on the meta device (%s: %s)", recipe.model.model_name_or_path, type(e).__name__, e)
+        log.warning("model: %s cannot be built on the meta device (%s: %s)", recipe.model.model_name_or_path, type(e).__name__, e)
         return None
 
 
