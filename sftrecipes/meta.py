@@ -218,7 +218,8 @@ def lora_layout(recipe: Recipe, shape: Shape) -> LoraLayout:
     compat.keep_dense_linears_in_moe_conversion()
     model = copy.deepcopy(meta_model(shape))
     config = lora_config(recipe, [], model)
-    config.lora_dropout = 0.0 if config.target_parameters else config.lora_dropout
+    if config.target_parameters:  # the run refuses dropout there (validation, one line); the count is the same without
+        config.lora_dropout = 0.0
     with torch.device("meta"):
         peft_model = get_peft_model(model, config, low_cpu_mem_usage=True)
     prefix, _ = decoder_layers(model)
