@@ -102,7 +102,8 @@ def test_fsdp_wraps_the_layer_classes_the_model_has(gemma3_multimodal_model, mon
     default, model._no_split_modules, names SigLIP's pooling head, which Gemma-3's tower leaves out, and fails."""
     from accelerate.utils.dataclasses import get_module_class_from_name
 
-    monkeypatch.delenv(models.FSDP_WRAP_ENV, raising=False)
+    monkeypatch.setenv(models.FSDP_WRAP_ENV, "")  # recorded, so what the test sets is undone after it
+    monkeypatch.delenv(models.FSDP_WRAP_ENV)
     monkeypatch.setattr(models, "_wrap_set_here", {})
     argv = FSDP + ["--model_name_or_path", str(gemma3_multimodal_model)]
     model = models.meta_model(load_recipe(argv))[1]
@@ -118,7 +119,8 @@ def test_fsdp_wraps_the_layer_classes_the_model_has(gemma3_multimodal_model, mon
 
 
 def test_a_named_class_the_model_lacks_is_one_line_naming_the_key_and_the_classes(gemma3_multimodal_model, monkeypatch):
-    monkeypatch.delenv(models.FSDP_WRAP_ENV, raising=False)
+    monkeypatch.setenv(models.FSDP_WRAP_ENV, "")  # recorded, so what the test sets is undone after it
+    monkeypatch.delenv(models.FSDP_WRAP_ENV)
     monkeypatch.setattr(models, "_wrap_set_here", {})
     argv = FSDP + ["--model_name_or_path", str(gemma3_multimodal_model)]
     with pytest.raises(RecipeError) as e:
