@@ -132,6 +132,7 @@ def meta_shape(c: dict, name: str, where: str = "the model config") -> Shape:
     modules = dict(model.named_modules())
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is None or head.weight is embed.weight
+    expert_modules = {e.rpartition(".")[0] for e in experts}
 
     def kind(full: str, p) -> str:
         owner_name, _, leaf = full.rpartition(".")
@@ -142,7 +143,7 @@ def meta_shape(c: dict, name: str, where: str = "the model config") -> Shape:
             return "router" if leaf == "weight" else "bias"
         if isinstance(owner, torch.nn.Linear):
             return "linear" if leaf == "weight" else "bias"
-        if owner_name.rpartition(".")[0] and full.rpartition(".")[0] in {e.rpartition(".")[0] for e in experts}:
+        if owner_name in expert_modules:
             return "bias"  # an expert tensor's bias ([E, out]) beside it
         if "norm" in type(owner).__name__.lower() and p.dim() == 1:
             return "norm"
