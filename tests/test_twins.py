@@ -76,11 +76,24 @@ def assert_sample_is_greedy_reply_of(model, out, sample):
     stop = tok.convert_tokens_to_ids(sample["stopped_on"]) if sample["stopped_on"] else tok.eos_token_id
     model.eval()
     with torch.no_grad():
-        ids = model.generate(**enc, max_new_tokens=sample["new_tokens"], do_sample=False, use_cache=True,
-                             pad_token_id=tok.pad_token_id, eos_token_id=stop)
-    new = ids[0, enc["input_ids"].shape[1]:].tolist()
-    assert len(new) == sample["new_tokens"] and tok.decode(new, skip_special_tokens=True) == sample["reply"], (tok.decode(new), sample)
-    assert (new[-1] == stop) == bool(sample["stopped_on"]), (new, sample)
+        out_ = model.generate(**enc, max_new_tokens=sample["new_tokens"], do_sample=False, use_cache=True,
+                              pad_token_id=tok.pad_token_id, eos_token_id=stop, output_scores=True,
+                              return_dict_in_generate=True)
+    new = out_.sequences[0, enc["input_ids"].shape[1]:].tolist()
+    text = tok.decode(new, skip_special_tokens=True)
+    if len(new) == sample["new_tokens"] and text == sample["reply"]:
+        assert (new[-1] == stop) == bool(sample["stopped_on"]), (new, sample)
+        return
+    # Not the same reply: only a near-tie may explain it. At the first token whose text leaves the run's reply (or
+    # that ends the reply early or late), the two best logits must lie within a few bf16 ulps, where the run's
+    # ZeRO-3/FSDP forward and this one may round differently; a sample of other weights diverges at a clear choice.
+    step = next((i for i in range(len(new) + 1)
+                 if not sample["reply"].startswith(tok.decode(new[:i + 1], skip_special_tokens=True))
+                 or (i < len(new) and new[i] == stop)), len(new) - 1)
+    step = min(step, len(out_.scores) - 1)
+    top2 = torch.topk(out_.scores[step][0].float(), 2).values
+    gap = (top2[0] - top2[1]).item()
+    assert gap <= 0.05 * max(1.0, top2[0].abs().item()), (text, sample, step, gap)
 
 
 @pytest.mark.parametrize("name", list(TWINS))
