@@ -26,6 +26,7 @@ from packaging.specifiers import SpecifierSet
 from peft.tuners.trainable_tokens.layer import TrainableTokensLayer
 from peft.utils.other import TrainableTokensWrapper
 from torch.distributed.tensor import DTensor
+from transformers import PreTrainedModel
 
 log = logging.getLogger("sftrecipes")
 
@@ -281,8 +282,6 @@ def backbone_under_a_stale_prefix() -> None:
     model's), so base_model is the CausalLM itself. TRL 1.16's fused LM head (trl.trainer.utils.add_fused_lm_head,
     always on in SFTTrainer) runs `self.base_model(...)` and reads `.last_hidden_state`: a CausalLM output has none. Where
     the prefix names no attribute and the model holds its backbone as `model`, give that backbone."""
-    from transformers import PreTrainedModel  # noqa: PLC0415 - already imported by every caller of this shim
-
     original = PreTrainedModel.base_model
 
     def base_model(self):

@@ -15,12 +15,15 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
 import json
+import sys
 from dataclasses import dataclass
 
 import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from .errors import RecipeError
@@ -34,8 +37,6 @@ TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k
 def config_of(c: dict, where: str = "the model config"):
     """The transformers config object of a config dict, or a RecipeError naming why there is none."""
     mt = c.get("model_type")
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: PLC0415 - a lookup table only
-
     if mt not in CONFIG_MAPPING:
         raise RecipeError(f"model_name_or_path: {where} is a '{mt}' model, which transformers {transformers.__version__} "
                           "has no config class for (custom code is not loaded); use a model type it knows, or a "
@@ -261,9 +262,6 @@ def packed_batch_blockers(cls: type) -> list[tuple[str, str]]:
     sequences apart: transformers' hub-kernel wrapper (integrations/hub_kernels.py) raises on `cu_seqlens` / `seq_idx`
     when the package (causal-conv1d, flash-linear-attention, mamba-ssm) is not installed. Read from the model's own
     modeling module: the wrapped functions and whether each found its package."""
-    import inspect  # noqa: PLC0415 - only this check reads closures
-    import sys  # noqa: PLC0415 - the same
-
     module = sys.modules[cls.__module__]
     out = []
     for name, fn in vars(module).items():
