@@ -29,6 +29,37 @@ TRAINED = ["granite", "olmo2", "cohere2", "glm4", "qwen2_moe", "deepseek_v3", "g
            "gemma4_text", "gemma3"]
 
 
+# configs whose defaults make a tiny model only if every layout key is read: hybrids whose layer kinds sit in several
+# per-layer lists (layer_types, mlp_layer_types, no_rope_layers, layer-index lists), Mamba heads tied to the width,
+# GPT-2-style names behind attribute_map (n_embd), sub-configs of a byte-level model (BLT), a size per layer
+# (Gemma-3n), derived sizes the class recomputes (Zamba2), KV sharing (Gemma-3n), per-layer vocabularies (Gemma-4)
+TINY_LAYOUTS = {"beam": 3, "bailing_hybrid": 3, "bamba": 2, "zamba2": 2, "falcon_h1": 2, "codegen": 2, "blt": None,
+                "gemma3n_text": None, "gemma4_text": 2, "smollm3": 2, "axk2": 2, "jamba": 2, "mamba2": 2}
+
+
+@pytest.mark.parametrize("mt", TINY_LAYOUTS)
+def test_tiny_config_builds_a_tiny_model_of_every_layer_kind(mt):
+    """tiny.tiny_config keeps one layer of each kind the per-layer settings tell apart (and their lists cut to match),
+    every size key small: the model builds, has under 2M parameters, and holds each kind the full config has."""
+    import torch
+    from transformers import AutoConfig
+
+    from sftrecipes.tiny import tiny_config
+
+    full = AutoConfig.for_model(mt).get_text_config()
+    cfg = AutoConfig.for_model(**tiny_config(mt))
+    model = meta.build(cfg)
+    assert sum(p.numel() for p in model.parameters()) < 2_000_000
+    text = cfg.get_text_config()
+    if TINY_LAYOUTS[mt]:
+        assert text.num_hidden_layers == TINY_LAYOUTS[mt]
+    for key in ("layer_types", "mlp_layer_types", "layers_block_type"):
+        kinds = getattr(full, key, None)
+        if isinstance(kinds, list):
+            assert set(kinds) <= set(getattr(text, key)) and len(getattr(text, key)) == text.num_hidden_layers, key
+    assert all(not isinstance(v, torch.Tensor) for v in vars(text).values())
+
+
 def lora_recipe(folder, *extra):
     return load_recipe(["recipes/tiny/lora.yaml", "--model_name_or_path", str(folder), *extra])
 
