@@ -6,17 +6,23 @@ exports need without peft, is shape.pattern_value.)
 
 from __future__ import annotations
 
+import inspect
+import logging
 import re
 import types
 
 import torch
 from peft import LoraConfig
 from peft.tuners.lora import LoraLayer, ParamWrapper
+from peft.tuners import tuners_utils
 from peft.tuners.tuners_utils import check_target_module_exists
+from transformers.pytorch_utils import Conv1D
 
 from .errors import RecipeError
 from .recipe import Recipe
 from .shape import pattern_value
+
+log = logging.getLogger("sftrecipes")
 
 # transformers 5 fuses the experts of a mixture-of-experts layer into 3-D parameters (mlp.experts.gate_up_proj
 # [E, 2*inter, hidden], mlp.experts.down_proj [E, hidden, inter]) behind a router (mlp.gate, [E, hidden]). peft adapts
@@ -54,9 +60,14 @@ def moe_layout(model) -> tuple[dict[str, tuple[int, ...]], dict[str, bool]]:
 
     def routers_of(container: str, e: int) -> dict[str, bool]:
         block, found = container.rpartition(".")[0], {}
+        holders = {n.rpartition(".")[0] for n in params}
         for n, s in params.items():
             module = n.rpartition(".")[0]
-            if module != container and module.rpartition(".")[0] == block and len(s) == 2 and s[0] == e:
+            parent = module.rpartition(".")[0]
+            # beside the experts, or the one weighted part of a module beside them (AFMoE's router.gate)
+            beside = parent == block or (parent.rpartition(".")[0] == block and parent != container
+                                         and [h for h in holders if h.startswith(parent + ".") or h == parent] == [module])
+            if module != container and beside and len(s) == 2 and s[0] == e:
                 try:
                     found[module] = isinstance(model.get_submodule(module), torch.nn.Linear)
                 except AttributeError:  # a peft model: the path runs through wrappers
@@ -79,6 +90,48 @@ def moe_layout(model) -> tuple[dict[str, tuple[int, ...]], dict[str, bool]]:
     return experts, routers
 
 
+def _plain_linear(module) -> bool:
+    """A linear layer LoRA's x @ A @ B applies to: nn.Linear, GPT-2's Conv1D, a quantized one peft dispatches (bitsandbytes), not a
+    subclass built to compute something else (DeepSeek-V4's grouped o_a_proj: one block per head group)."""
+    if isinstance(module, Conv1D):  # GPT-2's linear layer, weight [in, out]: peft adapts it with fan_in_fan_out
+        return True
+    if not isinstance(module, torch.nn.Linear):
+        return False
+    # a subclass built from other arguments computes something else (DeepSeek-V4's GroupedLinear takes n_groups);
+    # one that only rewrites forward (Falcon's FalconLinear) is a linear layer
+    own = set(inspect.signature(type(module).__init__).parameters) <= set(inspect.signature(torch.nn.Linear.__init__).parameters)
+    return own or type(module).__module__.startswith("bitsandbytes")
+
+
+def _names(linear: list[str], modules: dict) -> list[str]:
+    """The names target_modules (target_parameters) lists for these linear layers (parameters): each one's shortest
+    dotted end that matches names of this list only (the leaf, usually; `ffn.0` where a Sequential's index 0 would also
+    match layer h.0)."""
+    chosen = set()
+    mine = set(linear)
+    for n in linear:
+        parts = n.split(".")
+        for k in range(1, len(parts) + 1):
+            end = ".".join(parts[-k:])
+            if all(m in mine for m in modules if m == end or m.endswith("." + end)):
+                chosen.add(end)
+                break
+    return sorted(chosen)
+
+
+def _peft_refuses(name: str, model) -> str | None:
+    """Why peft refuses LoRA on a module of this name in this model (its own rule: out_proj and conv1d in Mamba
+    models), or None; read by asking peft's check, so the rule is peft's."""
+    check = getattr(tuners_utils, "_check_lora_target_modules_mamba", None)
+    if check is None:
+        return None
+    try:
+        check(types.SimpleNamespace(peft_type="LORA"), model, name)
+    except ValueError as e:
+        return str(e).split(". ")[0]
+    return None
+
+
 def lora_targets(recipe: Recipe, model) -> dict:
     """target_modules, target_parameters, rank_pattern and alpha_pattern for LoraConfig, resolved on the model.
 
@@ -98,7 +151,10 @@ def lora_targets(recipe: Recipe, model) -> dict:
     experts, routers = moe_layout(model)
     out_emb = model.get_output_embeddings()
     modules = {n: mod for n, mod in model.named_modules() if n}
-    linear = [n for n, mod in modules.items() if isinstance(mod, torch.nn.Linear) and mod is not out_emb]
+    # the output head is not adapted: the model's output embeddings, or a linear named lm_head where the model does
+    # not say (BLT; TRL refuses LoRA on lm_head: its fused loss reads lm_head.weight itself)
+    linear = [n for n, mod in modules.items() if _plain_linear(mod) and mod is not out_emb
+              and n.rsplit(".", 1)[-1] != "lm_head"]
 
     def hits(t: str, names) -> list[str]:
         return [n for n in names if n == t or n.endswith("." + t)]
@@ -107,7 +163,7 @@ def lora_targets(recipe: Recipe, model) -> dict:
     if not experts:
         # all-linear resolved to the layers' names here, not by peft: peft's resolution (full names) would bypass
         # layers_to_transform, which it applies only to names it matches by suffix
-        target_modules: list[str] = sorted({n.rsplit(".", 1)[-1] for n in linear}) if listed is None else listed
+        target_modules: list[str] = _names(linear, modules) if listed is None else listed
         for t in listed or []:
             if not hits(t, modules):
                 raise RecipeError(f"lora_target_modules: '{t}' matches no module of {m.model_name_or_path}; "
@@ -116,8 +172,9 @@ def lora_targets(recipe: Recipe, model) -> dict:
         expert_leaves = {n.rsplit(".", 1)[-1] for n in experts}
         router_leaves = {r.rsplit(".", 1)[-1] for r in routers}
         if listed is None:
-            target_modules = sorted({n.rsplit(".", 1)[-1] for n in linear if n not in routers})
-            params = sorted(expert_leaves)
+            target_modules = _names([n for n in linear if n not in routers], modules)
+            # each expert tensor by its shortest end naming expert tensors only (JetMoE's are input_linear.weight)
+            params = _names(list(experts), dict.fromkeys(_clean(n) for n, _ in model.named_parameters() if "lora_" not in n))
         else:
             target_modules, aliases = [], set()
             for t in listed:
@@ -149,6 +206,13 @@ def lora_targets(recipe: Recipe, model) -> dict:
                 else:
                     params.append(f"{leaf}.weight")
         target_modules = list(dict.fromkeys(target_modules))
+    refused = {t: _peft_refuses(t.rsplit(".", 1)[-1], model) for t in target_modules}
+    for t, why in refused.items():
+        if why and listed is not None and t in listed:
+            raise RecipeError(f"lora_target_modules: '{t}' cannot take LoRA here ({why}); remove it")
+    if any(refused.values()):
+        log.info("LoRA: all-linear leaves out %s (%s)", ", ".join(t for t, w in refused.items() if w), next(w for w in refused.values() if w))
+    target_modules = [t for t in target_modules if not refused[t]]
     params = list(dict.fromkeys(params + list(p.get("target_parameters") or [])))
 
     # the parameters these names select, as peft would match them, narrowed as peft narrows modules

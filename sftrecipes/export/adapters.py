@@ -23,7 +23,6 @@ ADAPTER_MARKS = (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embedding_
 
 # adapter_config.json features the streaming merge does not apply, each refused by name: what it is
 UNMERGEABLE = {
-    "fan_in_fan_out": "fan_in_fan_out (GPT-2 style Conv1D weights)",
     "lora_bias": "lora_bias (a bias in lora_B, which the base layers may not have)",
     "layer_replication": "layer_replication (duplicated decoder layers)",
     "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens: it acts only after its invocation tokens)",
@@ -120,7 +119,8 @@ def plan_merge(cfg: dict, tensors: dict[str, torch.Tensor], base_names: set[str]
             r_m = pattern_value(cfg.get("rank_pattern"), pattern_key, r)
             a_m = pattern_value(cfg.get("alpha_pattern"), pattern_key, alpha)
             entry["scale"] = a_m / math.sqrt(r_m) if cfg.get("use_rslora") else a_m / r_m
-            entry["transposed"] = transposed
+            # GPT-2's Conv1D holds its weight [in, out]: peft's fan_in_fan_out, its delta (B @ A) transposed
+            entry["transposed"] = transposed or (bool(cfg.get("fan_in_fan_out")) and module not in wrapped)
         elif name.endswith(".token_adapter.trainable_tokens_delta"):
             module = name[: -len(".token_adapter.trainable_tokens_delta")]
             leaf = module.rsplit(".", 1)[-1]
@@ -155,12 +155,13 @@ def plan_merge(cfg: dict, tensors: dict[str, torch.Tensor], base_names: set[str]
 
 
 def _lora_fits(shape: tuple, a: tuple, b: tuple, entry: dict) -> bool:
-    """lora_B @ lora_A fits a 2-D weight [out, in]; for a 3-D expert tensor [E, out, in] ([E, in, out] if transposed)
+    """lora_B @ lora_A fits a 2-D weight [out, in] ([in, out] if transposed: Conv1D); for a 3-D expert tensor [E, out, in] ([E, in, out] if transposed)
     peft's factors are lora_A [r*E, in] and lora_B [out, r*E]."""
     if len(a) != 2 or len(b) != 2 or a[0] != b[1]:
         return False
     if len(shape) == 2:
-        return b[0] == shape[0] and a[1] == shape[1]
+        out_f, in_f = (shape[1], shape[0]) if entry.get("transposed") else shape
+        return b[0] == out_f and a[1] == in_f
     if len(shape) == 3:
         out_f, in_f = (shape[2], shape[1]) if entry.get("transposed") else (shape[1], shape[2])
         return b[0] == out_f and a[1] == in_f and a[0] % shape[0] == 0
@@ -195,9 +196,12 @@ def _apply(w: torch.Tensor, entry: dict, name: str, piece: tuple | None = None) 
                 lhs, rhs = (a3[e].T, b3[:, :, e].T) if entry.get("transposed") else (b3[:, :, e], a3[e])
                 (out[e] if expert is None else out).addmm_(lhs if rows is None else lhs[rows], rhs, alpha=entry["scale"])
         else:
-            out.addmm_(b if rows is None else b[rows], a, alpha=entry["scale"])  # in place: no (out x in) temporaries beside W
+            lhs, rhs = (a.T, b.T) if entry.get("transposed") else (b, a)
+            out.addmm_(lhs if rows is None else lhs[rows], rhs, alpha=entry["scale"])  # in place: no (out x in) temporaries beside W
         if "magnitude" in entry:
             # DoRA (peft's DoraLinearVariant.merge): W' = m * (W + s*B@A) / ||W + s*B@A||, the norm over each output row
+            if entry.get("transposed"):
+                raise RecipeError(f"adapter: '{name}' is DoRA on a transposed (Conv1D) weight, which the streaming merge does not apply; merge with peft's merge_and_unload")
             m = entry["magnitude"].to(torch.float32)
             m = m if rows is None else m[rows]
             if m.shape != out.shape[:1]:
