@@ -77,6 +77,7 @@ def run(recipe, life=None):
     # 3. model: dtype, attention, 4/8-bit loading; LoRA is applied by the trainer from peft_config
     rss_before = probes.rss_mb()
     model = models.load_model(recipe, tokenizer, target)
+    models.no_aux_loss_without_experts(model, args)  # a dense model whose config still declares router logits
     trainer = SFTTrainer(
         model=model,
         args=args,

@@ -78,9 +78,8 @@ def _meta_model(name: str, trust_remote_code: bool):
         cfg = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
     except (OSError, ValueError):  # a hub id offline: the planner's shipped config of it
         cfg = AutoConfig.for_model(**read_config(name))
-    with meta.on_meta():  # the class from_pretrained would instantiate (auto mapping, or the model's own code)
-        model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=trust_remote_code, attn_implementation="eager")
-    return cfg, model
+    # the class from_pretrained would instantiate (auto mapping, or the model's own code)
+    return cfg, meta.build(cfg, trust_remote_code=trust_remote_code, attn_implementation="eager")
 
 
 def meta_model(recipe: Recipe):
@@ -104,7 +103,7 @@ class AttentionSupport:
 
     cls: str  # the class name, e.g. Gemma3ForConditionalGeneration
     why_not: dict[str, str]  # kernel -> why this model cannot run it; a kernel not listed runs
-    traits: tuple[str, ...] = ()  # "attention sinks", "logit soft-capping", "sliding windows"
+    traits: tuple[str, ...] = ()  # "attention sinks", "logit soft-capping", "a sparse-attention indexer", "sliding windows"
 
     def runs(self, impl: str) -> bool:
         return impl not in self.why_not
@@ -112,14 +111,16 @@ class AttentionSupport:
 
 def attention_traits(cfg, model) -> tuple[str, ...]:
     """What the model's attention does beyond causal softmax attention: learned sinks (GPT-OSS: a `sinks` parameter
-    per attention layer, passed to the kernel as s_aux), logit soft-capping (Gemma-2: attn_logit_softcapping),
-    sliding windows (layer_types, or sliding_window where the config uses it)."""
+    per attention layer, passed to the kernel as s_aux), logit soft-capping (Gemma-2: attn_logit_softcapping), a
+    sparse-attention indexer scoring keys from the dense mask (DeepSeek-V3.2: an *Indexer module), sliding windows (layer_types, or sliding_window where the config uses it)."""
     text = cfg.get_text_config()
     traits = []
     if any(n.rsplit(".", 1)[-1] == "sinks" for n, _ in model.named_parameters()):
         traits.append("attention sinks")
     if getattr(text, "attn_logit_softcapping", None) is not None:
         traits.append("logit soft-capping")
+    if any(type(m).__name__.endswith("Indexer") for m in model.modules()):  # DeepSeek-V3.2's DSA, AXK2, Qwen4-Exp
+        traits.append("a sparse-attention indexer")
     layer_types = getattr(text, "layer_types", None) or ()
     if "sliding_attention" in layer_types or (not layer_types and getattr(text, "sliding_window", None)
                                               and getattr(text, "use_sliding_window", True)):
@@ -144,6 +145,8 @@ def support_of(cls: type, traits: tuple[str, ...]) -> AttentionSupport:
                                     "(_compatible_flash_implementations), not the flash-attn package")
     elif "attention sinks" in traits:  # transformers passes s_aux only to a kernel that takes it: FA2 would drop them
         why["flash_attention_2"] = f"the flash-attn package's kernel cannot apply {name}'s attention sinks"
+    elif "a sparse-attention indexer" in traits:
+        why["flash_attention_2"] = f"flash_attention_2 gives {name} no dense mask, which its sparse-attention indexer reads"
     if not cls._supports_flex_attn:
         why["flex_attention"] = f"{name} does not support flex_attention (_supports_flex_attn False)"
     if not cls._supports_attention_backend:
@@ -152,6 +155,8 @@ def support_of(cls: type, traits: tuple[str, ...]) -> AttentionSupport:
         why[VARLEN] = f"{VARLEN} cannot apply {name}'s attention sinks (its sinks parameters)"
     elif "logit soft-capping" in traits:
         why[VARLEN] = f"{VARLEN} cannot apply {name}'s attention logit soft-capping (attn_logit_softcapping)"
+    elif "a sparse-attention indexer" in traits:
+        why[VARLEN] = f"{VARLEN} gives {name} no dense mask, which its sparse-attention indexer reads (attention_mask[:, 0])"
     return AttentionSupport(name, why, traits)
 
 
@@ -413,6 +418,18 @@ def quantization_config(recipe: Recipe):
         bnb_4bit_use_double_quant=m.use_nested_quant,
         bnb_4bit_quant_storage=storage,
     )
+
+
+def no_aux_loss_without_experts(model, args) -> None:
+    """A config that declares output_router_logits for a model with no experts (Doge with is_moe: false): TRL 1.16
+    turns its load-balancing loss on from the config alone and fails in the first step over no router logits. Unless
+    the recipe sets router_aux_loss_coef, it is 0 for such a model (logged)."""
+    from .lora import moe_layout  # noqa: PLC0415 - lora imports peft, which this module loads only for a run
+
+    text = model.config.get_text_config()
+    if getattr(args, "router_aux_loss_coef", 0) is None and hasattr(text, "output_router_logits") and moe_layout(model) == ({}, {}):
+        args.router_aux_loss_coef = 0.0
+        log.info("model: %s holds no experts: no load-balancing loss (router_aux_loss_coef 0)", type(model).__name__)
 
 
 def load_model(recipe: Recipe, tokenizer, hardware: str):
