@@ -39,7 +39,7 @@ def apply_process_env(recipe: Recipe, target: str) -> None:
     from . import compat  # noqa: PLC0415 - compat patches torch/transformers: launch/emit stay torch-free
 
     compat.backbone_under_a_stale_prefix()
-    compat.llama4_num_experts_for_trl()
+    compat.num_experts_for_trl()
     if recipe.launch.backend == "fsdp":
         compat.fix_peft_prefixes_under_wrappers()
     if recipe.model.use_peft_lora:

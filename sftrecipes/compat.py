@@ -292,15 +292,36 @@ def backbone_under_a_stale_prefix() -> None:
     _patch("backbone_under_a_stale_prefix", PreTrainedModel, "base_model", property(base_model, doc=original.__doc__))
 
 
-@_shim("TRL's MoE aux loss reads config.num_experts, which Llama-4's text config names num_local_experts "
-       "(AttributeError every step)", transformers="~=5.24.0", trl="~=1.16.0")
-def llama4_num_experts_for_trl() -> None:
-    """TRL 1.16's SFTTrainer turns the load-balancing loss on for every config with output_router_logits and a
-    router_aux_loss_coef (Llama-4's is 0.001); its fused LM head then reads `text_config.num_experts`
-    (trl.trainer.utils.add_fused_lm_head). transformers 5.24's Llama4TextConfig names the count num_local_experts and
-    maps no alias, so every step fails. Alias the name on the class (attribute_map, as Mixtral's config does), which
-    reads and writes num_local_experts and adds no key to a saved config.json."""
-    from transformers.models.llama4.configuration_llama4 import Llama4TextConfig  # noqa: PLC0415 - only this shim needs it
+# the names transformers' MoE configs give the expert count where they have no num_experts
+EXPERT_COUNT_NAMES = ("num_local_experts", "n_routed_experts")
 
-    aliased = {**Llama4TextConfig.attribute_map, "num_experts": "num_local_experts"}
-    _patch("llama4_num_experts_for_trl", Llama4TextConfig, "attribute_map", aliased)
+
+@_shim("TRL's MoE aux loss reads config.num_experts, which Llama-4, DeepSeek-V4, GraniteMoE and PhiMoE configs name "
+       "num_local_experts (AttributeError every step)", transformers="~=5.24.0", trl="~=1.16.0")
+def num_experts_for_trl() -> None:
+    """TRL 1.16's SFTTrainer turns the load-balancing loss on for every config with output_router_logits and a
+    router_aux_loss_coef (these have 0.001); its fused LM head then reads `text_config.num_experts`
+    (trl.trainer.utils.add_fused_lm_head). transformers 5.24's Llama4TextConfig, DeepseekV4Config, GraniteMoe*Config
+    and PhimoeConfig name the count num_local_experts and map no alias, so every step fails. When the trainer installs
+    the fused head, the model's config class gains the alias (attribute_map, as Mixtral's config has it), which reads
+    and writes num_local_experts and adds no key to a saved config.json."""
+    import trl.trainer.sft_trainer as sft  # noqa: PLC0415 - only this shim needs it
+
+    original = sft.add_fused_lm_head
+
+    @functools.wraps(original)
+    def add_fused_lm_head(model, *args, **kwargs):
+        alias_num_experts(type(model.config.get_text_config()))
+        return original(model, *args, **kwargs)
+
+    _patch("num_experts_for_trl", sft, "add_fused_lm_head", add_fused_lm_head)
+
+
+def alias_num_experts(cls) -> None:
+    """num_experts on a config class that names its expert count otherwise (num_experts_for_trl)."""
+    fields = getattr(cls, "__dataclass_fields__", {})
+    if "num_experts" in cls.attribute_map or "num_experts" in fields or hasattr(cls, "num_experts"):
+        return
+    count = next((n for n in EXPERT_COUNT_NAMES if n in fields), None)
+    if count is not None and "num_experts_for_trl" in _APPLIED:
+        _patch("num_experts_for_trl", cls, "attribute_map", {**cls.attribute_map, "num_experts": count})

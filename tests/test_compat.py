@@ -48,7 +48,7 @@ TARGETS = {
     "trainable_tokens_init_under_zero3_on_cpu": ("peft.tuners.trainable_tokens.layer", "TrainableTokensLayer._collect_token_weights"),
     "keep_dense_linears_in_moe_conversion": ("peft.utils.transformers_weight_conversion", "_convert_peft_config_moe"),
     "backbone_under_a_stale_prefix": ("transformers.modeling_utils", "PreTrainedModel.base_model"),
-    "llama4_num_experts_for_trl": ("transformers.models.llama4.configuration_llama4", "Llama4TextConfig.attribute_map"),
+    "num_experts_for_trl": ("trl.trainer.sft_trainer", "add_fused_lm_head"),
 }
 
 
@@ -250,16 +250,24 @@ def test_canary_backbone_under_a_stale_prefix():
         assert torch.isfinite(model(input_ids=ids, labels=ids, fused_lm_head=True).loss)
 
 
-def test_canary_llama4_num_experts_for_trl():
-    """Llama4TextConfig has no num_experts (TRL's aux loss reads it); with the alias it is num_local_experts, and a
-    saved config gains no key."""
-    from transformers.models.llama4.configuration_llama4 import Llama4TextConfig
+@pytest.mark.parametrize("mt", ["llama4_text", "deepseek_v4", "granitemoe", "phimoe"])
+def test_canary_num_experts_for_trl(mt):
+    """These MoE configs have no num_experts (TRL's aux loss reads it); once the trainer's fused head is installed
+    under the shim, it is their own expert count, and a saved config gains no key."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from trl.trainer import sft_trainer
 
-    name = "llama4_num_experts_for_trl"
+    from sftrecipes.tiny import tiny_config
+
+    name = "num_experts_for_trl"
     with compat.upstream(name):
-        cfg = Llama4TextConfig(num_local_experts=4)
-        if hasattr(cfg, "num_experts"):
+        cfg = AutoConfig.for_model(**tiny_config(mt, vocab_size=64))
+        text = cfg.get_text_config()
+        if hasattr(text, "num_experts"):
             pytest.fail(fixed_upstream(name))
-        compat.llama4_num_experts_for_trl()
-        cfg = Llama4TextConfig(num_local_experts=4)
-        assert cfg.num_experts == 4 and "num_experts" not in cfg.to_dict()
+        compat.num_experts_for_trl()
+        torch.manual_seed(0)
+        sft_trainer.add_fused_lm_head(AutoModelForCausalLM.from_config(cfg))
+        text = AutoConfig.for_model(**tiny_config(mt, vocab_size=64)).get_text_config()
+        assert text.num_experts == 4 and "num_experts" not in text.to_dict()
