@@ -71,16 +71,15 @@ def build(folder: Path, layers: int) -> int:
     import torch
     import torch.distributed.checkpoint as dcp
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM
 
     from sftrecipes.export.writer import SafetensorsStreamWriter, _nbytes, _shards
+    from sftrecipes.meta import build
 
     cfg = llama_config(layers)
     base = folder / "base"
     base.mkdir(parents=True)
     cfg.save_pretrained(base)
-    with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    meta = build(cfg, dtype=torch.bfloat16)
     layout = [(n, torch.bfloat16, tuple(t.shape)) for n, t in meta.state_dict().items()]
     shards = _shards(layout, 500 * 1024**2)
     gen = torch.Generator().manual_seed(0)

@@ -76,14 +76,20 @@ def on_meta():
             hf_ds.set_hf_deepspeed_config(held)
 
 
+def build(cfg, **kwargs):
+    """The model AutoModelForCausalLM builds from a config object on the meta device (on_meta): the one way this
+    project builds one (planner, attention choice, packing checks, export layouts)."""
+    with on_meta():
+        return AutoModelForCausalLM.from_config(cfg, **kwargs)
+
+
 @functools.lru_cache(maxsize=4)
 def _meta_model(config_json: str, where: str):
     c = json.loads(config_json)
     cfg = config_of(c, where)
     model_class(cfg, where)
     try:
-        with on_meta():
-            return AutoModelForCausalLM.from_config(cfg)
+        return build(cfg)
     except Exception as e:  # noqa: BLE001 - any failure to build is the config's: one line naming it
         raise RecipeError(f"model_name_or_path: transformers cannot build a '{c.get('model_type')}' model from {where} "
                           f"({type(e).__name__}: {str(e).splitlines()[0][:160]}); fix the config") from None
@@ -98,22 +104,21 @@ def meta_model(shape_or_config: Shape | dict, where: str = "the model config"):
 
 def decoder_layers(model) -> tuple[str, torch.nn.ModuleList]:
     """(full name, module list) of the text decoder's layers: under get_decoder(), the ModuleList of one of the model's
-    no-split layer classes holding the most parameters (a vision tower's layers are another list)."""
+    no-split layer classes holding the most parameters (a vision tower's layers are another list); where no list holds
+    such a class (ModernBERT-decoder lists none of its own), the largest ModuleList under the decoder."""
     no_split = set(getattr(model, "_no_split_modules", None) or ())
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     inside = {id(m) for m in decoder.modules()}
-    best, best_n = None, -1
-    for name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.ModuleList) and len(mod) and id(mod) in inside:
-            if no_split and type(mod[0]).__name__ not in no_split:
-                continue
-            n = sum(p.numel() for p in mod.parameters())
-            if n > best_n:
-                best, best_n = (name, mod), n
-    if best is None:
-        raise RecipeError(f"model_name_or_path: {type(model).__name__} has no list of decoder layers this project can "
-                          "find (a ModuleList of one of its _no_split_modules classes); it cannot be planned or sharded")
-    return best
+    lists = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, torch.nn.ModuleList) and len(mod)]
+    if any(id(mod) in inside for _, mod in lists):  # (ModernBERT-decoder's get_decoder() is its output head)
+        lists = [(name, mod) for name, mod in lists if id(mod) in inside]
+    for strict in (True, False):
+        mine = [(name, mod) for name, mod in lists if not (strict and no_split) or type(mod[0]).__name__ in no_split]
+        mine = [x for x in mine if any(True for _ in x[1].parameters())]
+        if mine:
+            return max(mine, key=lambda x: sum(p.numel() for p in x[1].parameters()))
+    raise RecipeError(f"model_name_or_path: {type(model).__name__} has no list of decoder layers this project can "
+                      "find (a ModuleList of layers with weights); it cannot be planned or sharded")
 
 
 def _first(cfg, keys, default=0):

@@ -307,6 +307,13 @@ def config_path(name: str) -> Path:
     return CONFIGS / (name.replace("/", "--") + ".json")
 
 
+def _special_float(obj: dict):
+    """transformers writes inf and nan in config.json as {"__float__": "Infinity"} (Bamba's time_step_limit); read
+    back as the float, as its from_pretrained does."""
+    tag = obj.get("__float__") if len(obj) == 1 else None
+    return float(tag) if tag in ("Infinity", "-Infinity", "NaN") else obj
+
+
 def read_config(name: str) -> dict:
     """The config dict of a model name (a local folder or a hub id with a shipped config)."""
     path = config_path(name)
@@ -315,7 +322,7 @@ def read_config(name: str) -> dict:
         raise RecipeError(f"model_name_or_path: no config.json for '{name}' offline; point it at a local model folder, "
                           f"or add {CONFIGS / (name.replace('/', '--') + '.json')} (shipped: {shipped})")
     try:
-        return json.loads(path.read_text())
+        return json.loads(path.read_text(), object_hook=_special_float)
     except json.JSONDecodeError as e:
         raise RecipeError(f"model_name_or_path: {path} is not valid JSON ({e.msg} at line {e.lineno}); fix or replace it") from None
 

@@ -7,24 +7,18 @@ import math
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 from transformers.core_model_loading import revert_weight_conversion
-from transformers.integrations import deepspeed as hf_ds
 
 from ..errors import RecipeError
+from ..meta import build
 
 
 def _meta_model(config_dir: Path):
-    """The model of a config.json, built on the meta device (no memory, no data)."""
-    # inside a ZeRO-3 run (merge_in_run, rank 0 alone) from_config would build under deepspeed.zero.Init, a
-    # collective the other ranks never join: a hang. A meta model needs no partitioning, so ZeRO-3 is switched off
-    # for the build.
-    saved, hf_ds._hf_deepspeed_config_weak_ref = hf_ds._hf_deepspeed_config_weak_ref, None
-    try:
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir))
-    finally:
-        hf_ds._hf_deepspeed_config_weak_ref = saved
+    """The model of a config.json, built on the meta device (no memory, no data). Inside a ZeRO-3 run (merge_in_run,
+    rank 0 alone) from_config would build under deepspeed.zero.Init, a collective the other ranks never join: a hang;
+    meta.build switches ZeRO-3 off for the build."""
+    return build(AutoConfig.from_pretrained(config_dir))
 
 
 def tied_copies(model) -> dict[str, str]:

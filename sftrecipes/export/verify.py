@@ -68,7 +68,7 @@ def _probe_ids(folder: Path, vocab: int) -> torch.Tensor:
 def _logits(model, ids) -> torch.Tensor:
     model.eval()
     with torch.no_grad():
-        return model(input_ids=ids).logits.float()
+        return model(input_ids=ids, use_cache=False).logits.float()  # no cache: a recurrent one (RecurrentGemma) needs attention layers
 
 
 def verify_logits(folder: Path, reference, dtype: torch.dtype, base: Path | None = None, verb: str = "export") -> float:
