@@ -194,3 +194,99 @@ def test_ram_efficient_fsdp2_of_a_model_with_buffers_is_refused_before_loading(a
     models.check_ram_efficient_buffers(load_recipe(["recipes/tiny/fsdp.yaml", "--model_name_or_path", str(arch_models("deepseek_v3")),
                                                     "--launch.fsdp_cpu_ram_efficient_loading", "false"]))
     models.check_ram_efficient_buffers(load_recipe(["recipes/tiny/fsdp.yaml", "--model_name_or_path", str(arch_models("granite"))]))
+
+
+# what all-linear adapts, read from the module structure of architectures the sweep found wrong: (model type,
+# names that must be among the targets, names that must not be, expert tensors, routers)
+TARGET_CASES = {
+    "afmoe": ({"q_proj", "gate_proj"}, {"gate"}, {"gate_up_proj", "down_proj"}, {"mlp.router.gate"}),
+    "ctrl": ({"ffn.0", "Wq"}, {"0"}, set(), set()),  # a Sequential's index 0 by its parent, not to match layer h.0
+    "jetmoe": ({"kv_proj"}, set(), {"input_linear.weight", "output_linear.weight"}, {"router.layer"}),  # never ".weight"
+    "falcon_mamba": ({"in_proj", "x_proj"}, {"out_proj"}, set(), set()),  # peft refuses out_proj in Mamba models
+    "deepseek_v4": ({"o_b_proj", "q_a_proj"}, {"o_a_proj"}, {"gate_up_proj"}, set()),  # grouped: not a Linear
+    "falcon": ({"query_key_value", "dense_h_to_4h"}, set(), set(), set()),  # FalconLinear: only its forward is its own
+    "gpt2": ({"c_attn", "c_fc", "c_proj"}, set(), set(), set()),  # Conv1D
+}
+
+
+@pytest.mark.parametrize("mt", TARGET_CASES)
+def test_all_linear_targets_read_from_the_module_structure(mt):
+    from transformers import AutoConfig
+
+    from sftrecipes.lora import lora_targets
+    from sftrecipes.tiny import tiny_config
+
+    want, never, experts, routers = TARGET_CASES[mt]
+    model = meta.build(AutoConfig.for_model(**tiny_config(mt)))
+    recipe = load_recipe(["recipes/tiny/lora.yaml"])
+    t = lora_targets(recipe, model)
+    assert want <= set(t["target_modules"]) and not never & set(t["target_modules"]), t["target_modules"]
+    assert set(t["target_parameters"] or ()) >= experts and "weight" not in (t["target_parameters"] or ()), t
+    found = moe_layout(model)[1]
+    assert {r for r in routers if any(n.endswith(r) for n in found)} == routers, found
+    if mt == "falcon_mamba":  # named in a list, the same module is one line naming why
+        with pytest.raises(RecipeError, match=r"lora_target_modules: 'out_proj' cannot take LoRA here \(.*Mamba"):
+            lora_targets(load_recipe(["recipes/tiny/lora.yaml", "--lora_target_modules", "in_proj,out_proj"]), model)
+
+
+def test_conv1d_adapter_merges_like_peft(tmp_path):
+    """GPT-2's Conv1D weights are [in, out]: peft adapts them with fan_in_fan_out, and the streaming merge adds
+    (B @ A) transposed; the merged model's logits are peft's merge_and_unload's."""
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from sftrecipes.lora import lora_config
+    from sftrecipes.tiny import tiny_config
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(AutoConfig.for_model(**tiny_config("gpt2")))
+    base.save_pretrained(tmp_path / "base")
+    peft_model = get_peft_model(base, lora_config(load_recipe(["recipes/tiny/lora.yaml"]), [], base))
+    for n, p in peft_model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.1)
+    assert peft_model.peft_config["default"].fan_in_fan_out
+    peft_model.save_pretrained(tmp_path / "adapter")
+    ids = torch.tensor([[1, 5, 9, 13, 2]])
+    want = peft_model.merge_and_unload().eval()(input_ids=ids).logits
+    merge_lora(tmp_path / "adapter", tmp_path / "merged", base=str(tmp_path / "base"), dtype="float32")
+    got = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")(input_ids=ids).logits
+    assert (got - want).abs().max() < 1e-5
+
+
+def test_layouts_the_sweep_found_unread(tmp_path):
+    """What the sweep found each of these do, read from the model: a sparse-attention indexer reads the dense mask
+    (DeepSeek-V3.2: sft_varlen and flash give it none); a config declaring router logits without experts gets no
+    load-balancing loss (Doge); a get_decoder() that is an output head (ModernBERT-decoder) still finds the layers;
+    config.json's {"__float__": "Infinity"} reads back as inf (Bamba's time_step_limit)."""
+    import types
+
+    from transformers import AutoConfig
+
+    from sftrecipes import model as models
+    from sftrecipes.model import VARLEN
+    from sftrecipes.shape import read_config
+    from sftrecipes.tiny import tiny_config
+
+    cfg = AutoConfig.for_model(**tiny_config("deepseek_v32"))
+    built = meta.build(cfg)
+    support = models.support_of(type(built), models.attention_traits(cfg, built))
+    assert "indexer" in support.why_not[VARLEN] and "flash_attention_2" in support.why_not
+    assert support.runs("sdpa") and support.runs("eager")
+    v3 = AutoConfig.for_model(**tiny_config("deepseek_v3"))
+    assert "a sparse-attention indexer" not in models.attention_traits(v3, meta.build(v3))
+
+    args = types.SimpleNamespace(router_aux_loss_coef=None)
+    models.no_aux_loss_without_experts(meta.build(AutoConfig.for_model(**tiny_config("doge"))), args)
+    assert args.router_aux_loss_coef == 0.0
+    args = types.SimpleNamespace(router_aux_loss_coef=None)
+    models.no_aux_loss_without_experts(meta.build(AutoConfig.for_model(**tiny_config("qwen3_moe"))), args)
+    assert args.router_aux_loss_coef is None  # a model with experts keeps TRL's default
+
+    name, layers = meta.decoder_layers(meta.build(AutoConfig.for_model(**tiny_config("modernbert-decoder"))))
+    assert name == "model.layers" and len(layers) == 2
+
+    AutoConfig.for_model(**tiny_config("bamba")).save_pretrained(tmp_path)
+    assert "Infinity" in (tmp_path / "config.json").read_text()
+    assert read_config(str(tmp_path))["time_step_limit"][1] == float("inf")
