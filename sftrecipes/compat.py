@@ -320,8 +320,9 @@ def num_experts_for_trl() -> None:
 def alias_num_experts(cls) -> None:
     """num_experts on a config class that names its expert count otherwise (num_experts_for_trl)."""
     fields = getattr(cls, "__dataclass_fields__", {})
-    if "num_experts" in cls.attribute_map or "num_experts" in fields or hasattr(cls, "num_experts"):
-        return
+    names = cls.attribute_map
+    if "num_experts" in names or "num_experts" in names.values() or "num_experts" in fields or hasattr(cls, "num_experts"):
+        return  # has it, or is what another name aliases (Kimi-Linear: num_local_experts -> num_experts)
     count = next((n for n in EXPERT_COUNT_NAMES if n in fields), None)
     if count is not None and "num_experts_for_trl" in _APPLIED:
         _patch("num_experts_for_trl", cls, "attribute_map", {**cls.attribute_map, "num_experts": count})

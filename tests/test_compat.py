@@ -271,3 +271,6 @@ def test_canary_num_experts_for_trl(mt):
         sft_trainer.add_fused_lm_head(AutoModelForCausalLM.from_config(cfg))
         text = AutoConfig.for_model(**tiny_config(mt, vocab_size=64)).get_text_config()
         assert text.num_experts == 4 and "num_experts" not in text.to_dict()
+        for other in ("kimi_linear", "bailing_hybrid"):  # num_experts their own (what num_local_experts aliases)
+            sft_trainer.add_fused_lm_head(AutoModelForCausalLM.from_config(AutoConfig.for_model(**tiny_config(other, vocab_size=64))))
+            assert AutoConfig.for_model(**tiny_config(other, vocab_size=64)).num_experts == 4
