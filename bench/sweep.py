@@ -5,6 +5,7 @@ recipes/tiny/lora.yaml (only model_name_or_path changed), the adapter merged wit
 held against the meta model's and the run's. Writes docs/generated/architectures.md.
 
     python bench/sweep.py [--jobs 2] [--only llama,qwen3] [--timeout 600] [--fresh] [--table]
+      (--only: run those entries again, their rows replaced; the table is rewritten from every row kept)
     python bench/sweep.py --one ARCH --work DIR        (one architecture, in its own process: prints one JSON line)
 
 Each row is kept in outputs/sweep/<arch>.json as it completes, and the table is rewritten after each: a stopped
@@ -40,10 +41,9 @@ def _one_line(e: BaseException) -> str:
 
 def left_out(mt: str) -> str | None:
     """Why an entry of the causal-LM mapping is not a decoder-only text model this sweep trains, or None."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    from sftrecipes.meta import decoder_layers
+    from sftrecipes.meta import build, decoder_layers
 
     cfg = AutoConfig.for_model(mt)
     d = cfg.to_dict()
@@ -52,9 +52,7 @@ def left_out(mt: str) -> str | None:
     if any(k in d for k in ("audio_config", "speech_config", "codec_config", "depth_decoder_config")):
         return "speech/audio model (an audio tower or codec beside the text decoder)"
     try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(cfg)
-        prefix, _ = decoder_layers(model)
+        prefix, _ = decoder_layers(build(cfg))
     except Exception:  # noqa: BLE001 - built again below, where the failure is reported
         return None
     if "encoder" in prefix.split("."):
@@ -88,9 +86,12 @@ def run_one(mt: str, work: Path) -> dict:
     try:
         c = tiny_config(mt, vocab_size=len(tok), token_ids=(tok.bos_token_id, tok.eos_token_id, tok.pad_token_id))
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**c))
+        cfg = AutoConfig.for_model(**c)
+        model = AutoModelForCausalLM.from_config(cfg)
         row["class"] = type(model).__name__
         model.save_pretrained(folder)
+        if model.config.model_type != cfg.model_type:  # Emu3ForCausalLM saves its text config (emu3_text_model), which
+            cfg.save_pretrained(folder)                # no auto class maps: the hub's checkpoints carry the whole one
         tok.save_pretrained(folder)
         real = sum(p.numel() for p in model.parameters())
         del model
@@ -210,26 +211,28 @@ def main() -> int:
 
     ensure_tiny_model()
     archs = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-    if ns.only:
-        archs = [a for a in archs if a in ns.only.split(",")]
+    only = [a for a in archs if a in ns.only.split(",")] if ns.only else None
     CACHE.mkdir(parents=True, exist_ok=True)
     if ns.fresh:
         for f in CACHE.glob("*.json"):
             f.unlink()
     done = {json.loads(f.read_text())["arch"]: json.loads(f.read_text()) for f in CACHE.glob("*.json")}
-    todo = [] if ns.table else [a for a in archs if a not in done]
-    rows = [done[a] for a in archs if a in done]
-    print(f"sweep: {len(rows)} of {len(archs)} already ran (outputs/sweep/), {len(todo)} to run", flush=True)
+    # --only runs those entries again (their rows replaced); otherwise what has not run yet
+    todo = [] if ns.table else only if only is not None else [a for a in archs if a not in done]
+    print(f"sweep: {len(done)} of {len(archs)} already ran (outputs/sweep/), {len(todo)} to run", flush=True)
+
+    def table() -> None:
+        rows = [done[a] for a in archs if a in done]
+        write_table(rows, sum(r.get("seconds", 0) for r in rows) / ns.jobs, len(archs))
+
     with ThreadPoolExecutor(ns.jobs) as pool:
         for row in pool.map(lambda a: _worker(a, ns.timeout), todo):
             (CACHE / f"{row['arch']}.json").write_text(json.dumps(row, default=str))
-            rows.append(row)
+            done[row["arch"]] = row
             print(f"{row['arch']:<28} {row['result']:<9} {row.get('seconds', 0):>4}s {row.get('reason') or row.get('note') or ''}", flush=True)
-            if not ns.only:
-                write_table(rows, sum(r.get("seconds", 0) for r in rows) / ns.jobs, len(archs))
-    if not ns.only:
-        write_table(rows, sum(r.get("seconds", 0) for r in rows) / ns.jobs, len(archs))
-        print(f"wrote {OUT.relative_to(ROOT)}")
+            table()
+    table()
+    print(f"wrote {OUT.relative_to(ROOT)}")
     return 0
 
 
