@@ -72,7 +72,7 @@ bench-overhead: $(STAMP)    ## what train.py adds per step over bare TRL, by cou
 bench-export: $(STAMP)      ## export memory/time: streaming merge/export vs peft and torch DCP (~12 min); writes docs/benchmarks.md
 	$(BIN)/python bench/bench_export.py
 
-sweep: $(STAMP)             ## every causal-LM architecture transformers maps: tiny model, LoRA 3 steps, merge --verify, plan vs run (~40 min at 2 jobs, goes on from outputs/sweep/); writes docs/generated/architectures.md
+sweep: $(STAMP)             ## every causal-LM architecture transformers maps: tiny model, LoRA 3 steps, merge --verify, plan vs run (~20 min at 2 jobs, goes on from outputs/sweep/; ARGS="--only a,b" reruns those); writes docs/generated/architectures.md
 	$(BIN)/python bench/sweep.py $(ARGS)
 
 docs: $(STAMP)              ## regenerate docs/generated/options.md from the schema (checked in; tests compare)
