@@ -58,15 +58,20 @@ def moe_layout(model) -> tuple[dict[str, tuple[int, ...]], dict[str, bool]]:
             owners[_clean(n)] = n.rpartition(".")[0]
     candidates = {n: s for n, s in params.items() if len(s) == 3}
 
+    holders_under: dict[str, int] = {}  # module path -> how many modules at or below it hold parameters
+    for h in {n.rpartition(".")[0] for n in params}:
+        parts = h.split(".")
+        for k in range(1, len(parts) + 1):
+            holders_under[".".join(parts[:k])] = holders_under.get(".".join(parts[:k]), 0) + 1
+
     def routers_of(container: str, e: int) -> dict[str, bool]:
         block, found = container.rpartition(".")[0], {}
-        holders = {n.rpartition(".")[0] for n in params}
         for n, s in params.items():
             module = n.rpartition(".")[0]
             parent = module.rpartition(".")[0]
             # beside the experts, or the one weighted part of a module beside them (AFMoE's router.gate)
             beside = parent == block or (parent.rpartition(".")[0] == block and parent != container
-                                         and [h for h in holders if h.startswith(parent + ".") or h == parent] == [module])
+                                         and holders_under.get(parent) == 1)
             if module != container and beside and len(s) == 2 and s[0] == e:
                 try:
                     found[module] = isinstance(model.get_submodule(module), torch.nn.Linear)

@@ -14,7 +14,6 @@ template, so end-of-turn detection and double-BOS handling meet the real cases.
 
 from __future__ import annotations
 
-
 import json
 import random
 import shutil
@@ -400,8 +399,6 @@ def tiny_config(model_type: str, vocab_size: int = 512, token_ids: tuple[int, in
     for k in ("num_experts_per_tok", "num_experts_per_token"):  # a class that routes to one expert only keeps one
         if isinstance(d.get(k), int) and k in small:
             small[k] = min(small[k], d[k])
-    parts = [k for k in ("n_input_layers", "n_recurrent_layers", "n_output_layers") if k in d]
-    small.update({k: 1 for k in parts})  # Dory: its layers in parts, one each
     small.update({k: vocab_size for k in d if "vocab_size" in k})  # Gemma-4's vocab_size_per_layer_input too
     if "qk_rope_head_dim" in small and "head_dim" in d:  # MLA (DeepSeek): RoPE runs over the rope part of each head
         small["head_dim"] = small["qk_rope_head_dim"]
@@ -412,9 +409,6 @@ def tiny_config(model_type: str, vocab_size: int = 512, token_ids: tuple[int, in
     keep = _layers_kept(d)
     if d.get("num_kv_shared_layers"):
         small["num_kv_shared_layers"] = sum(i >= d["num_hidden_layers"] - d["num_kv_shared_layers"] for i in keep)
-    while len(keep) < len(parts):
-        keep.append(next(i for i in range(d["num_hidden_layers"]) if i not in keep))
-    keep.sort()
     small["num_hidden_layers"] = len(keep)
     for k, v in d.items():  # per-layer lists, layer-index lists and {layer: ...} tables cut to the layers kept
         if _is_index_list(v, d.get("num_hidden_layers")):
@@ -441,11 +435,13 @@ def tiny_config(model_type: str, vocab_size: int = 512, token_ids: tuple[int, in
     for k, i in zip(("bos_token_id", "eos_token_id", "pad_token_id"), token_ids):
         if k in d:
             small[k] = i
-    if is_dataclass(text):  # what the class derives from its fields (Zamba2's attention_hidden_size ...) is derived
-        own = {canonical.get(f.name, f.name): f for f in fields(text)}  # again from the tiny ones, not kept stale:
-        derived = {k for k, f in own.items() if f.default is None and isinstance(d.get(k), int)}  # RWKV's
-        d = {k: v for k, v in d.items()  # attention_hidden_size (None: the hidden size), xLSTM's embedding_dim
-             if (k in own and k not in derived) or k in small or k == "model_type"}
+    # What the class derives is derived again from the tiny sizes, not kept stale from the defaults: keys that are
+    # not its fields (Zamba2's attention_hidden_size), and int fields whose default None means "derive it" (RWKV's
+    # attention_hidden_size, xLSTM's embedding_dim, Falcon's ffn_hidden_size).
+    if is_dataclass(text):
+        own = {canonical.get(f.name, f.name): f for f in fields(text)}
+        derived = {k for k, f in own.items() if f.default is None and isinstance(d.get(k), int)}
+        d = {k: v for k, v in d.items() if (k in own and k not in derived) or k in small or k == "model_type"}
     d.update(small)
     d = {names.get(k, k): v for k, v in d.items()}  # the class's own names again
     for k, v in d.items():  # a text decoder's own parts as sub-configs (BLT's encoder/global/decoder) made tiny too
