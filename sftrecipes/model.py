@@ -112,7 +112,8 @@ class AttentionSupport:
 def attention_traits(cfg, model) -> tuple[str, ...]:
     """What the model's attention does beyond causal softmax attention: learned sinks (GPT-OSS: a `sinks` parameter
     per attention layer, passed to the kernel as s_aux), logit soft-capping (Gemma-2: attn_logit_softcapping), a
-    sparse-attention indexer scoring keys from the dense mask (DeepSeek-V3.2: an *Indexer module), sliding windows (layer_types, or sliding_window where the config uses it)."""
+    sparse-attention indexer scoring keys from the dense mask (DeepSeek-V3.2: an *Indexer module), sliding windows
+    (layer_types, or sliding_window where the config uses it)."""
     text = cfg.get_text_config()
     traits = []
     if any(n.rsplit(".", 1)[-1] == "sinks" for n, _ in model.named_parameters()):
@@ -421,13 +422,16 @@ def quantization_config(recipe: Recipe):
 
 
 def no_aux_loss_without_experts(model, args) -> None:
-    """A config that declares output_router_logits for a model with no experts (Doge with is_moe: false): TRL 1.16
-    turns its load-balancing loss on from the config alone and fails in the first step over no router logits. Unless
-    the recipe sets router_aux_loss_coef, it is 0 for such a model (logged)."""
+    """A config that declares output_router_logits for a model with no experts (Doge with is_moe: false: no fused
+    expert tensors, no module named for experts or MoE): TRL 1.16 turns its load-balancing loss on from the config
+    alone and fails in the first step over no router logits. Unless the recipe sets router_aux_loss_coef, it is 0 for
+    such a model (logged)."""
     from .lora import moe_layout  # noqa: PLC0415 - lora imports peft, which this module loads only for a run
 
     text = model.config.get_text_config()
-    if getattr(args, "router_aux_loss_coef", 0) is None and hasattr(text, "output_router_logits") and moe_layout(model) == ({}, {}):
+    moe_named = any(w in type(m).__name__.lower() for m in model.modules() for w in ("moe", "expert"))  # per-expert lists too
+    if (getattr(args, "router_aux_loss_coef", 0) is None and hasattr(text, "output_router_logits") and not moe_named
+            and moe_layout(model) == ({}, {})):
         args.router_aux_loss_coef = 0.0
         log.info("model: %s holds no experts: no load-balancing loss (router_aux_loss_coef 0)", type(model).__name__)
 
