@@ -175,10 +175,11 @@ def test_multinode_rank_and_address_from_slurm(tmp_path):
     _, argv = dry_run(sft(["launch", recipe, "--dry-run", "--launch.main_process_port", port], cwd=tmp_path, env=slurm))
     assert (opt(argv, "--machine_rank"), opt(argv, "--main_process_ip"), opt(argv, "--main_process_port")) == ("1", "node-4", port)
     assert opt(argv, "--num_machines") == "2" and opt(argv, "--num_processes") == "2"
-    _, argv = dry_run(sft(["launch", recipe, "--dry-run"], cwd=tmp_path, env={"MACHINE_RANK": "0", "MAIN_PROCESS_IP": "10.0.0.7"}))
-    assert (opt(argv, "--machine_rank"), opt(argv, "--main_process_ip")) == ("0", "10.0.0.7")
-    assert "MACHINE_RANK" in one_error_line(sft(["launch", recipe, "--dry-run"], cwd=tmp_path, env={**slurm, "SLURM_NODEID": "2"}))
-    assert "MACHINE_RANK" in one_error_line(sft(["launch", recipe, "--dry-run"], cwd=tmp_path))
+    free = ["--dry-run", "--launch.main_process_port", port]  # never the recipe's fixed port: runs share this host
+    _, argv = dry_run(sft(["launch", recipe, *free], cwd=tmp_path, env={"MACHINE_RANK": "0", "MAIN_PROCESS_IP": "10.0.0.7"}))
+    assert (opt(argv, "--machine_rank"), opt(argv, "--main_process_ip"), opt(argv, "--main_process_port")) == ("0", "10.0.0.7", port)
+    assert "MACHINE_RANK" in one_error_line(sft(["launch", recipe, *free], cwd=tmp_path, env={**slurm, "SLURM_NODEID": "2"}))
+    assert "MACHINE_RANK" in one_error_line(sft(["launch", recipe, *free], cwd=tmp_path))
 
 
 def test_every_verb_takes_an_outside_recipe(tmp_path):
