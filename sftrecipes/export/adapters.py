@@ -200,8 +200,6 @@ def _apply(w: torch.Tensor, entry: dict, name: str, piece: tuple | None = None) 
             out.addmm_(lhs if rows is None else lhs[rows], rhs, alpha=entry["scale"])  # in place: no (out x in) temporaries beside W
         if "magnitude" in entry:
             # DoRA (peft's DoraLinearVariant.merge): W' = m * (W + s*B@A) / ||W + s*B@A||, the norm over each output row
-            if entry.get("transposed"):
-                raise RecipeError(f"adapter: '{name}' is DoRA on a transposed (Conv1D) weight, which the streaming merge does not apply; merge with peft's merge_and_unload")
             m = entry["magnitude"].to(torch.float32)
             m = m if rows is None else m[rows]
             if m.shape != out.shape[:1]:
@@ -216,5 +214,7 @@ def _check_fits(plan: dict[str, dict], shape_of) -> None:
         if "A" in e:
             shape, a, b = tuple(shape_of(target)), tuple(e["A"].shape), tuple(e["B"].shape)
             e["shape"] = shape  # the weight as the model holds it (a 3-D expert tensor may be stored in pieces)
+            if "magnitude" in e and len(shape) == 2 and e.get("transposed"):  # checked here, before anything is written
+                raise RecipeError(f"adapter: '{target}' is DoRA on a transposed (Conv1D) weight, which the streaming merge does not apply; merge with peft's merge_and_unload")
             if not _lora_fits(tuple(shape), a, b, e) or ("magnitude" in e and tuple(e["magnitude"].shape) != tuple(shape[:1])):
                 raise RecipeError(f"adapter: '{target}' lora_B{b} @ lora_A{a} does not fit the base weight {tuple(shape)}; wrong base model — pass the base it was trained on (--base)")
