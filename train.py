@@ -49,19 +49,20 @@ def run(recipe, life=None):
     target = backends.hardware(recipe)
     preflight.in_run(recipe, target)  # its process count, the launcher's config, what the target cannot run
     backends.apply_process_env(recipe, target)
+    unpacked = models.packing_fallback(recipe)  # packed batches a kernel cannot keep apart here: padded rows instead
     args = backends.training_args(recipe, target)
     life = life or lifecycle.RunLife(recipe)
     life.started(args)  # every rank up: the lock is this run's
     resume = checkpoints.resolve_resume(recipe.trl.get("resume_from_checkpoint"), args.output_dir)
     checkpoints.match_resume(resume, recipe, args)  # its backend and global batch at this process count, or one line why not
     models.check_model_files(recipe)  # tokenizer files present, safetensors whole: named here, not deep in a loader
-    models.check_packing(recipe)  # packed batches on kernels that cannot keep samples apart here: one line, exit 2
     models.choose_attention(recipe, target)  # a kernel the model cannot run: refused here, before anything loads
     if recipe.launch.backend == "fsdp":
         models.fsdp_wrap_classes(recipe)  # the layer classes FSDP wraps: named for accelerate before the trainer builds its plugin
-        models.check_ram_efficient_buffers(recipe)  # buffers accelerate's RAM-efficient FSDP2 loading cannot hand out
     push_later = hub.prepare_hub(args)  # token out of saved files; no push attempt when the hub is unreachable
     if args.process_index == 0:
+        if unpacked:
+            log.warning("%s", unpacked)
         for line in pitfalls(recipe):  # the global batch first, then any warning
             (log.warning if line.startswith("WARNING") else log.info)("%s", line)
     for alias, key in recipe.renamed.items():
@@ -90,6 +91,7 @@ def run(recipe, life=None):
                    guard := nonfinite.nonfinite_guard(recipe.run.nan_patience), life.callback()],
     )
     dtypes.trainer = trainer
+    lora.module_dropout(trainer.model, recipe)  # lora_dropout on the modules of an adapter that also adapts parameters
     if recipe.model.use_peft_lora and args.process_index == 0:
         log.info("%s", lora.describe_adapter(trainer.model, recipe))  # what LoRA adapted: modules, experts, router
     checkpoints.make_checkpoints_atomic(trainer)  # a marker written last; rotation never drops the last complete one
@@ -138,6 +140,7 @@ def run(recipe, life=None):
             "saved_tensors": n_tensors,
             "output_dir": args.output_dir,
             "adapter": recipe.model.use_peft_lora,
+            "packed": bool(trainer.args.packing or trainer.args.padding_free),  # False where packing fell back (logged)
             "resumed_from": resume,
             "backend": backend,
             "load_memory": load_memory,

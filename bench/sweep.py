@@ -113,15 +113,10 @@ def run_one(mt: str, work: Path) -> dict:
         row["reason"] = f"plan: {_one_line(e)}"
         return row
     try:
-        try:
-            _, summary = train.run(recipe)
-        except Exception as e:  # noqa: BLE001 - packing refused for this model: the same recipe without packing
-            if not str(e).startswith(("packing:", "padding_free:")):
-                raise
-            row["note"] = "packing: false (" + str(e).split(";")[0].removeprefix("packing: ") + ")"
-            args += ["--packing", "false", "--output_dir", str(work / "run-unpacked")]
-            recipe = load_recipe(args)
-            _, summary = train.run(recipe)
+        why = meta.packing_blocker(recipe, type(meta.build(AutoConfig.from_pretrained(folder))))
+        _, summary = train.run(recipe)  # packing falls back to padded rows where why is set (model.packing_fallback)
+        if why:
+            row["note"] = f"packing fell back to padded rows ({why})"
         row["attention"] = summary.get("attention", "")
         row["run_trainable"] = summary["backend"]["trainable_elements_full"]
         out = Path(recipe.trl["output_dir"])

@@ -42,6 +42,7 @@ def apply_process_env(recipe: Recipe, target: str) -> None:
     compat.num_experts_for_trl()
     if recipe.launch.backend == "fsdp":
         compat.fix_peft_prefixes_under_wrappers()
+        compat.buffers_in_ram_efficient_fsdp2()
     if recipe.model.use_peft_lora:
         compat.trainable_token_heads_for_trl()
         compat.keep_dense_linears_in_moe_conversion()

@@ -326,3 +326,48 @@ def alias_num_experts(cls) -> None:
     count = next((n for n in EXPERT_COUNT_NAMES if n in fields), None)
     if count is not None and "num_experts_for_trl" in _APPLIED:
         _patch("num_experts_for_trl", cls, "attribute_map", {**cls.attribute_map, "num_experts": count})
+
+
+@_shim("accelerate's RAM-efficient FSDP2 loading takes every state-dict entry for a sharded parameter and fails on a "
+       "persistent buffer (DeepSeek-V3's router bias, Gemma-4's layer scalars: 'Tensor' has no device_mesh)",
+       accelerate="~=1.15.0")
+def buffers_in_ram_efficient_fsdp2() -> None:
+    """accelerate 1.15's fsdp2_load_full_state_dict (accelerate/utils/fsdp_utils.py) walks the sharded model's state
+    dict and reads `.device_mesh` of each entry; FSDP2 shards parameters only, so a persistent buffer in that dict
+    (DeepSeek-V3's e_score_correction_bias, Gemma-4's layer_scalar) is a plain tensor and the load fails after rank 0
+    has read the weights. Around it: those buffers are left out of the state dict for the upstream call (marked
+    non-persistent), then rank 0 broadcasts each one whole, as buffers are not sharded, and they are persistent again."""
+    import accelerate.utils.fsdp_utils as fsdp_utils  # noqa: PLC0415 - only this shim needs it
+
+    original = fsdp_utils.fsdp2_load_full_state_dict
+
+    @functools.wraps(original)
+    def load(accelerator, model, full_sd, *args, **kwargs):
+        plain = {k: v for k, v in model.state_dict().items() if not isinstance(v, DTensor)}
+        owners = []
+        for fqn in plain:
+            parent, _, leaf = fqn.rpartition(".")
+            module = model.get_submodule(parent)
+            if leaf not in module._buffers:  # a parameter FSDP left whole: upstream's own failure, unchanged
+                return original(accelerator, model, full_sd, *args, **kwargs)
+            owners.append((fqn, module, leaf))
+        if not owners:
+            return original(accelerator, model, full_sd, *args, **kwargs)
+        for _, module, leaf in owners:
+            module._non_persistent_buffers_set.add(leaf)
+        try:
+            original(accelerator, model, full_sd, *args, **kwargs)
+        finally:
+            for _, module, leaf in owners:
+                module._non_persistent_buffers_set.discard(leaf)
+        for fqn, module, leaf in owners:
+            like = plain[fqn]
+            if accelerator.is_main_process:
+                tensor = full_sd[fqn].detach().to(accelerator.device, like.dtype).contiguous()
+            else:
+                tensor = torch.empty(like.shape, dtype=like.dtype, device=accelerator.device)
+            dist.broadcast(tensor, src=0)
+            module._buffers[leaf] = tensor
+        return model
+
+    _patch("buffers_in_ram_efficient_fsdp2", fsdp_utils, "fsdp2_load_full_state_dict", load)

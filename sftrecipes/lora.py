@@ -237,10 +237,12 @@ def lora_targets(recipe: Recipe, model) -> dict:
         selected = [n for n in selected if check_target_module_exists(probe, n) is True
                     and check_target_module_exists(module_probe, n.rpartition(".")[0]) is True]
         params = selected
-    if params and (m.lora_dropout or p.get("use_dora")):  # validation.validate catches these when config.json is at hand
-        key = "lora_dropout" if m.lora_dropout else "use_dora"
-        raise RecipeError(f"{key}: {getattr(m, key, p.get(key))} cannot apply to the parameters LoRA adapts here ({', '.join(params[:3])}): "
-                          f"peft's parameter wrapper has no dropout and no DoRA; set {key}: {'0.0' if key == 'lora_dropout' else 'false'}")
+    if params and p.get("use_dora"):  # validation.validate catches this when config.json is at hand
+        raise RecipeError(f"use_dora: {p.get('use_dora')} cannot apply to the parameters LoRA adapts here ({', '.join(params[:3])}): "
+                          "peft's parameter wrapper has no DoRA; set use_dora: false")
+    if params and m.lora_dropout and not target_modules:
+        raise RecipeError(f"lora_dropout: {m.lora_dropout} applies to no module here: LoRA adapts only parameters ({', '.join(params[:3])}), "
+                          "which peft adapts without dropout; set lora_dropout: 0.0")
     adapted = {n for n in modules if hits_any(n, target_modules)}
     for n in selected:
         if n.rpartition(".")[0] in adapted:
@@ -290,7 +292,32 @@ def lora_config(recipe: Recipe, added_tokens: list[int], model=None):
             heads.append("lm_head")
         kwargs["trainable_token_indices"] = {h: rows for h in heads if h not in whole} or None
     kwargs.setdefault("bias", "none")
-    return LoraConfig(r=m.lora_r, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout, task_type="CAUSAL_LM", **kwargs)
+    # peft refuses dropout on any adapter with parameter targets (its parameter wrapper cannot drop out inside
+    # x @ (W + BA)); the modules get lora_dropout after injection (module_dropout), the parameters none
+    dropout = 0.0 if kwargs.get("target_parameters") else m.lora_dropout
+    return LoraConfig(r=m.lora_r, lora_alpha=m.lora_alpha, lora_dropout=dropout, task_type="CAUSAL_LM", **kwargs)
+
+
+def module_dropout(model, recipe: Recipe) -> int:
+    """lora_dropout on the adapted modules of an adapter that also adapts parameters (experts, a router), which
+    lora_config built without dropout because peft refuses dropout on such an adapter; the parameter wrappers stay
+    without. The number of modules given dropout (0 where peft applied lora_dropout itself). The adapter's saved
+    config says lora_dropout 0.0, as peft must load it; dropout only acts in training."""
+    p = recipe.model.lora_dropout
+    if not (recipe.model.use_peft_lora and p):
+        return 0
+    layers = [mod for mod in model.modules() if isinstance(mod, LoraLayer) and mod.r]
+    if not any(isinstance(mod, ParamWrapper) for mod in layers):
+        return 0
+    given = 0
+    for mod in layers:
+        if isinstance(mod, ParamWrapper):
+            continue
+        for adapter, drop in mod.lora_dropout.items():
+            if isinstance(drop, torch.nn.Identity):
+                mod.lora_dropout[adapter] = torch.nn.Dropout(p)
+                given += 1
+    return given
 
 
 def describe_adapter(model, recipe: Recipe) -> str:
@@ -322,5 +349,9 @@ def describe_adapter(model, recipe: Recipe) -> str:
         parts.append(f"{'expert parameters' if experts else 'parameters'} {fmt(params)}")
     if routers:
         parts.append(f"router {fmt(router) if router else 'not adapted'} (lora_target_router: {str(recipe.model.lora_target_router).lower()})")
+    drops = {float(d.p) for mod in model.modules() if isinstance(mod, LoraLayer) and not isinstance(mod, ParamWrapper)
+             for d in mod.lora_dropout.values() if isinstance(d, torch.nn.Dropout)}
+    if drops and params:
+        parts.append(f"dropout {'/'.join(map(str, sorted(drops)))} on the modules, none on the parameters (peft cannot drop out inside them)")
     parts.append(f"{trainable:,} trainable parameters of {total:,} ({100 * trainable / max(total, 1):.2f}%)")
     return "; ".join(parts)

@@ -278,15 +278,14 @@ def packed_batch_blockers(cls: type) -> list[tuple[str, str]]:
     return out
 
 
-def check_packing(recipe: Recipe, cls: type) -> None:
-    """Packed (padding-free) batches on a model class whose kernels cannot keep the samples apart here: one line,
-    exit 2, before the model loads."""
+def packing_blocker(recipe: Recipe, cls: type) -> str | None:
+    """Why packed (padding-free) batches cannot reach this model class here, in words, or None: a kernel of the
+    model's that cannot keep packed samples apart without its package (packed_batch_blockers)."""
     if not (recipe.trl_value("packing") or recipe.trl_value("padding_free")):
-        return
+        return None
     blockers = packed_batch_blockers(cls)
-    if blockers:
-        fn, package = blockers[0]
-        key = "packing" if recipe.trl_value("packing") else "padding_free"
-        raise RecipeError(f"{key}: {cls.__name__}'s {fn} cannot keep packed samples apart without the "
-                          f"{package} package (transformers falls back to a PyTorch path that refuses packed batches); "
-                          f"set {key}: false, or install {package} (GPU)")
+    if not blockers:
+        return None
+    fn, package = blockers[0]
+    return (f"{cls.__name__}'s {fn} cannot keep packed samples apart without the {package} package (transformers "
+            "falls back to a PyTorch path that refuses packed batches)")

@@ -176,12 +176,20 @@ def _sixteen_bit(recipe: Recipe) -> bool:
     return load_dtype(recipe) != torch.float32 or bool(recipe.trl_value("bf16") or recipe.trl_value("fp16"))
 
 
-def check_packing(recipe: Recipe) -> None:
-    """Packed batches where the model's kernels cannot keep samples apart on this machine: refused before loading
-    (meta.check_packing reads the model class's own modeling module)."""
+def packing_fallback(recipe: Recipe) -> str | None:
+    """Packed batches where the model's kernels cannot keep samples apart on this machine (meta.packing_blocker reads
+    the model class's own modeling module): the run pads its rows instead, as use_flash_attn falls back where the
+    kernel is missing. Turns packing and padding_free off in the recipe, before the training arguments and the data
+    are built from it, on every rank alike; returns the warning line, or None where the batches stay packed."""
     built = meta_model(recipe) if packed(recipe) else None
-    if built is not None:
-        meta.check_packing(recipe, type(built[1]))
+    why = meta.packing_blocker(recipe, type(built[1])) if built is not None else None
+    if why is None:
+        return None
+    keys = [k for k in ("packing", "padding_free") if recipe.trl_value(k)]
+    for k in keys:
+        recipe.trl[k] = False
+    return (f"WARNING {' and '.join(keys)}: off for this run, rows are padded instead: {why}; install the package "
+            "(GPU) to pack, or set packing: false to silence this")
 
 
 def packed(recipe: Recipe) -> bool:
@@ -283,29 +291,6 @@ def fsdp_layer_classes(model) -> list[str]:
         if isinstance(m, PreTrainedModel):
             declared.update(type(m)._no_split_modules or ())
     return list(dict.fromkeys(type(m).__name__ for m in model.modules() if type(m).__name__ in declared))
-
-
-def check_ram_efficient_buffers(recipe: Recipe) -> None:
-    """FSDP2 RAM-efficient loading (rank 0 reads, the others receive shards) of a model whose state dict holds
-    buffers (DeepSeek-V3's router bias e_score_correction_bias): accelerate 1.15's fsdp2_load_full_state_dict takes
-    every entry for a sharded parameter and fails on the plain buffer ('Tensor' has no device_mesh) after loading.
-    Refused before loading, one line with the fix."""
-    L, m = recipe.launch, recipe.model
-    quantized = m.use_4bit_quantization or m.use_8bit_quantization
-    if not (L.backend == "fsdp" and L.fsdp_version == 2 and L.fsdp_cpu_ram_efficient_loading and not quantized
-            and L.world_size > 1):  # ram_efficient_rank's condition, from the recipe: every rank decides alike
-        return
-    built = meta_model(recipe)
-    if built is None:
-        return
-    model = built[1]
-    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    buffers = [n for n in model.state_dict() if n not in params]
-    if buffers:
-        raise RecipeError(f"launch.fsdp_cpu_ram_efficient_loading: {type(model).__name__} keeps buffers in its state dict "
-                          f"({', '.join(buffers[:2])}{', ...' if len(buffers) > 2 else ''}), which accelerate's RAM-efficient "
-                          "FSDP2 loading cannot hand out (it takes every entry for a sharded parameter); set "
-                          "launch.fsdp_cpu_ram_efficient_loading: false (every rank then reads the weights)")
 
 
 def fsdp_wrap_classes(recipe: Recipe) -> list[str] | None:

@@ -289,7 +289,7 @@ INIT_REFUSED = {
 
 
 def parameter_targets(r: Recipe) -> str | None:
-    """What the recipe adapts as parameters rather than modules (peft's ParamWrapper: no dropout, no DoRA), in
+    """What the recipe adapts as parameters rather than modules (peft's ParamWrapper: no DoRA; no dropout, which the modules alone get), in
     words, or None. From the keys and the model's config.json, before anything is loaded."""
     m = r.model
     if r.peft.get("target_parameters"):
@@ -355,8 +355,6 @@ def _validate_lora(r: Recipe) -> None:
             raise RecipeError(f"lora_target_modules: '{named_router[0]}' is the router of this mixture-of-experts model; remove it from the list and set lora_target_router: true")
     if what is None:
         return
-    if m.lora_dropout:
-        raise RecipeError(f"lora_dropout: {m.lora_dropout} cannot apply to {what}: peft adapts parameters without dropout; set lora_dropout: 0.0")
     if p.get("use_dora"):
         raise RecipeError(f"use_dora: DoRA cannot adapt {what} (peft's parameter wrapper has no DoRA); set use_dora: false, or adapt only linear modules")
     if init == "orthogonal":

@@ -49,6 +49,7 @@ TARGETS = {
     "keep_dense_linears_in_moe_conversion": ("peft.utils.transformers_weight_conversion", "_convert_peft_config_moe"),
     "backbone_under_a_stale_prefix": ("transformers.modeling_utils", "PreTrainedModel.base_model"),
     "num_experts_for_trl": ("trl.trainer.sft_trainer", "add_fused_lm_head"),
+    "buffers_in_ram_efficient_fsdp2": ("accelerate.utils.fsdp_utils", "fsdp2_load_full_state_dict"),
 }
 
 
@@ -125,6 +126,57 @@ def test_canary_enable_fsdp_on_cpu():
     got = dict(line.split() for line in r.stdout.splitlines() if line.startswith(("upstream", "shimmed")))
     assert got["upstream"] == "DistributedType.MULTI_CPU", fixed_upstream("enable_fsdp_on_cpu") + f" (got {got['upstream']})"
     assert got["shimmed"] == "DistributedType.FSDP", got
+
+
+BUFFER_CANARY = """
+import os, sys, types
+os.environ.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+import accelerate.utils.fsdp_utils as fsdp_utils
+from sftrecipes import compat
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+
+class Router(torch.nn.Module):  # a weight and a persistent buffer, as DeepSeek-V3's router has
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(4, 8))
+        self.register_buffer("e_score_correction_bias", torch.arange(4.0) + 1)
+
+    def get_parameter_or_buffer(self, name):  # what transformers models have and accelerate reads
+        return self.get_parameter(name) if name in dict(self.named_parameters()) else self.get_buffer(name)
+
+def load():
+    full = Router().state_dict()
+    with torch.device("meta"):
+        model = Router()
+    fully_shard(model, mesh=mesh)
+    accelerator = types.SimpleNamespace(is_main_process=True, device=torch.device("cpu"))
+    fsdp_utils.fsdp2_load_full_state_dict(accelerator, model, full)
+    ok = torch.equal(model.weight.full_tensor(), full["weight"]) and torch.equal(model.e_score_correction_bias, full["e_score_correction_bias"])
+    return ok and "e_score_correction_bias" in model.state_dict()
+
+try:
+    load()
+    print("upstream loads")
+except AttributeError as e:
+    print("upstream fails", type(e).__name__, e)
+compat.buffers_in_ram_efficient_fsdp2()
+print("shimmed", load())
+"""
+
+
+def test_canary_buffers_in_ram_efficient_fsdp2():
+    """accelerate's RAM-efficient FSDP2 load reads a device mesh off every state-dict entry, and a persistent buffer
+    has none; under the shim the buffer arrives whole, still persistent, the weight sharded. A fresh process: a
+    1-rank gloo group on a free port."""
+    r = subprocess.run([sys.executable, "-c", BUFFER_CANARY, str(free_port())], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "upstream fails AttributeError" in r.stdout and "device_mesh" in r.stdout, fixed_upstream("buffers_in_ram_efficient_fsdp2") + r.stdout
+    assert "shimmed True" in r.stdout, r.stdout + r.stderr[-2000:]
 
 
 def _peft_model(tiny_model, **lora):
