@@ -214,6 +214,11 @@ class RunLife:
     def _shutdown(self) -> None:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
+            if _PIPE:  # wake the watcher from its select (a byte no signal has), or the join waits out a beat interval
+                try:
+                    os.write(_PIPE[1], b"\0")
+                except OSError:
+                    pass
             self._thread.join(timeout=10)
         if self._heart is not None:
             try:

@@ -189,7 +189,7 @@ def meta_shape(c: dict, name: str, where: str = "the model config") -> Shape:
                  _first(text, ("max_position_embeddings", "n_positions", "seq_length"), 0), tuple(decoder),
                  max((L.experts for L in sparse), default=0), max((L.top_k for L in sparse), default=0), e_inter,
                  max((L.shared_intermediate for L in sparse), default=0), rest=rest,
-                 supports_sdpa=bool(cls._supports_sdpa), source="meta", config_json=key)
+                 supports_sdpa=bool(cls._supports_sdpa), unpacked=unpacked_reason(cls), source="meta", config_json=key)
 
 
 # ----------------------------------------------------------------------------------------------- LoRA
@@ -278,14 +278,19 @@ def packed_batch_blockers(cls: type) -> list[tuple[str, str]]:
     return out
 
 
-def packing_blocker(recipe: Recipe, cls: type) -> str | None:
-    """Why packed (padding-free) batches cannot reach this model class here, in words, or None: a kernel of the
+def unpacked_reason(cls: type) -> str:
+    """Why packed (padding-free) batches cannot reach this model class here, in words, or "": a kernel of the
     model's that cannot keep packed samples apart without its package (packed_batch_blockers)."""
-    if not (recipe.trl_value("packing") or recipe.trl_value("padding_free")):
-        return None
     blockers = packed_batch_blockers(cls)
     if not blockers:
-        return None
+        return ""
     fn, package = blockers[0]
     return (f"{cls.__name__}'s {fn} cannot keep packed samples apart without the {package} package (transformers "
             "falls back to a PyTorch path that refuses packed batches)")
+
+
+def packing_blocker(recipe: Recipe, cls: type) -> str | None:
+    """unpacked_reason where the recipe packs (packing or padding_free), else None."""
+    if not (recipe.trl_value("packing") or recipe.trl_value("padding_free")):
+        return None
+    return unpacked_reason(cls) or None

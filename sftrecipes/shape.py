@@ -171,6 +171,9 @@ class Shape:
     # final norm alone); the meta model's (meta.py): the final norm, vision towers, projectors, ... every one
     rest: tuple[Weight, ...] | None = None
     supports_sdpa: bool | None = None  # the model class's own flag (meta.py); None: the table's NO_SDPA
+    # why packed batches cannot reach this model here (meta.py: a kernel that runs its PyTorch fallback, which refuses
+    # them; the run pads its rows instead: model.packing_fallback), or "" where they can
+    unpacked: str = ""
     source: str = "table"  # "table" (DEFAULTS, torch-free) or "meta" (the model transformers builds: meta.py)
     config_json: str = field(default="", compare=False)  # the config it was read from (meta.py rebuilds the model)
 
@@ -181,6 +184,11 @@ class Shape:
     @property
     def moe(self) -> bool:
         return self.experts > 0
+
+    def packs(self, recipe) -> bool:
+        """Whether the run's batches reach this model packed: packing (or padding_free) asked for, and the model's
+        kernels keep packed samples apart here."""
+        return bool(recipe.trl_value("packing") or recipe.trl_value("padding_free")) and not self.unpacked
 
     @property
     def sdpa(self) -> bool:

@@ -17,6 +17,7 @@ from sftrecipes.export import merge_lora
 from sftrecipes.errors import RecipeError
 from sftrecipes.lora import moe_layout
 from sftrecipes.plan import plan_recipe
+from sftrecipes.plan.activations import planned_attention
 from sftrecipes.recipe import load_recipe
 from sftrecipes.shape import model_shape
 
@@ -129,12 +130,15 @@ def test_lora_trains_merges_and_verifies(mt, arch_models, tmp_path, caplog):
     folder, out = arch_models(mt), tmp_path / "lora"
     args = ["--output_dir", str(out), "--max_steps", "3", "--logging_steps", "1", "--sample_max_new_tokens", "0"]
     recipe = lora_recipe(folder, *args)
-    planned = plan_recipe(recipe, _alternatives=False).trainable
+    plan = plan_recipe(recipe, _alternatives=False)
+    planned, attention = plan.trainable, planned_attention(recipe, model_shape(str(folder)), gpu=False)
     with caplog.at_level("WARNING", logger="sftrecipes"):
         _, summary = train.run(recipe)
+    assert summary["attention"] == attention, (summary["attention"], attention)  # the kernel the plan sized
     fell_back = [r.getMessage() for r in caplog.records if "rows are padded instead" in r.getMessage()]
     assert summary["packed"] is (mt != "qwen3_5"), summary
     if mt == "qwen3_5":
+        assert any(n.startswith("packing: the run pads its rows instead (Qwen3_5ForCausalLM's") for n in plan.notes), plan.notes
         assert len(fell_back) == 1 and re.match(r"WARNING packing: off for this run, rows are padded instead: "
                                                 r"Qwen3_5ForCausalLM's causal_conv1d_\w+ cannot keep packed samples apart", fell_back[0])
     else:

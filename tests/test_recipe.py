@@ -159,7 +159,7 @@ BAD = [
     ("use_peft_lora: true\nlayers_to_transform: first\n", "a layer index or a list of them"),
     ("use_peft_lora: true\nlora_target_router: true\n", "is not a mixture-of-experts model"),
     ("use_peft_lora: true\nlora_target_modules: q_proj,v_proj\ntarget_parameters: [q_proj.weight]\n", "adapt it one way"),
-    ("use_peft_lora: true\nlora_dropout: 0.1\nlora_target_modules: q_proj\ntarget_parameters: [mlp.down_proj.weight]\n", "lora_dropout: 0.1 cannot apply to target_parameters"),
+    ("use_peft_lora: true\nuse_dora: true\nlora_target_modules: q_proj\ntarget_parameters: [mlp.down_proj.weight]\n", "use_dora: DoRA cannot adapt target_parameters"),
 ]
 
 

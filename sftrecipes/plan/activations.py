@@ -28,7 +28,7 @@ def planned_attention(recipe: Recipe, shape: Shape, gpu: bool) -> str:
     if want == "flash_attention_2" and not gpu or want in ("auto", "sft_varlen"):
         if not shape.sdpa:
             return "eager"
-        return "sft_varlen" if want == "sft_varlen" or recipe.trl_value("packing") or recipe.trl_value("padding_free") else "sdpa"
+        return "sft_varlen" if want == "sft_varlen" or shape.packs(recipe) else "sdpa"
     return "flash_attention_2" if want == "flex_attention" else want
 
 
@@ -74,7 +74,7 @@ def activations(recipe: Recipe, shape: Shape, s: Setup, adapted: tuple) -> Activ
     saved_all = shape.layers * tokens * a * h if ckpt else sum(acts)  # checkpointing keeps each layer's input only
     saved_first = tokens * a * h if ckpt else acts[0]
     shared = tokens * (2 * a * shape.head_dim + 16)  # RoPE cos/sin, input ids + labels (int64)
-    if attn == "sdpa" and recipe.trl_value("packing"):
+    if attn == "sdpa" and shape.packs(recipe):
         shared += b * seq * seq  # block-diagonal boolean mask of the packed rows
     # final norm + the hidden states TRL's fused LM head saves (a copy: the shifted slice)
     head_saved = tokens * ((4 * h + a * h + (0 if s.lora else a * h)) + a * h)
@@ -124,7 +124,7 @@ def _layer_activation_bytes(shape: Shape, layer: Layer, adapted: tuple, s: Setup
     norms = sum((4 + a + (a if full else 0)) * _norm_width(shape, w) for w in layer.weights if w.kind == "norm")
     # q and k after RoPE, v, the attention output + fp32 logsumexp (flash/sdpa kernels), o_proj's contiguous input
     attn_b = a * (q + 2 * kv) + a * q + 4 * nh + a * q
-    if attn == "eager" or (attn == "sdpa" and recipe.trl_value("packing")):
+    if attn == "eager" or (attn == "sdpa" and shape.packs(recipe)):
         attn_b += a * 2 * (q - kv)  # a mask keeps sdpa off its GQA path: k and v repeated to every head
     if attn == "sft_varlen" and not (s.gpu and a == 2):  # per-sample sdpa (CPU, fp32): kv repeated to every head
         attn_b += a * (2 * (q - kv) + q)  # and gathered into padded groups, whose output is a copy too

@@ -97,6 +97,8 @@ def estimate(recipe: Recipe) -> Plan:
     if L.gpu_memory_gb is None:
         notes.append("launch.gpu_memory_gb is not set: this is the requirement only (set it, e.g. 80, for a verdict)")
     notes += _outside_notes(shape, st, s.lora)
+    if shape.unpacked and (recipe.trl_value("packing") or recipe.trl_value("padding_free")):
+        notes.append(f"packing: the run pads its rows instead ({shape.unpacked}); planned unpacked")
     if shape.moe:
         notes += _moe_notes(shape, s, st.adapted, st.float_b, recipe.model.lora_target_modules)
     return Plan(
