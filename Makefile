@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export PYTHONDONTWRITEBYTECODE ?= 1
 
-.PHONY: venv assets demo lint test data schema docs emit plan bench bench-overhead bench-export sweep clean sft-70b-lora sft-70b-qlora sft-offload sft-70b-fsdp sft-70b-qlora-fsdp sft-ddp sft-llama3-70b-lora sft-qwen3-32b-qlora sft-qwen3-moe-lora
+.PHONY: venv assets demo lint test data schema docs emit plan bench bench-overhead bench-export sweep sweep-two-ranks clean sft-70b-lora sft-70b-qlora sft-offload sft-70b-fsdp sft-70b-qlora-fsdp sft-ddp sft-llama3-70b-lora sft-qwen3-32b-qlora sft-qwen3-moe-lora
 
 $(STAMP): requirements.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -74,6 +74,9 @@ bench-export: $(STAMP)      ## export memory/time: streaming merge/export vs pef
 
 sweep: $(STAMP)             ## every causal-LM architecture transformers maps: tiny model, LoRA 3 steps, merge --verify, plan vs run (~20 min at 2 jobs, goes on from outputs/sweep/; ARGS="--only a,b" reruns those); writes docs/generated/architectures.md
 	$(BIN)/python bench/sweep.py $(ARGS)
+
+sweep-two-ranks: $(STAMP)   ## the sweep's passing architectures launched on 2 ranks, ZeRO-3 LoRA and FSDP2 twins, only the model changed (~25 s each, goes on from outputs/sweep/); the table's "2 ranks" column
+	$(BIN)/python bench/sweep.py --two-ranks $(ARGS)
 
 docs: $(STAMP)              ## regenerate docs/generated/options.md from the schema (checked in; tests compare)
 	$(BIN)/python -m sftrecipes schema --docs

@@ -50,6 +50,7 @@ def run(recipe, life=None):
     preflight.in_run(recipe, target)  # its process count, the launcher's config, what the target cannot run
     backends.apply_process_env(recipe, target)
     unpacked = models.packing_fallback(recipe)  # packed batches a kernel cannot keep apart here: padded rows instead
+    unckpt = models.checkpointing_fallback(recipe)  # checkpointing on a class without it: the run goes without
     args = backends.training_args(recipe, target)
     life = life or lifecycle.RunLife(recipe)
     life.started(args)  # every rank up: the lock is this run's
@@ -61,8 +62,9 @@ def run(recipe, life=None):
         models.fsdp_wrap_classes(recipe)  # the layer classes FSDP wraps: named for accelerate before the trainer builds its plugin
     push_later = hub.prepare_hub(args)  # token out of saved files; no push attempt when the hub is unreachable
     if args.process_index == 0:
-        if unpacked:
-            log.warning("%s", unpacked)
+        for line in (unpacked, unckpt):
+            if line:
+                log.warning("%s", line)
         for line in pitfalls(recipe):  # the global batch first, then any warning
             (log.warning if line.startswith("WARNING") else log.info)("%s", line)
     for alias, key in recipe.renamed.items():

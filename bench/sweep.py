@@ -6,6 +6,7 @@ held against the meta model's and the run's. Writes docs/generated/architectures
 
     python bench/sweep.py [--jobs 2] [--only llama,qwen3] [--timeout 600] [--fresh] [--table]
       (--only: run those entries again, their rows replaced; the table is rewritten from every row kept)
+    python bench/sweep.py --two-ranks [--only a,b]      (the passing ones on 2 ranks: ZeRO-3 and FSDP2 twins)
     python bench/sweep.py --one ARCH --work DIR        (one architecture, in its own process: prints one JSON line)
 
 Each row is kept in outputs/sweep/<arch>.json as it completes, and the table is rewritten after each: a stopped
@@ -60,10 +61,54 @@ def left_out(mt: str) -> str | None:
     return None
 
 
-def run_one(mt: str, work: Path) -> dict:
-    """Everything for one architecture, in this process; the row as a dict."""
+def save_tiny(mt: str, folder: Path) -> tuple[str, int]:
+    """A tiny random-init model of the architecture saved to folder with the tiny Llama's tokenizer: (its class name,
+    its parameter count)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from sftrecipes.tiny import ensure_tiny_model, tiny_config
+
+    tok = AutoTokenizer.from_pretrained(ensure_tiny_model())
+    c = tiny_config(mt, vocab_size=len(tok), token_ids=(tok.bos_token_id, tok.eos_token_id, tok.pad_token_id))
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(**c)
+    model = AutoModelForCausalLM.from_config(cfg)
+    model.save_pretrained(folder)
+    if model.config.model_type != cfg.model_type:  # Emu3ForCausalLM saves its text config (emu3_text_model), which
+        cfg.save_pretrained(folder)                # no auto class maps: the hub's checkpoints carry the whole one
+    tok.save_pretrained(folder)
+    return type(model).__name__, sum(p.numel() for p in model.parameters())
+
+
+# the 2-rank twins a copy launches with only model_name_or_path changed (--two-ranks): ZeRO-3 LoRA, FSDP2 full
+TWINS = ("zero3", "fsdp")
+
+
+def two_ranks_one(mt: str, work: Path) -> dict:
+    """The architecture's tiny model launched on 2 ranks with each twin (python -m sftrecipes launch, 2 steps): per
+    twin "pass" or the run's last line."""
+    import socket
+
+    folder = work / "model"
+    save_tiny(mt, folder)
+    out = {}
+    for twin in TWINS:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        res = subprocess.run([sys.executable, "-m", "sftrecipes", "launch", f"recipes/tiny/{twin}.yaml", "--model_name_or_path",
+                              str(folder), "--output_dir", str(work / twin), "--max_steps", "2", "--save_strategy", "no",
+                              "--sample_max_new_tokens", "0"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                             env={**os.environ, "MAIN_PROCESS_PORT": str(port)})
+        last = (res.stderr.strip().splitlines() or ["no output"])[-1][:300]
+        out[twin] = "pass" if res.returncode == 0 else f"exit {res.returncode}: {last}"
+    return out
+
+
+def run_one(mt: str, work: Path) -> dict:
+    """Everything for one architecture, in this process; the row as a dict."""
+    from transformers import AutoConfig
 
     import train
     from sftrecipes import meta
@@ -71,8 +116,6 @@ def run_one(mt: str, work: Path) -> dict:
     from sftrecipes.plan import plan_recipe
     from sftrecipes.recipe import load_recipe
     from sftrecipes.shape import model_shape
-    from sftrecipes.tiny import ensure_tiny_model, tiny_config
-
     row: dict = {"arch": mt, "result": "fail", "reason": "", "class": "", "attention": "", "targets": "", "note": ""}
     try:
         why = left_out(mt)
@@ -81,20 +124,9 @@ def run_one(mt: str, work: Path) -> dict:
         return row
     if why:
         return {**row, "result": "left out", "reason": why}
-    tok = AutoTokenizer.from_pretrained(ensure_tiny_model())
     folder = work / "model"
     try:
-        c = tiny_config(mt, vocab_size=len(tok), token_ids=(tok.bos_token_id, tok.eos_token_id, tok.pad_token_id))
-        torch.manual_seed(0)
-        cfg = AutoConfig.for_model(**c)
-        model = AutoModelForCausalLM.from_config(cfg)
-        row["class"] = type(model).__name__
-        model.save_pretrained(folder)
-        if model.config.model_type != cfg.model_type:  # Emu3ForCausalLM saves its text config (emu3_text_model), which
-            cfg.save_pretrained(folder)                # no auto class maps: the hub's checkpoints carry the whole one
-        tok.save_pretrained(folder)
-        real = sum(p.numel() for p in model.parameters())
-        del model
+        row["class"], real = save_tiny(mt, folder)
     except Exception as e:  # noqa: BLE001 - any failure to build the tiny model is this row's reason
         row["reason"] = f"tiny model: {_one_line(e)}"
         return row
@@ -138,14 +170,16 @@ def run_one(mt: str, work: Path) -> dict:
     return row
 
 
-def _worker(mt: str, timeout: int) -> dict:
+def _worker(mt: str, timeout: int, mode: str = "--one") -> dict:
     with tempfile.TemporaryDirectory(prefix=f"sweep-{mt}-") as d:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         t0 = time.time()
         try:
-            res = subprocess.run([sys.executable, __file__, "--one", mt, "--work", d], cwd=ROOT, capture_output=True,
+            res = subprocess.run([sys.executable, __file__, mode, mt, "--work", d], cwd=ROOT, capture_output=True,
                                  text=True, timeout=timeout, env=env)
         except subprocess.TimeoutExpired:
+            if mode != "--one":
+                return {"arch": mt, **{t: f"timeout: over {timeout} s" for t in TWINS}}
             return {"arch": mt, "result": "fail", "reason": f"timeout: over {timeout} s", "seconds": timeout}
         lines = [x for x in res.stdout.splitlines() if x.startswith("SWEEP ")]
         if not lines:
@@ -153,7 +187,7 @@ def _worker(mt: str, timeout: int) -> dict:
             return {"arch": mt, "result": "fail", "reason": f"crashed (exit {res.returncode}): {tail}",
                     "seconds": round(time.time() - t0)}
         row = json.loads(lines[-1][len("SWEEP "):])
-        row["seconds"] = round(time.time() - t0)
+        row["seconds" if mode == "--one" else "two_ranks_seconds"] = round(time.time() - t0)
         return row
 
 
@@ -163,22 +197,33 @@ CACHE = ROOT / "outputs" / "sweep"
 def write_table(rows: list[dict], seconds: float, total: int) -> None:
     tested = [r for r in rows if r["result"] != "left out"]
     passed = [r for r in tested if r["result"] == "pass"]
+    launched = [r for r in passed if r.get("two_ranks")]
+    both = [r for r in launched if all(v == "pass" for v in r["two_ranks"].values())]
     out = ["<!-- generated by make sweep (bench/sweep.py): do not edit -->", "# Architectures: the compatibility sweep", "",
            f"Every entry of transformers' causal-LM auto mapping ({total}), as `make sweep` runs it: a tiny random-init "
            "model from the config class, LoRA 3 steps in one process with `recipes/tiny/lora.yaml` (only "
            "`model_name_or_path` changed), merged with `--verify`; *plan exact*: the planner's parameters within 0.1% "
-           "of the meta model's and its trainable count equal to the run's.", "",
+           "of the meta model's and its trainable count equal to the run's. *2 ranks*: the same tiny model launched with "
+           "`python -m sftrecipes launch` on 2 CPU ranks with the ZeRO-3 LoRA twin and the FSDP2 twin "
+           "(`recipes/tiny/zero3.yaml`, `fsdp.yaml`; only `model_name_or_path` changed), 2 steps (`bench/sweep.py "
+           "--two-ranks`): *both*, or each twin's last line.", "",
            f"**{len(passed)} of {len(tested)} decoder-only text architectures pass ({100 * len(passed) / max(len(tested), 1):.0f}%)**; "
-           f"{len(rows) - len(tested)} entries left out (listed last, with why); {seconds / 60:.0f} min of runs on this machine."
+           f"{len(rows) - len(tested)} entries left out (listed last, with why); {seconds / 60:.0f} min of runs on this machine. "
+           f"On 2 ranks: {len(both)} of the {len(launched)} passing architectures launched train with both twins"
+           + ("" if len(launched) == len(passed) else f" ({len(passed) - len(launched)} passing ones not launched yet)") + "."
            + ("" if len(rows) >= total else f" **Partial: {len(rows)} of the {total} entries ran** (`make sweep` goes on "
               "from here)."), "",
-           "| architecture | class | result | attention | LoRA targets | plan exact | reason / note |", "|---|---|---|---|---|---|---|"]
+           "| architecture | class | result | attention | LoRA targets | plan exact | 2 ranks | reason / note |",
+           "|---|---|---|---|---|---|---|---|"]
     order = {"pass": 0, "fail": 1, "left out": 2}
     for r in sorted(rows, key=lambda r: (order[r["result"]], r["arch"])):
         exact = {True: "yes", False: "no"}.get(r.get("plan_exact"), "")
+        two = r.get("two_ranks") or {}
+        failed = [f"{t}: {v}" for t, v in two.items() if v != "pass"]
+        ranks = ("" if not two else "both" if not failed else "; ".join(failed)).replace("|", "\\|")
         why = (r.get("reason") or r.get("note") or "").replace("|", "\\|")
         out.append(f"| {r['arch']} | {r.get('class', '')} | {r['result']} | {r.get('attention', '')} | "
-                   f"{r.get('targets', '').replace(',', ', ')} | {exact} | {why} |")
+                   f"{r.get('targets', '').replace(',', ', ')} | {exact} | {ranks} | {why} |")
     OUT.write_text("\n".join(out) + "\n")
 
 
@@ -191,7 +236,18 @@ def main() -> int:
     ap.add_argument("--timeout", type=int, default=600)
     ap.add_argument("--fresh", action="store_true")
     ap.add_argument("--table", action="store_true", help="only rewrite the table from the rows kept in outputs/sweep/")
+    ap.add_argument("--two-ranks", action="store_true", help="launch the passing architectures (or --only) on 2 ranks "
+                    "with the ZeRO-3 and FSDP2 twins; one at a time (each uses 2 processes)")
+    ap.add_argument("--two-ranks-one")
     ns = ap.parse_args()
+    if ns.two_ranks_one:
+        try:
+            got = two_ranks_one(ns.two_ranks_one, Path(ns.work))
+        except Exception as e:  # noqa: BLE001 - the worker always answers with a row
+            traceback.print_exc()
+            got = {t: f"tiny model: {_one_line(e)}" for t in TWINS}
+        print("SWEEP " + json.dumps({"arch": ns.two_ranks_one, **got}, default=str), flush=True)
+        return 0
     if ns.one:
         try:
             row = run_one(ns.one, Path(ns.work))
@@ -220,6 +276,19 @@ def main() -> int:
         rows = [done[a] for a in archs if a in done]
         write_table(rows, sum(r.get("seconds", 0) for r in rows) / ns.jobs, len(archs))
 
+    if ns.two_ranks:
+        todo = [a for a in (only or archs) if done.get(a, {}).get("result") == "pass"
+                and (only is not None or not done[a].get("two_ranks"))]
+        print(f"sweep --two-ranks: {len(todo)} passing architectures to launch", flush=True)
+        for mt in todo:
+            got = _worker(mt, 2 * ns.timeout, "--two-ranks-one")
+            done[mt]["two_ranks"] = {t: got.get(t, got.get("reason", "no answer")) for t in TWINS}
+            done[mt]["two_ranks_seconds"] = got.get("two_ranks_seconds", 0)
+            (CACHE / f"{mt}.json").write_text(json.dumps(done[mt], default=str))
+            print(f"{mt:<28} {done[mt]['two_ranks']}", flush=True)
+            table()
+        print(f"wrote {OUT.relative_to(ROOT)}")
+        return 0
     with ThreadPoolExecutor(ns.jobs) as pool:
         for row in pool.map(lambda a: _worker(a, ns.timeout), todo):
             (CACHE / f"{row['arch']}.json").write_text(json.dumps(row, default=str))

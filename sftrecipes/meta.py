@@ -189,7 +189,8 @@ def meta_shape(c: dict, name: str, where: str = "the model config") -> Shape:
                  _first(text, ("max_position_embeddings", "n_positions", "seq_length"), 0), tuple(decoder),
                  max((L.experts for L in sparse), default=0), max((L.top_k for L in sparse), default=0), e_inter,
                  max((L.shared_intermediate for L in sparse), default=0), rest=rest,
-                 supports_sdpa=bool(cls._supports_sdpa), unpacked=unpacked_reason(cls), source="meta", config_json=key)
+                 supports_sdpa=bool(cls._supports_sdpa), unpacked=unpacked_reason(cls),
+                 checkpoints=bool(cls.supports_gradient_checkpointing), source="meta", config_json=key)
 
 
 # ----------------------------------------------------------------------------------------------- LoRA

@@ -192,6 +192,20 @@ def packing_fallback(recipe: Recipe) -> str | None:
             "(GPU) to pack, or set packing: false to silence this")
 
 
+def checkpointing_fallback(recipe: Recipe) -> str | None:
+    """Activation checkpointing asked for on a model class that does not support it (GPT-1, CTRL, XLNet, JetMoE:
+    supports_gradient_checkpointing False; the trainer would raise after loading): the run goes without, as packing
+    falls back, on every rank alike; the plan counts it so (Shape.checkpoints). Returns the warning line, or None."""
+    built = meta_model(recipe) if recipe.gradient_checkpointing else None
+    if built is None or built[1].supports_gradient_checkpointing:
+        return None
+    for k in ("gradient_checkpointing", "activation_checkpointing"):
+        if k in recipe.trl or k == "gradient_checkpointing":
+            recipe.trl[k] = False
+    return (f"WARNING gradient_checkpointing: off for this run: {type(built[1]).__name__} does not support activation "
+            "checkpointing (every layer's activations are kept); set gradient_checkpointing: false to silence this")
+
+
 def packed(recipe: Recipe) -> bool:
     """Whether batches reach the model as packed rows (TRL's padding-free packing)."""
     return bool(recipe.trl_value("packing") or recipe.trl_value("padding_free"))
@@ -297,8 +311,9 @@ def fsdp_wrap_classes(recipe: Recipe) -> list[str] | None:
     """The layer classes FSDP wraps as units (accelerate's TRANSFORMER_BASED_WRAP): launch.fsdp_transformer_layer_
     cls_to_wrap where the recipe names them (each must be a module class of the model), else the model's own
     (fsdp_layer_classes of the model built on the meta device). Set where accelerate's plugin reads them
-    (FSDP_TRANSFORMER_CLS_TO_WRAP) before the trainer builds it, on every rank alike; RecipeError (one line) for a
-    named class the model lacks, a model that declares none, or a launcher config naming other classes. None (and
+    (FSDP_TRANSFORMER_CLS_TO_WRAP) before the trainer builds it, on every rank alike; a model that declares none wraps
+    the classes of its decoder layers (meta.decoder_layers). RecipeError (one line) for a named class the model lacks,
+    a model without decoder layers to find, or a launcher config naming other classes. None (and
     accelerate's own default) where the model cannot be built here."""
     built = meta_model(recipe)
     named = recipe.launch.wrap_classes
@@ -319,9 +334,15 @@ def fsdp_wrap_classes(recipe: Recipe) -> list[str] | None:
         classes, why = list(named), key
     elif own:
         classes, why = own, f"{type(model).__name__}'s _no_split_modules present in it"
-    else:
-        raise RecipeError(f"{key}: {type(model).__name__} declares no layer classes to keep whole (_no_split_modules); "
-                          f"name its decoder layer class (its classes: {', '.join(present)})")
+    else:  # the model names none (GPT-1, CTRL, XLNet, ...): its decoder layers, read from the structure
+        try:
+            prefix, layers = meta.decoder_layers(model)
+        except RecipeError:
+            raise RecipeError(f"{key}: {type(model).__name__} declares no layer classes to keep whole (_no_split_modules) and "
+                              f"has no list of decoder layers; name its layer class (its classes: {', '.join(present)})") from None
+        classes = sorted({type(m).__name__ for m in layers})
+        why = (f"{type(model).__name__} declares no _no_split_modules: the classes of its decoder layers, {prefix}; "
+               f"{key} names others")
     exported = os.environ.get(FSDP_WRAP_ENV)
     if exported is not None and exported != _wrap_set_here.get(FSDP_WRAP_ENV) and set(exported.split(",")) != set(classes):
         raise RecipeError(f"{key}: the recipe wraps {', '.join(classes)} but the launcher's accelerate config says {exported} "

@@ -174,6 +174,7 @@ class Shape:
     # why packed batches cannot reach this model here (meta.py: a kernel that runs its PyTorch fallback, which refuses
     # them; the run pads its rows instead: model.packing_fallback), or "" where they can
     unpacked: str = ""
+    checkpoints: bool = True  # the model class supports activation checkpointing (meta.py; else the run goes without)
     source: str = "table"  # "table" (DEFAULTS, torch-free) or "meta" (the model transformers builds: meta.py)
     config_json: str = field(default="", compare=False)  # the config it was read from (meta.py rebuilds the model)
 

@@ -161,16 +161,18 @@ def test_a_refusal_in_every_rank_is_exit_2_under_launch(arch_models, tmp_path):
                    "--output_dir", str(out), "--max_steps", "2"], env={"MAIN_PROCESS_PORT": str(free_port())})
     assert res.returncode == 2, res.stderr[-2000:]
     refusals = [x for x in res.stderr.splitlines() if x.startswith(f"error: model_name_or_path: {weights} is truncated")]
-    assert len(refusals) == 2 and "launch: every rank refused the recipe (exit 2): model_name_or_path:" in res.stderr
+    # launch says "every rank" from each rank's refusal record; a rank's own stderr line can be cut when the agent
+    # ends it as the other exits, so at least one of the two is printed
+    assert refusals and "launch: every rank refused the recipe (exit 2): model_name_or_path:" in res.stderr, res.stderr[-2000:]
     written = {p.name for p in out.rglob("*") if p.is_file()} if out.exists() else set()
     assert written <= {"accelerate_config.yaml"}, written  # launch's own config; nothing of the run
 
 
 # 2-rank runs (~35 s each): the MoE and the multimodal Gemma-3 on ZeRO-3 LoRA (its meta-device builds under ZeRO-3
 # once hung in deepspeed.zero.Init: meta.on_meta), the MoE on FSDP2 full fine-tuning with RAM-efficient loading (its
-# router keeps a buffer: compat.buffers_in_ram_efficient_fsdp2); the multimodal Gemma-3's FSDP2 run is
+# router keeps a buffer: compat.buffers_in_ram_efficient_fsdp2), and CTRL, which names no layer classes for FSDP; the multimodal Gemma-3's FSDP2 run is
 # tests/test_twins.py's, a dense model's FSDP2 runs are tests/test_families.py's
-TWO_RANKS = [("zero3", "deepseek_v3"), ("zero3", "gemma3"), ("fsdp", "deepseek_v3")]
+TWO_RANKS = [("zero3", "deepseek_v3"), ("zero3", "gemma3"), ("fsdp", "deepseek_v3"), ("fsdp", "ctrl")]
 
 
 @pytest.mark.parametrize("twin,mt", TWO_RANKS, ids=[f"{t}-{m}" for t, m in TWO_RANKS])
@@ -191,6 +193,13 @@ def test_two_rank_twins_train_any_architecture(twin, mt, arch_models, tmp_path):
     assert summary["backend"]["trainable_elements_full"] == plan.trainable
     if (twin, mt) == ("zero3", "deepseek_v3"):  # lora_dropout 0.1 from the 70B recipe: the modules take it
         assert "dropout 0.1 on the modules, none on the parameters" in res.stdout + res.stderr
+    if mt == "ctrl":  # declares no _no_split_modules: FSDP wraps its decoder layers' class, read from the structure;
+        # and has no activation checkpointing, which the 70B FSDP recipe turns on: the run (and the plan) go without
+        logged = res.stdout + res.stderr
+        assert "fsdp: wrapping EncoderLayer (CTRLLMHeadModel declares no _no_split_modules" in logged
+        assert "WARNING gradient_checkpointing: off for this run: CTRLLMHeadModel does not support" in logged
+        assert any(n.startswith("gradient_checkpointing: the ctrl model class does not support it") for n in plan.notes)
+        return
     if twin == "fsdp":  # rank 0 read the weights and handed out the router's buffer whole
         base = {k: v for k, v in load_file(folder / "model.safetensors").items() if "e_score_correction_bias" in k}
         import torch

@@ -61,7 +61,7 @@ def activations(recipe: Recipe, shape: Shape, s: Setup, adapted: tuple) -> Activ
     tokens = b * seq
     attn = planned_attention(recipe, shape, s.gpu)
     a = s.act_bytes
-    ckpt = recipe.gradient_checkpointing
+    ckpt = recipe.gradient_checkpointing and shape.checkpoints  # (a class without support: the run goes without)
     h, V = shape.hidden, shape.vocab
     # per decoder layer (dense and sparse layers differ): saved tensors, backward temporaries
     per_layer: dict = {}
