@@ -101,7 +101,10 @@ def two_ranks_one(mt: str, work: Path) -> dict:
                               str(folder), "--output_dir", str(work / twin), "--max_steps", "2", "--save_strategy", "no",
                               "--sample_max_new_tokens", "0"], cwd=ROOT, capture_output=True, text=True, timeout=600,
                              env={**os.environ, "MAIN_PROCESS_PORT": str(port)})
-        last = (res.stderr.strip().splitlines() or ["no output"])[-1][:300]
+        lines = [x.strip() for x in res.stderr.splitlines() if x.strip()]
+        # the rank's own one-line error, else the last exception line (torch's agent ends with a ==== banner)
+        said = [x for x in lines if x.startswith("error:")] or [x for x in lines if "Error:" in x and "ChildFailedError" not in x]
+        last = (said or lines or ["no output"])[-1][:300]
         out[twin] = "pass" if res.returncode == 0 else f"exit {res.returncode}: {last}"
     return out
 
