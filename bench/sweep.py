@@ -111,8 +111,6 @@ def two_ranks_one(mt: str, work: Path) -> dict:
 
 def run_one(mt: str, work: Path) -> dict:
     """Everything for one architecture, in this process; the row as a dict."""
-    from transformers import AutoConfig
-
     import train
     from sftrecipes import meta
     from sftrecipes.export import merge_lora
@@ -148,7 +146,7 @@ def run_one(mt: str, work: Path) -> dict:
         row["reason"] = f"plan: {_one_line(e)}"
         return row
     try:
-        why = meta.packing_blocker(recipe, type(meta.build(AutoConfig.from_pretrained(folder))))
+        why = shape.unpacked if recipe.trl_value("packing") or recipe.trl_value("padding_free") else ""
         _, summary = train.run(recipe)  # packing falls back to padded rows where why is set (model.packing_fallback)
         if why:
             row["note"] = f"packing fell back to padded rows ({why})"

@@ -199,9 +199,9 @@ def checkpointing_fallback(recipe: Recipe) -> str | None:
     built = meta_model(recipe) if recipe.gradient_checkpointing else None
     if built is None or built[1].supports_gradient_checkpointing:
         return None
-    for k in ("gradient_checkpointing", "activation_checkpointing"):
-        if k in recipe.trl or k == "gradient_checkpointing":
-            recipe.trl[k] = False
+    recipe.trl["gradient_checkpointing"] = False  # (TRL's default is on)
+    if "activation_checkpointing" in recipe.trl:
+        recipe.trl["activation_checkpointing"] = False
     return (f"WARNING gradient_checkpointing: off for this run: {type(built[1]).__name__} does not support activation "
             "checkpointing (every layer's activations are kept); set gradient_checkpointing: false to silence this")
 
