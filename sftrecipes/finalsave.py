@@ -127,13 +127,15 @@ def save_checked(trainer, recipe) -> int:
 
 
 def add_resized_embeddings_under_zero3(trainer, out: Path, expected: set[str]) -> None:
-    """A LoRA run that added tokens trains their rows (peft trainable tokens) and peft saves the resized embedding
-    and LM head beside the adapter, so the adapter loads into a base of the new size. Under ZeRO-3 those frozen,
-    partitioned weights are absent from the consolidated state dict the Trainer hands peft, and the adapter comes out
-    without them. Every rank gathers them here (a collective); rank 0 adds any the file lacks."""
+    """A LoRA run that added tokens saves the resized embedding and LM head beside the adapter (peft's trainable
+    tokens' base layer, or the whole layers where peft sets save_embedding_layers: XLM's pred_layer, XLNet's lm_loss),
+    so the adapter loads into a base of the new size. Under ZeRO-3 those frozen, partitioned weights are absent from
+    the consolidated state dict the Trainer hands peft (it leaves frozen parameters out), and the adapter comes out
+    without them. Every rank gathers the frozen partitioned ones the adapter must hold (the same list on every rank:
+    a collective); rank 0 adds any the file lacks."""
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
     params = dict(unwrapped.named_parameters(remove_duplicate=False))  # a tied head is the embedding under a 2nd name
-    names = sorted(n for n in expected if n.endswith(".token_adapter.base_layer.weight") and hasattr(params.get(n), "ds_id"))
+    names = sorted(n for n in expected if hasattr(params.get(n), "ds_id") and not params[n].requires_grad)
     if not names:
         return
     import deepspeed  # noqa: PLC0415 - deepspeed: loaded only by ZeRO-3 runs that added tokens
@@ -149,4 +151,4 @@ def add_resized_embeddings_under_zero3(trainer, out: Path, expected: set[str]) -
         tmp = path.with_name(path.name + ".tmp")
         save_file({**tensors, **added}, tmp, metadata={"format": "pt"})
         tmp.replace(path)
-        log.info("save: added the resized %s to %s (ZeRO-3 left them out)", ", ".join(sorted(added)), path)
+        log.info("save: added the frozen %s to %s (ZeRO-3 left them out)", ", ".join(sorted(added)), path)

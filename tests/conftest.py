@@ -156,7 +156,8 @@ def twin_runs(tiny_model, family_models, tmp_path_factory):
 @pytest.fixture(scope="session")
 def arch_models(tiny_model, tmp_path_factory):
     """(architecture, vision-config keys) -> a saved tiny random-init model of it with the tiny Llama's tokenizer,
-    built on first use: arch_models("granite"), arch_models("gemma3", vision_use_head=False)."""
+    built on first use: arch_models("granite"), arch_models("gemma3", vision_use_head=False); pad: embedding rows
+    past the tokenizer, as hub checkpoints pad their vocabularies (Qwen3: 151936 rows for 151669 tokens)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -165,10 +166,10 @@ def arch_models(tiny_model, tmp_path_factory):
     tok = AutoTokenizer.from_pretrained(tiny_model)
     root, built = tmp_path_factory.mktemp("archs"), {}
 
-    def get(mt: str, **vision) -> Path:
-        key = (mt, tuple(sorted(vision.items())))
+    def get(mt: str, pad: int = 0, **vision) -> Path:
+        key = (mt, tuple(sorted(vision.items())) + ((("pad", pad),) if pad else ()))
         if key not in built:
-            c = tiny_config(mt, vocab_size=len(tok), token_ids=(tok.bos_token_id, tok.eos_token_id, tok.pad_token_id),
+            c = tiny_config(mt, vocab_size=len(tok) + pad, token_ids=(tok.bos_token_id, tok.eos_token_id, tok.pad_token_id),
                             vision=vision)
             out = root / "-".join([mt, *(f"{k}{v}" for k, v in key[1])])
             torch.manual_seed(0)
