@@ -476,7 +476,7 @@ def load_model(recipe: Recipe, tokenizer, hardware: str):
     emb = model.get_input_embeddings().weight
     # the full row count: under ZeRO-3 init a rank holds a 0-row partition (ds_shape is the whole), and read as 0
     # rows a vocabulary padded past the tokenizer (Qwen's 151936 rows for 151665 tokens) was cut to the tokenizer's
-    if len(tokenizer) > (getattr(emb, "ds_shape", None) or emb.shape)[0]:
+    if len(tokenizer) > getattr(emb, "ds_shape", emb.shape)[0]:
         # exact size: every new row is then one of the added tokens, trained and saved (see lora_config). The new rows
         # are drawn from the model's init under the recipe's seed, so every rank draws the same rows (sharded
         # backends keep each rank's own draw for its shard) and a run starts alike at any world size.
