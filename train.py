@@ -81,6 +81,7 @@ def run(recipe, life=None):
     rss_before = probes.rss_mb()
     model = models.load_model(recipe, tokenizer, target)
     models.no_aux_loss_without_experts(model, args)  # a dense model whose config still declares router logits
+    models.experts_whole_under_zero3(model, recipe, args.process_index == 0)  # routing-dependent submodules: one fetch, traced alike on every rank
     trainer = SFTTrainer(
         model=model,
         args=args,
@@ -98,6 +99,7 @@ def run(recipe, life=None):
         log.info("%s", lora.describe_adapter(trainer.model, recipe))  # what LoRA adapted: modules, experts, router
     checkpoints.make_checkpoints_atomic(trainer)  # a marker written last; rotation never drops the last complete one
     precision.apply_precision_policy(trainer, recipe)  # trainable params fp32 under mixed precision (logged)
+    precision.autocast_under_fsdp2(trainer, recipe)  # the autocast accelerate gives DDP and FSDP1 but not FSDP2
 
     # 4. train, resuming from the checkpoint chosen above ('auto' = the latest complete one in output_dir); a
     #    preemption signal stops every rank after the same step with a complete checkpoint

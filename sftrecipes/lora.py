@@ -64,7 +64,7 @@ def moe_layout(model) -> tuple[dict[str, tuple[int, ...]], dict[str, bool]]:
         for k in range(1, len(parts) + 1):
             holders_under[".".join(parts[:k])] = holders_under.get(".".join(parts[:k]), 0) + 1
 
-    def routers_of(container: str, e: int) -> dict[str, bool]:
+    def routers_of(container: str, rows: set[int]) -> dict[str, bool]:
         block, found = container.rpartition(".")[0], {}
         for n, s in params.items():
             module = n.rpartition(".")[0]
@@ -72,7 +72,7 @@ def moe_layout(model) -> tuple[dict[str, tuple[int, ...]], dict[str, bool]]:
             # beside the experts, or the one weighted part of a module beside them (AFMoE's router.gate)
             beside = parent == block or (parent.rpartition(".")[0] == block and parent != container
                                          and holders_under.get(parent) == 1)
-            if module != container and beside and len(s) == 2 and s[0] == e:
+            if module != container and beside and len(s) == 2 and s[0] in rows:
                 try:
                     found[module] = isinstance(model.get_submodule(module), torch.nn.Linear)
                 except AttributeError:  # a peft model: the path runs through wrappers
@@ -85,11 +85,12 @@ def moe_layout(model) -> tuple[dict[str, tuple[int, ...]], dict[str, bool]]:
         mine = {n: s for n, s in candidates.items() if n.rpartition(".")[0] == container}
         rows = {s[0] for s in mine.values()}
         owner = model.get_submodule(owners[next(iter(mine))])
-        if len(rows) != 1 or isinstance(owner, torch.nn.modules.conv._ConvNd):
+        if isinstance(owner, torch.nn.modules.conv._ConvNd):
             continue
-        e = rows.pop()
-        found = routers_of(container, e)
-        if e >= 2 and (_is_experts(owner) or found):
+        found = routers_of(container, rows)
+        # an experts class may size its tensors apart (LongCat-Flash: gate_up_proj holds its zero-computation
+        # experts' rows too, down_proj the routed ones only); a module found by its router alone shares one E
+        if (_is_experts(owner) and max(rows) >= 2) or (len(rows) == 1 and min(rows) >= 2 and found):
             experts.update(mine)
             routers.update(found)
     return experts, routers

@@ -442,6 +442,32 @@ def no_aux_loss_without_experts(model, args) -> None:
         log.info("model: %s holds no experts: no load-balancing loss (router_aux_loss_coef 0)", type(model).__name__)
 
 
+def experts_whole_under_zero3(model, recipe: Recipe, main: bool = True) -> list[str]:
+    """ZeRO-3 records the order modules run in during the first step and requires it the same on every rank. An
+    experts module that calls submodules only for the experts its tokens chose (LongCat-Flash's identity expert, once
+    per zero-computation expert hit) runs a different list on each rank, and the second step fails ("disagreement on
+    list length"). Each experts module is made a ZeRO-3 leaf (deepspeed's set_z3_leaf_module: its parameters fetched
+    together, its submodules not traced), as DeepSpeed advises for mixture-of-experts blocks. Before the engine is
+    built; the experts modules' classes marked (logged by the main process)."""
+    from deepspeed.utils import set_z3_leaf_module  # noqa: PLC0415 - ZeRO-3 runs only
+
+    from .lora import moe_layout  # noqa: PLC0415 - lora imports peft, which this module loads only for a run
+
+    L = recipe.launch
+    if L.backend != "deepspeed" or L.zero_stage != 3:
+        return []
+    marked = {}
+    for container in {n.rpartition(".")[0] for n in moe_layout(model)[0]}:
+        module = model.get_submodule(container)
+        if any(True for _ in module.children()):  # no submodules: nothing it calls can differ between ranks
+            set_z3_leaf_module(module, True)
+            marked[type(module).__name__] = marked.get(type(module).__name__, 0) + 1
+    if marked and main:
+        log.info("ZeRO-3: %s fetched whole (a leaf module: which of its submodules run depends on the routing)",
+                 ", ".join(f"{n} x{k}" for n, k in sorted(marked.items())))
+    return sorted(marked)
+
+
 def load_model(recipe: Recipe, tokenizer, hardware: str):
     """The model as the recipe describes it (weights from the hub id or local folder)."""
     m = recipe.model

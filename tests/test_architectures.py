@@ -226,6 +226,8 @@ TARGET_CASES = {
     "deepseek_v4": ({"o_b_proj", "q_a_proj"}, {"o_a_proj"}, {"gate_up_proj"}, set()),  # grouped: not a Linear
     "falcon": ({"query_key_value", "dense_h_to_4h"}, set(), set(), set()),  # FalconLinear: only its forward is its own
     "gpt2": ({"c_attn", "c_fc", "c_proj"}, set(), set(), set()),  # Conv1D
+    # gate_up_proj [n_routed + zero_expert_num, ...] beside down_proj [n_routed, ...]: experts all the same
+    "longcat_flash": ({"q_a_proj", "gate_proj"}, {"classifier"}, {"gate_up_proj", "down_proj"}, {"router.classifier"}),
 }
 
 
@@ -247,6 +249,28 @@ def test_all_linear_targets_read_from_the_module_structure(mt):
     if mt == "falcon_mamba":  # named in a list, the same module is one line naming why
         with pytest.raises(RecipeError, match=r"lora_target_modules: 'out_proj' cannot take LoRA here \(.*Mamba"):
             lora_targets(load_recipe(["recipes/tiny/lora.yaml", "--lora_target_modules", "in_proj,out_proj"]), model)
+
+
+@pytest.mark.parametrize("mt", ["qwen2_moe", "deepseek_v3", "gpt_oss", "llama4_text", "longcat_flash"])
+def test_experts_fetched_whole_under_zero3(mt):
+    """ZeRO-3 requires every rank to run the same modules in the same order: each experts module (LongCat-Flash's
+    calls its identity expert once per zero-computation expert its tokens chose) is a ZeRO-3 leaf under ZeRO-3, and
+    nothing is marked under another backend."""
+    from transformers import AutoConfig
+
+    from sftrecipes.model import experts_whole_under_zero3
+    from sftrecipes.tiny import tiny_config
+
+    model = meta.build(AutoConfig.for_model(**tiny_config(mt)))
+    containers = {n.rpartition(".")[0] for n in moe_layout(model)[0]}
+    assert containers
+    assert experts_whole_under_zero3(model, load_recipe(["recipes/tiny/fsdp.yaml"])) == []
+    marked = experts_whole_under_zero3(model, load_recipe(["recipes/tiny/zero3.yaml"]))
+    leaves = {n for n, mod in model.named_modules() if getattr(mod, "_z3_leaf", False)}
+    with_children = {c for c in containers if any(True for _ in model.get_submodule(c).children())}
+    assert leaves == with_children and set(marked) == {type(model.get_submodule(c)).__name__ for c in with_children}
+    if mt == "longcat_flash":
+        assert marked == ["LongcatFlashExperts"]
 
 
 def test_conv1d_adapter_merges_like_peft(tmp_path):
