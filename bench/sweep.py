@@ -11,6 +11,9 @@ held against the meta model's and the run's. Writes docs/generated/architectures
 
 Each row is kept in outputs/sweep/<arch>.json as it completes, and the table is rewritten after each: a stopped
 sweep leaves a table of what it ran (marked partial) and the next run goes on from there (--fresh: from scratch).
+The rows behind the table are also written to docs/generated/architectures.json (committed): on a clone without
+outputs/sweep/, --only, --two-ranks and --table start from those rows, so one architecture rerun replaces its row in
+the whole table; a plain sweep starts from outputs/sweep/ only (a fresh clone runs every entry).
 The entries left out are listed with why (encoder-decoder, an encoder with a causal head, speech/audio); every other
 row passes or names its reason in one line.
 """
@@ -193,6 +196,7 @@ def _worker(mt: str, timeout: int, mode: str = "--one") -> dict:
 
 
 CACHE = ROOT / "outputs" / "sweep"
+ROWS = OUT.with_suffix(".json")  # the rows behind the table, committed beside it
 
 
 def write_table(rows: list[dict], seconds: float, total: int) -> None:
@@ -226,6 +230,8 @@ def write_table(rows: list[dict], seconds: float, total: int) -> None:
         out.append(f"| {r['arch']} | {r.get('class', '')} | {r['result']} | {r.get('attention', '')} | "
                    f"{r.get('targets', '').replace(',', ', ')} | {exact} | {ranks} | {why} |")
     OUT.write_text("\n".join(out) + "\n")
+    ROWS.write_text(json.dumps({"entries": total, "seconds": round(seconds, 1), "rows": sorted(rows, key=lambda r: r["arch"])},
+                               indent=1, default=str) + "\n")
 
 
 def main() -> int:
@@ -269,6 +275,11 @@ def main() -> int:
         for f in CACHE.glob("*.json"):
             f.unlink()
     done = {json.loads(f.read_text())["arch"]: json.loads(f.read_text()) for f in CACHE.glob("*.json")}
+    if not done and (ns.only or ns.two_ranks or ns.table) and ROWS.exists():  # a clone: the committed rows
+        done = {r["arch"]: r for r in json.loads(ROWS.read_text())["rows"]}
+        for r in done.values():
+            (CACHE / f"{r['arch']}.json").write_text(json.dumps(r, default=str))
+        print(f"sweep: outputs/sweep/ started from the {len(done)} rows of {ROWS.relative_to(ROOT)}", flush=True)
     # --only runs those entries again (their rows replaced); otherwise what has not run yet
     todo = [] if ns.table else only if only is not None else [a for a in archs if a not in done]
     print(f"sweep: {len(done)} of {len(archs)} already ran (outputs/sweep/), {len(todo)} to run", flush=True)
@@ -292,6 +303,9 @@ def main() -> int:
         return 0
     with ThreadPoolExecutor(ns.jobs) as pool:
         for row in pool.map(lambda a: _worker(a, ns.timeout), todo):
+            for key in ("two_ranks", "two_ranks_seconds"):  # the 2-rank column is rerun by --two-ranks only
+                if done.get(row["arch"], {}).get(key) and row["result"] == "pass":
+                    row[key] = done[row["arch"]][key]
             (CACHE / f"{row['arch']}.json").write_text(json.dumps(row, default=str))
             done[row["arch"]] = row
             print(f"{row['arch']:<28} {row['result']:<9} {row.get('seconds', 0):>4}s {row.get('reason') or row.get('note') or ''}", flush=True)
