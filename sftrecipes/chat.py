@@ -5,7 +5,9 @@ What reaches the template (the project's chatml/zephyr or the tokenizer's own; d
 every message — OpenAI-style `tool_calls` (`{"type": "function", "function": {"name", "arguments"}}`, or name and
 arguments on the call itself), `tool` turns (with their `tool_call_id`/`name`), `content: null`, Qwen3-style
 `reasoning_content` — and a row's `tools` column (a list of JSON schemas, or that list as a JSON string) as
-`tools=`, as TRL passes it. Three changes only:
+`tools=`, and its `chat_template_kwargs` column (an object, or that object as a JSON string: e.g.
+`{"enable_thinking": false}` for Qwen3's template) as keyword arguments of the template, as TRL passes them. Three
+changes only:
 - `arguments` given as a JSON string is parsed into the object transformers documents (templates such as
   Llama-3.1's write `arguments | tojson`, which would quote a string a second time); a string that is not a JSON
   object, or a call without a function name, is a one-line error naming the row.
@@ -35,6 +37,16 @@ NOT_RENDERED = {"tool_calls": 1, "reasoning_content": 2, "tool turns": 4, "tools
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 # what a template can raise on a row it cannot render (a RecipeError is ours and passes through)
 TEMPLATE_ERRORS = (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError)
+
+
+def _parsed(value, key: str, at: str, fix_hint: str):
+    """A column or field that may hold JSON as a string: the parsed value, or one line naming where it is not JSON."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as e:
+        raise RecipeError(f"{key}: {at} is not JSON ({e}: {value[:60]!r}); {fix_hint}") from None
 
 
 def fix(key: str) -> str:
@@ -87,16 +99,18 @@ class Chat:
         self.tok, self.where, self.struct_args = tokenizer, where, structs[0]
         self.key = template_key(recipe)
         self.tools = self._tools(row.get("tools"), structs[1])
+        kwargs = _parsed(row.get("chat_template_kwargs"), "chat_template_kwargs", f"{where}: the column",
+                         'write an object such as {"enable_thinking": false}, or that object as a JSON string')
+        if kwargs is not None and not (isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs)):
+            raise RecipeError(f"chat_template_kwargs: {where}: the column is {type(kwargs).__name__}, not an object of "
+                              'keyword arguments; write an object such as {"enable_thinking": false}')
+        # Arrow gives every row every key any row has, null where it had none: those are not the row's arguments
+        self.kwargs = {k: v for k, v in (kwargs or {}).items() if v is not None}
 
     def _tools(self, tools, struct: bool):
         if tools is None:
             return None
-        if isinstance(tools, str):
-            try:
-                tools = json.loads(tools)
-            except json.JSONDecodeError as e:
-                raise RecipeError(f"tools: {self.where}: the tools column is not JSON ({e}); write a list of JSON "
-                                  "schemas, or that list as a JSON string") from None
+        tools = _parsed(tools, "tools", f"{self.where}: the tools column", "write a list of JSON schemas, or that list as a JSON string")
         if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
             raise RecipeError(f"tools: {self.where}: the tools column is {type(tools).__name__}, not a list of JSON "
                               "schemas; write a list of {\"type\": \"function\", \"function\": {...}} objects")
@@ -112,13 +126,8 @@ class Chat:
         fn = _no_nulls(call["function"], deep=False) if nested else call
         if not isinstance(fn.get("name"), str) or not fn["name"]:
             raise RecipeError(f"tool_calls: {at} has no function name; {shape}")
-        args = fn.get("arguments", {})
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except json.JSONDecodeError as e:
-                raise RecipeError(f"tool_calls: {at} ({fn['name']}): arguments is not JSON ({e}: {args[:60]!r}); "
-                                  "write arguments as a JSON object, or that object as a JSON string") from None
+        args = _parsed(fn.get("arguments", {}), "tool_calls", f"{at} ({fn['name']}): arguments",
+                       "write arguments as a JSON object, or that object as a JSON string")
         if not isinstance(args, dict):
             raise RecipeError(f"tool_calls: {at} ({fn['name']}): arguments is {type(args).__name__}, not an object; "
                               "write arguments as a JSON object, or that object as a JSON string")
@@ -143,7 +152,8 @@ class Chat:
     def apply(self, msgs: list[dict], tools="row", **kw) -> str:
         """The template's text of msgs (with this row's tools), or one line naming the row and what it holds."""
         try:
-            return self.tok.apply_chat_template(msgs, tools=self.tools if tools == "row" else tools, tokenize=False, **kw)
+            return self.tok.apply_chat_template(msgs, tools=self.tools if tools == "row" else tools, tokenize=False,
+                                                **{**self.kwargs, **kw})
         except RecipeError:
             raise
         except TEMPLATE_ERRORS as e:
@@ -161,14 +171,14 @@ class Chat:
             marked, marks = _marked(msgs, field)
             if marks:
                 try:
-                    out = self.tok.apply_chat_template(marked, tools=self.tools, tokenize=False)
+                    out = self.tok.apply_chat_template(marked, tools=self.tools, tokenize=False, **self.kwargs)
                 except Exception:  # the marks changed what the template does: it reads the field
                     continue
                 if any(mark not in out for mark in marks):
                     lost |= NOT_RENDERED[field]
         if self.tools:
             try:
-                if self.tok.apply_chat_template(msgs, tools=None, tokenize=False) == text:
+                if self.tok.apply_chat_template(msgs, tools=None, tokenize=False, **self.kwargs) == text:
                     lost |= NOT_RENDERED["tools"]
             except Exception:  # without its tools the row does not render: they matter to the template
                 pass

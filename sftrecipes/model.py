@@ -189,7 +189,7 @@ def packing_fallback(recipe: Recipe) -> str | None:
     for k in keys:
         recipe.trl[k] = False
     return (f"WARNING {' and '.join(keys)}: off for this run, rows are padded instead: {why}; install the package "
-            "(GPU) to pack, or set packing: false to silence this")
+            f"(GPU) to pack, or set {' and '.join(f'{k}: false' for k in keys)} to silence this")
 
 
 def checkpointing_fallback(recipe: Recipe) -> str | None:

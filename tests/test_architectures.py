@@ -141,11 +141,22 @@ def test_lora_trains_merges_and_verifies(mt, arch_models, tmp_path, caplog):
         assert any(n.startswith("packing: the run pads its rows instead (Qwen3_5ForCausalLM's") for n in plan.notes), plan.notes
         assert len(fell_back) == 1 and re.match(r"WARNING packing: off for this run, rows are padded instead: "
                                                 r"Qwen3_5ForCausalLM's causal_conv1d_\w+ cannot keep packed samples apart", fell_back[0])
+        assert fell_back[0].endswith("; install the package (GPU) to pack, or set packing: false to silence this")
     else:
         assert not fell_back
     assert summary["backend"]["trainable_elements_full"] == planned
     assert summary["backend"]["param_elements_full"] == model_shape(str(folder)).params + planned
     merge_lora(out, tmp_path / "merged", verify=True)
+
+
+def test_padding_free_fallback_names_the_key_set(arch_models):
+    """The fallback's line names the keys it turned off, and the one to set to silence it."""
+    from sftrecipes.model import packing_fallback
+
+    recipe = lora_recipe(arch_models("qwen3_5"), "--packing", "false", "--padding_free", "true", "--max_length", "null")
+    line = packing_fallback(recipe)
+    assert line.startswith("WARNING padding_free: off for this run") and line.endswith("set padding_free: false to silence this")
+    assert recipe.trl_value("padding_free") is False
 
 
 def test_a_refusal_in_every_rank_is_exit_2_under_launch(arch_models, tmp_path):

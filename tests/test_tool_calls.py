@@ -184,3 +184,29 @@ def test_a_row_the_template_cannot_take_is_one_line_naming_it(tiny_model, tmp_pa
     with pytest.raises(RecipeError, match=fragment) as e:
         prepared(tmp_path, rows, *([] if template else ["--chat_template_format", "chatml"]), template=template)
     assert "\n" not in str(e.value)
+
+
+# Qwen3's switch: with enable_thinking false its template opens the answer with an empty <think> block
+THINKING_SWITCH = ("{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' }}"
+                   "{%- if m.role == 'assistant' and enable_thinking is defined and enable_thinking is false %}"
+                   "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{{- m.content + '<|im_end|>\\n' }}{%- endfor %}"
+                   "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+@pytest.mark.parametrize("name", ["d.jsonl", "d.parquet"])
+def test_a_rows_chat_template_kwargs_reach_the_template(tiny_model, tmp_path, name):
+    """TRL passes a row's chat_template_kwargs to the template: so does the project (an object, or that object as a
+    JSON string; Arrow's nulls for keys other rows set are not arguments). A value that is no object is one line."""
+    talk = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+    rows = [{"messages": talk, "chat_template_kwargs": {"enable_thinking": False}},
+            {"messages": talk, "chat_template_kwargs": {"enable_thinking": None, "other": "x"}}]
+    tok, ds, _ = prepared(tmp_path, rows, "--assistant_only_loss", "True", template=THINKING_SWITCH, name=name)
+    assert ds[0]["text"] == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nHello.<|im_end|>\n"
+    assert ds[1]["text"] == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello.<|im_end|>\n"
+    assert trained(tok, ds[0]) == "<think>\n\n</think>\n\nHello.<|im_end|>\n"
+    as_string = [{"messages": talk, "chat_template_kwargs": json.dumps({"enable_thinking": False})}]
+    _, ds, _ = prepared(tmp_path, as_string, template=THINKING_SWITCH, name="s.jsonl")
+    assert "<think>\n\n</think>" in ds[0]["text"]
+    with pytest.raises(RecipeError, match=r"^chat_template_kwargs: row 0 of dataset_name \S+ \(train\): the column is list, not an object") as e:
+        prepared(tmp_path, [{"messages": talk, "chat_template_kwargs": [1]}], template=THINKING_SWITCH, name="b.jsonl")
+    assert "\n" not in str(e.value)
