@@ -81,7 +81,7 @@ def run(recipe, life=None):
     rss_before = probes.rss_mb()
     model = models.load_model(recipe, tokenizer, target)
     models.no_aux_loss_without_experts(model, args)  # a dense model whose config still declares router logits
-    models.experts_whole_under_zero3(model, recipe, args.process_index == 0)  # routing-dependent submodules: one fetch, traced alike on every rank
+    models.zero3_leaves(model, recipe, args.process_index == 0)  # modules whose submodule calls the data decides: one fetch each
     trainer = SFTTrainer(
         model=model,
         args=args,

@@ -239,6 +239,34 @@ def trainable_tokens_init_under_zero3_on_cpu() -> None:
     _patch("trainable_tokens_init_under_zero3_on_cpu", TrainableTokensLayer, "_collect_token_weights", collect)
 
 
+@_shim("under ZeRO-3, transformers runs a model's _init_weights on modules whose parameters all loaded; model code that "
+       "reads such a parameter's shape there sees its 0-element partition (RWKV: IndexError)", transformers="~=5.24.0")
+def loaded_modules_skip_init_under_zero3() -> None:
+    """transformers 5.24 initialises the keys a checkpoint lacks by running `_init_weights` on every module not yet
+    marked initialised (PreTrainedModel._initialize_weights, from _initialize_missing_keys); the init functions skip
+    loaded tensors, but the model's own code runs first. Under ZeRO-3 a loaded parameter is a 0-element partition
+    outside the GatheredParameters block, so code that reads its shape fails (RWKV's `max(shape[0], shape[1])` of an
+    embedding: IndexError, every rank, after loading). A module whose own parameters are all ZeRO-3 partitions marked
+    loaded, and whose buffers are all loaded, is marked initialised and skipped: its init could change nothing (as
+    transformers already does for remote code); non-persistent buffers (rotary tables) are never loaded, so their
+    modules still run."""
+    from transformers import PreTrainedModel  # noqa: PLC0415 - transformers: train runs only
+
+    original = PreTrainedModel._initialize_weights
+
+    @functools.wraps(original)
+    def initialize(self, module, is_custom_code: bool = False):
+        own = list(module.parameters(recurse=False))
+        buffers = [b for b in module.buffers(recurse=False) if b is not None]
+        if (own and not getattr(module, "_is_hf_initialized", False) and all(hasattr(p, "ds_id") for p in own)
+                and all(getattr(t, "_is_hf_initialized", False) for t in own + buffers)):
+            module._is_hf_initialized = True
+            return None
+        return original(self, module, is_custom_code)
+
+    _patch("loaded_modules_skip_init_under_zero3", PreTrainedModel, "_initialize_weights", initialize)
+
+
 @_shim("peft's v4->v5 MoE target conversion drops dense nn.Linear targets named like the old expert projections",
        peft="~=0.21.2")
 def keep_dense_linears_in_moe_conversion() -> None:

@@ -442,13 +442,66 @@ def no_aux_loss_without_experts(model, args) -> None:
         log.info("model: %s holds no experts: no load-balancing loss (router_aux_loss_coef 0)", type(model).__name__)
 
 
-def experts_whole_under_zero3(model, recipe: Recipe, main: bool = True) -> list[str]:
-    """ZeRO-3 records the order modules run in during the first step and requires it the same on every rank. An
-    experts module that calls submodules only for the experts its tokens chose (LongCat-Flash's identity expert, once
-    per zero-computation expert hit) runs a different list on each rank, and the second step fails ("disagreement on
-    list length"). Each experts module is made a ZeRO-3 leaf (deepspeed's set_z3_leaf_module: its parameters fetched
-    together, its submodules not traced), as DeepSpeed advises for mixture-of-experts blocks. Before the engine is
-    built; the experts modules' classes marked (logged by the main process)."""
+def _static_iter(node) -> bool:
+    """Whether a for loop's iterable is fixed by the module and its config (self.layers, range(self.n), enumerate of
+    those, constants), not by the data (a tensor's rows, a local length)."""
+    import ast  # noqa: PLC0415 - only the ZeRO-3 leaf check reads source
+
+    if isinstance(node, ast.Constant):
+        return True
+    if isinstance(node, (ast.Tuple, ast.List)):
+        return all(_static_iter(e) for e in node.elts)
+    if isinstance(node, ast.Attribute):
+        while isinstance(node, ast.Attribute):
+            node = node.value
+        return isinstance(node, ast.Name) and node.id == "self"
+    if isinstance(node, ast.Subscript):
+        return _static_iter(node.value) and _static_iter(node.slice)
+    if isinstance(node, ast.Slice):
+        return all(x is None or _static_iter(x) for x in (node.lower, node.upper, node.step))
+    if isinstance(node, ast.BinOp):
+        return _static_iter(node.left) and _static_iter(node.right)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("range", "enumerate", "zip", "reversed", "len"):
+        return all(_static_iter(a) for a in node.args)
+    return False
+
+
+@functools.cache
+def calls_children_by_data(cls: type, children: frozenset[str]) -> str | None:
+    """The first child module `cls.forward` calls inside a loop the data decides (a `while`, or a `for` over anything
+    but the module's own lists and config-sized ranges: the rows of a routing mask, a batch's length), or None. Read
+    from the class's own source; None where there is none to read."""
+    import ast  # noqa: PLC0415 - only the ZeRO-3 leaf check reads source
+    import inspect  # noqa: PLC0415
+    import textwrap  # noqa: PLC0415
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    for loop in ast.walk(tree):
+        if isinstance(loop, ast.For) and _static_iter(loop.iter) or not isinstance(loop, (ast.For, ast.While)):
+            continue
+        for node in (n for stmt in loop.body for n in ast.walk(stmt)):
+            func = node.func if isinstance(node, ast.Call) else None
+            while isinstance(func, ast.Subscript):  # self.layers[i](...)
+                func = func.value
+            if (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self"
+                    and func.attr in children):
+                return func.attr
+    return None
+
+
+def zero3_leaves(model, recipe: Recipe, main: bool = True) -> list[str]:
+    """ZeRO-3 fetches each module's parameters as the module runs, a collective every rank must enter in the same
+    order, and requires the order traced in the first step alike on every rank. A module that calls its submodules as
+    many times as its data says -- an experts module looping over the experts its tokens chose (LongCat-Flash's
+    identity expert), Qwen4-exp's sparse-attention indexer looping over each query -- runs a different sequence on
+    each rank ("disagreement on list length", or gloo's "collective mismatch"). Such modules become ZeRO-3 leaves
+    (deepspeed's set_z3_leaf_module: parameters fetched together, submodules not traced), as DeepSpeed advises for
+    mixture-of-experts blocks: every experts module with submodules, and every module whose forward calls a submodule
+    in a data-decided loop (calls_children_by_data), never the decoder-layer list or a module holding it. Before the
+    engine is built; the classes marked, logged by the main process."""
     from deepspeed.utils import set_z3_leaf_module  # noqa: PLC0415 - ZeRO-3 runs only
 
     from .lora import moe_layout  # noqa: PLC0415 - lora imports peft, which this module loads only for a run
@@ -456,16 +509,26 @@ def experts_whole_under_zero3(model, recipe: Recipe, main: bool = True) -> list[
     L = recipe.launch
     if L.backend != "deepspeed" or L.zero_stage != 3:
         return []
-    marked = {}
-    for container in {n.rpartition(".")[0] for n in moe_layout(model)[0]}:
-        module = model.get_submodule(container)
-        if any(True for _ in module.children()):  # no submodules: nothing it calls can differ between ranks
+    prefix, _ = meta.decoder_layers(model)
+    holds_layers = {prefix.rsplit(".", k)[0] for k in range(prefix.count(".") + 1)} | {prefix, ""}
+    experts = {n.rpartition(".")[0] for n in moe_layout(model)[0]}
+    marked: dict[str, str] = {}
+    for name, module in model.named_modules():
+        children = frozenset(n for n, _ in module.named_children())
+        if not children or name in holds_layers or any(name.startswith(m + ".") for m in marked):
+            continue
+        why = "its experts run by the routing" if name in experts else None
+        called = calls_children_by_data(type(module), children) if why is None else None
+        if called:
+            why = f"calls {called} in a loop its data decides"
+        if why:
             set_z3_leaf_module(module, True)
-            marked[type(module).__name__] = marked.get(type(module).__name__, 0) + 1
+            marked[name] = f"{type(module).__name__} ({why})"
     if marked and main:
-        log.info("ZeRO-3: %s fetched whole (a leaf module: which of its submodules run depends on the routing)",
-                 ", ".join(f"{n} x{k}" for n, k in sorted(marked.items())))
-    return sorted(marked)
+        kinds = sorted(set(marked.values()))
+        log.info("ZeRO-3: %d module(s) fetched whole, as leaves (every rank must run the same modules in the same "
+                 "order): %s", len(marked), "; ".join(kinds))
+    return sorted({v.split(" (")[0] for v in marked.values()})
 
 
 def load_model(recipe: Recipe, tokenizer, hardware: str):

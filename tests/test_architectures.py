@@ -262,26 +262,33 @@ def test_all_linear_targets_read_from_the_module_structure(mt):
             lora_targets(load_recipe(["recipes/tiny/lora.yaml", "--lora_target_modules", "in_proj,out_proj"]), model)
 
 
-@pytest.mark.parametrize("mt", ["qwen2_moe", "deepseek_v3", "gpt_oss", "llama4_text", "longcat_flash"])
-def test_experts_fetched_whole_under_zero3(mt):
-    """ZeRO-3 requires every rank to run the same modules in the same order: each experts module (LongCat-Flash's
-    calls its identity expert once per zero-computation expert its tokens chose) is a ZeRO-3 leaf under ZeRO-3, and
-    nothing is marked under another backend."""
+# the modules ZeRO-3 must fetch whole (leaves): every experts module with submodules, and Qwen4-exp's sparse-attention
+# indexer, which calls its key norm once per query with a complete block (a count each rank's batch decides)
+LEAF_CASES = {"qwen2_moe": {"Qwen2MoeExperts"}, "deepseek_v3": {"DeepseekV3Experts"}, "llama4_text": {"Llama4TextExperts"},
+              "longcat_flash": {"LongcatFlashExperts"}, "qwen4_exp_text": {"Qwen4ExpTextExperts", "Qwen4ExpTextQSAIndexer"},
+              "llama": set(), "gemma3": set(), "qwen3_5": set()}
+
+
+@pytest.mark.parametrize("mt", LEAF_CASES)
+def test_zero3_leaves_are_the_modules_whose_calls_the_data_decides(mt):
+    """ZeRO-3 requires every rank to run the same modules in the same order: a module that calls its submodules as
+    often as its data says (an experts module's loop over the experts hit, Qwen4-exp's indexer over its queries) is a
+    ZeRO-3 leaf under ZeRO-3; the decoder-layer list and what holds it never are (the model gathered whole); nothing is
+    marked under another backend."""
     from transformers import AutoConfig
 
-    from sftrecipes.model import experts_whole_under_zero3
+    from sftrecipes.model import zero3_leaves
     from sftrecipes.tiny import tiny_config
 
     model = meta.build(AutoConfig.for_model(**tiny_config(mt)))
-    containers = {n.rpartition(".")[0] for n in moe_layout(model)[0]}
-    assert containers
-    assert experts_whole_under_zero3(model, load_recipe(["recipes/tiny/fsdp.yaml"])) == []
-    marked = experts_whole_under_zero3(model, load_recipe(["recipes/tiny/zero3.yaml"]))
-    leaves = {n for n, mod in model.named_modules() if getattr(mod, "_z3_leaf", False)}
-    with_children = {c for c in containers if any(True for _ in model.get_submodule(c).children())}
-    assert leaves == with_children and set(marked) == {type(model.get_submodule(c)).__name__ for c in with_children}
-    if mt == "longcat_flash":
-        assert marked == ["LongcatFlashExperts"]
+    assert zero3_leaves(model, load_recipe(["recipes/tiny/fsdp.yaml"])) == []
+    assert not any(getattr(m, "_z3_leaf", False) for m in model.modules())
+    marked = zero3_leaves(model, load_recipe(["recipes/tiny/zero3.yaml"]))
+    assert set(marked) == LEAF_CASES[mt]
+    leaves = {type(m).__name__ for m in model.modules() if getattr(m, "_z3_leaf", False)}
+    assert leaves == LEAF_CASES[mt]
+    prefix, _ = meta.decoder_layers(model)
+    assert not any(getattr(model.get_submodule(p), "_z3_leaf", False) for p in (prefix, prefix.rpartition(".")[0]) if p)
 
 
 def test_conv1d_adapter_merges_like_peft(tmp_path):

@@ -50,6 +50,7 @@ TARGETS = {
     "backbone_under_a_stale_prefix": ("transformers.modeling_utils", "PreTrainedModel.base_model"),
     "num_experts_for_trl": ("trl.trainer.sft_trainer", "add_fused_lm_head"),
     "buffers_in_ram_efficient_fsdp2": ("accelerate.utils.fsdp_utils", "fsdp2_load_full_state_dict"),
+    "loaded_modules_skip_init_under_zero3": ("transformers.modeling_utils", "PreTrainedModel._initialize_weights"),
 }
 
 
@@ -243,6 +244,36 @@ def test_canary_trainable_tokens_init_under_zero3_on_cpu():
                 pytest.fail(fixed_upstream(name) + f" (it now fails otherwise: {e})")
         else:
             pytest.fail(fixed_upstream(name))
+
+
+def test_canary_loaded_modules_skip_init_under_zero3():
+    """RWKV's _init_weights reads its embedding's shape; under ZeRO-3 a loaded parameter is a 0-element partition
+    (ds_id set, marked loaded): upstream fails there, the shim skips the module and leaves its weight as it was."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from sftrecipes.tiny import tiny_config
+
+    name = "loaded_modules_skip_init_under_zero3"
+
+    def partitioned():
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**tiny_config("rwkv")))
+        for p in model.parameters():  # what zero.Init leaves on a rank: a partition, its full shape in ds_shape
+            p.ds_id, p.ds_shape, p._is_hf_initialized = id(p), tuple(p.shape), True
+            p.data = torch.empty(0, dtype=p.dtype)
+        for b in model.buffers():
+            b._is_hf_initialized = True
+        for m in model.modules():  # a model just loaded: no module is marked yet (from_config marked them all)
+            vars(m).pop("_is_hf_initialized", None)
+        return model
+
+    with compat.upstream(name):
+        with pytest.raises(IndexError):
+            partitioned().initialize_weights()
+    model = partitioned()
+    compat.SHIMS[name].apply()
+    model.initialize_weights()
+    assert all(p.numel() == 0 for p in model.parameters())
 
 
 def test_canary_keep_dense_linears_in_moe_conversion():
