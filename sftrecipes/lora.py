@@ -6,6 +6,7 @@ exports need without peft, is shape.pattern_value.)
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import re
@@ -101,12 +102,15 @@ def _plain_linear(module) -> bool:
     subclass built to compute something else (DeepSeek-V4's grouped o_a_proj: one block per head group)."""
     if isinstance(module, Conv1D):  # GPT-2's linear layer, weight [in, out]: peft adapts it with fan_in_fan_out
         return True
-    if not isinstance(module, torch.nn.Linear):
-        return False
-    # a subclass built from other arguments computes something else (DeepSeek-V4's GroupedLinear takes n_groups);
-    # one that only rewrites forward (Falcon's FalconLinear) is a linear layer
-    own = set(inspect.signature(type(module).__init__).parameters) <= set(inspect.signature(torch.nn.Linear.__init__).parameters)
-    return own or type(module).__module__.startswith("bitsandbytes")
+    return isinstance(module, torch.nn.Linear) and _linear_class(type(module))
+
+
+@functools.cache
+def _linear_class(cls: type) -> bool:
+    """A subclass of nn.Linear built from other arguments computes something else (DeepSeek-V4's GroupedLinear takes
+    n_groups); one that only rewrites forward (Falcon's FalconLinear) is a linear layer; read once per class."""
+    own = set(inspect.signature(cls.__init__).parameters) <= set(inspect.signature(torch.nn.Linear.__init__).parameters)
+    return own or cls.__module__.startswith("bitsandbytes")
 
 
 def _names(linear: list[str], modules: dict) -> list[str]:

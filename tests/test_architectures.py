@@ -291,6 +291,36 @@ def test_zero3_leaves_are_the_modules_whose_calls_the_data_decides(mt):
     assert not any(getattr(model.get_submodule(p), "_z3_leaf", False) for p in (prefix, prefix.rpartition(".")[0]) if p)
 
 
+def test_merge_verify_holds_the_tensors_peft_leaves_unloaded(arch_models, tmp_path, caplog):
+    """peft 0.21's PeftModel.from_pretrained leaves Laguna's shared_experts LoRA at its initial values (its key
+    conversion misses them): the streaming merge applies them, and --verify's reference puts them in by name, so the
+    merge verifies, the warning says what peft misses, and the merged weights are the adapter's merge."""
+    import torch
+    from peft import get_peft_model
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from sftrecipes import compat
+    from sftrecipes.lora import lora_config
+
+    folder = arch_models("laguna")
+    compat.keep_dense_linears_in_moe_conversion()
+    base = AutoModelForCausalLM.from_pretrained(folder)
+    model = get_peft_model(base, lora_config(lora_recipe(folder, "--lora_dropout", "0"), [], base))
+    torch.manual_seed(1)
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            p.data.normal_(0, 0.05)
+    model.save_pretrained(tmp_path / "adapter")
+    with caplog.at_level("WARNING", logger="sftrecipes"):
+        merge_lora(tmp_path / "adapter", tmp_path / "merged", base=str(folder), verify=True)
+    said = [r.getMessage() for r in caplog.records if "PeftModel.from_pretrained left" in r.getMessage()]
+    assert len(said) == 1 and "shared_experts" in said[0], said
+    merged, stored = load_file(tmp_path / "merged" / "model.safetensors"), load_file(folder / "model.safetensors")
+    moved = {k for k in stored if "shared_expert" in k and not torch.equal(merged[k], stored[k])}
+    assert moved == {k for k in stored if "shared_expert" in k} and moved
+
+
 def test_conv1d_adapter_merges_like_peft(tmp_path):
     """GPT-2's Conv1D weights are [in, out]: peft adapts them with fan_in_fan_out, and the streaming merge adds
     (B @ A) transposed; the merged model's logits are peft's merge_and_unload's."""

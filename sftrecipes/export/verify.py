@@ -4,6 +4,7 @@ with --verify its logits against the source as upstream code reads it (verify_lo
 from __future__ import annotations
 
 import json
+import logging
 import re
 import tempfile
 from pathlib import Path
@@ -16,6 +17,8 @@ from ..errors import RecipeError
 from .layout import StoredLayout, tied_copies
 from .adapters import _check_fits, plan_merge, read_adapter
 from .readers import folder_tensors
+
+log = logging.getLogger("sftrecipes")
 
 
 def check_model_folder(folder: Path, dtype: torch.dtype | None = None) -> int:
@@ -119,10 +122,32 @@ def _base_for_adapter(base_dir: Path, adapter: Path):
 
 
 def _peft_reference(base_dir: Path, adapter: Path):
-    """The source of a merge: the base in fp32 with the adapter applied unmerged, by peft."""
+    """The source of a merge: the base in fp32 with the adapter applied unmerged, by peft, holding every LoRA tensor
+    the adapter file holds. peft 0.21's loader renames adapter keys through transformers' checkpoint conversions, and
+    for some models leaves tensors at their initial values without a word (Laguna's shared_experts: lora_B stays 0).
+    Such tensors are put in by name (the saved key is the parameter's name less the adapter name), and a warning says
+    that PeftModel.from_pretrained misses them."""
     from peft import PeftModel  # noqa: PLC0415 - peft imports bitsandbytes, whose log line would precede a bad input's one-line error
+    from safetensors import safe_open  # noqa: PLC0415
 
-    return PeftModel.from_pretrained(_base_for_adapter(base_dir, adapter), adapter)
+    model = PeftModel.from_pretrained(_base_for_adapter(base_dir, adapter), adapter)
+    name = model.active_adapter
+    live = {n.replace(f".{name}.", "."): p for n, p in model.named_parameters() if ".lora_" in n}
+    missed = []
+    with safe_open(adapter / "adapter_model.safetensors", "pt") as f, torch.no_grad():
+        for key in f.keys():
+            p = live.get(key)
+            if p is None:
+                continue
+            saved = f.get_tensor(key).to(p.dtype)
+            if saved.shape == p.shape and not torch.equal(saved, p):
+                p.copy_(saved)
+                missed.append(key)
+    if missed:
+        log.warning("verify: peft's PeftModel.from_pretrained left %d LoRA tensors of %s at their initial values (e.g. %s): "
+                    "the reference holds them as saved; a model loaded with peft would miss them, the merged one holds them",
+                    len(missed), adapter, missed[0])
+    return model
 
 
 def upstream_state_dict(kind: str, folder: Path) -> dict[str, torch.Tensor]:
