@@ -44,7 +44,10 @@ class StoredLayout:
 
     * held: name -> shape of every tensor the model holds (its state dict, tied copies left out);
     * stored: name -> shape of every tensor save_pretrained writes;
-    * pieces: stored name -> (held name, expert, rows): the stored tensor is held[expert][rows] (None: no index).
+    * pieces: stored name -> (held name, expert, rows): the stored tensor is held[expert][rows] (None: no index);
+    * joined: stored name -> [(stored rows, piece), ...]: a 2-D stored tensor that is several held pieces stacked along
+      its rows (Sarvam-MoE's query_key_value: q_proj, k_proj and v_proj), each piece's rows in it. Merges apply each
+      piece's change to its rows; a sharded export does not cut them (it refuses, as for any tensor without a piece).
 
     Read from transformers' own save-time reversal (revert_weight_conversion), applied on the meta device for names and
     shapes and to small index tensors for the pieces (which held tensor, expert and rows each stored value came from).
@@ -61,6 +64,7 @@ class StoredLayout:
         sd = {n: torch.empty(shape, device="meta") for n, shape in self.held.items()}
         self.stored = {n: tuple(t.shape) for n, t in revert_weight_conversion(model, sd).items()}
         self.pieces: dict[str, tuple] = {n: (n, None, None) for n in self.held if n in self.stored}
+        self.joined: dict[str, list[tuple[slice, tuple]]] = {}
         if set(self.stored) == set(self.held):
             return
         # index probes: held tensor n's probe holds base[n] + (expert * rows + row), over its first two axes only
@@ -75,6 +79,11 @@ class StoredLayout:
             flat = v.reshape(-1).to(torch.int64)
             if flat.numel() == 0:
                 continue
+            if v.dim() == 2 and v.shape[1] == 1 and name not in self.held:
+                parts = self._stacked(flat, starts, base)
+                if parts is not None and len(parts) > 1:
+                    self.joined[name] = parts
+                    continue
             held_name = max((o, n) for o, n in starts if o <= int(flat[0]))[1]
             shape, local = self.held[held_name], flat - base[held_name]
             rows_per = shape[1] if len(shape) == 3 else (shape[0] if shape else 1)
@@ -90,6 +99,23 @@ class StoredLayout:
             if tuple(_cut(torch.empty(shape, device="meta"), piece).shape) == self.stored.get(name):
                 self.pieces[name] = piece
 
+    def _stacked(self, flat: torch.Tensor, starts: list, base: dict) -> list[tuple[slice, tuple]] | None:
+        """A stored tensor's row probes as runs of consecutive rows of 2-D held tensors: [(stored rows, piece)], or
+        None where some run is no such rows."""
+        offsets = torch.tensor([o for o, _ in starts], dtype=torch.int64)
+        owner = torch.searchsorted(offsets, flat, right=True)  # which held tensor each row comes from
+        parts, begin = [], 0
+        cuts = [i for i in range(1, len(flat)) if int(flat[i]) != int(flat[i - 1]) + 1 or owner[i] != owner[i - 1]]
+        for end in [*cuts, len(flat)]:
+            first = int(flat[begin])
+            held_name = max((o, n) for o, n in starts if o <= first)[1]
+            shape, local = self.held[held_name], first - base[held_name]
+            if len(shape) != 2 or local + (end - begin) > shape[0]:
+                return None
+            parts.append((slice(begin, end), (held_name, None, slice(local, local + end - begin))))
+            begin = end
+        return parts
+
     @classmethod
     def of_config(cls, config_dir: Path) -> StoredLayout:
         return cls(_meta_model(config_dir))
@@ -98,6 +124,14 @@ class StoredLayout:
         """stored name -> (plan entry, piece) for the tensors a merge changes; every planned tensor must be covered."""
         todo, covered = {}, set()
         for name in stored_names:
+            if name in self.joined:
+                parts = [(rows, plan[p[0]], p) for rows, p in self.joined[name] if p[0] in plan]
+                if any("replace" in e or "rows" in e for _, e, _ in parts):
+                    continue  # a tensor replaced or grown whole is not cut into a stacked one: refused below
+                if parts:
+                    todo[name] = ("stacked", parts)
+                    covered.update(p[0] for _, _, p in parts)
+                continue
             piece = self.pieces.get(name, (name, None, None))
             if piece[0] in plan:
                 todo[name] = (plan[piece[0]], None if piece[1:] == (None, None) else piece)

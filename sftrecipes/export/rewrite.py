@@ -36,6 +36,8 @@ def rewrite_model(base_dir: Path, out_dir: str | Path, plan: dict[str, dict], dt
     for name in names:
         src_dtype, shape = source.meta(name)
         entry, piece = todo.get(name, ({}, None))
+        if entry == "stacked":  # pieces of several held tensors, each changed in its rows: the shape stays
+            entry, piece = {}, None
         if "replace" in entry and piece is None:
             shape = tuple(entry["replace"].shape)
         rows = entry.get("rows")
@@ -46,6 +48,11 @@ def rewrite_model(base_dir: Path, out_dir: str | Path, plan: dict[str, dict], dt
 
     def get(name):
         w = source.get(name)
+        if name in todo and todo[name][0] == "stacked":
+            out = w.to(torch.float32)
+            for rows, entry, piece in todo[name][1]:
+                out[rows] = _apply(out[rows], entry, piece[0], piece)
+            return out
         return _apply(w, todo[name][0], name, todo[name][1]) if name in todo else w
 
     with _Staging(Path(out_dir)) as st:
