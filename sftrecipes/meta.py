@@ -190,7 +190,8 @@ def meta_shape(c: dict, name: str, where: str = "the model config") -> Shape:
                  max((L.experts for L in sparse), default=0), max((L.top_k for L in sparse), default=0), e_inter,
                  max((L.shared_intermediate for L in sparse), default=0), rest=rest,
                  supports_sdpa=bool(cls._supports_sdpa), unpacked=unpacked_reason(cls),
-                 checkpoints=bool(cls.supports_gradient_checkpointing), source="meta", config_json=key)
+                 checkpoints=bool(cls.supports_gradient_checkpointing), source="meta", config_json=key,
+                 head_vocab=0 if tied or head.weight.shape[0] == embed.weight.shape[0] else head.weight.shape[0])
 
 
 # ----------------------------------------------------------------------------------------------- LoRA

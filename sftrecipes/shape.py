@@ -177,6 +177,12 @@ class Shape:
     checkpoints: bool = True  # the model class supports activation checkpointing (meta.py; else the run goes without)
     source: str = "table"  # "table" (DEFAULTS, torch-free) or "meta" (the model transformers builds: meta.py)
     config_json: str = field(default="", compare=False)  # the config it was read from (meta.py rebuilds the model)
+    head_vocab: int = 0  # the output head's rows where they differ from the input embedding's (Mllama: 8 image tokens
+    #                      more in the embedding), else 0
+
+    @property
+    def head_rows(self) -> int:
+        return self.head_vocab or self.vocab
 
     @property
     def layers(self) -> int:
@@ -206,7 +212,7 @@ class Shape:
 
     @property
     def head_params(self) -> int:
-        return 0 if self.tied else self.vocab * self.hidden
+        return 0 if self.tied else self.head_rows * self.hidden
 
     @cached_property
     def params(self) -> int:
@@ -241,7 +247,7 @@ class Shape:
     @cached_property
     def matmul_params(self) -> int:
         """Matmul weights one token runs through: decoder linears, routers, top-k experts, and the LM head."""
-        return sum(L.matmul_params for L in self.decoder) + self.vocab * self.hidden
+        return sum(L.matmul_params for L in self.decoder) + self.head_rows * self.hidden
 
     @cached_property
     def largest_weight(self) -> int:

@@ -173,12 +173,15 @@ def arch_models(tiny_model, tmp_path_factory):
                             vision=vision)
             out = root / "-".join([mt, *(f"{k}{v}" for k, v in key[1])])
             torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**c))
+            cfg = AutoConfig.for_model(**c)
+            model = AutoModelForCausalLM.from_config(cfg)
             saved = set(model.state_dict())
             for name, buffer in model.named_buffers():  # saved buffers (a router's bias, layer scalars) off their
                 if name in saved and buffer.is_floating_point():  # constant init: a load that loses one shows
                     buffer.add_(0.01 * torch.randn_like(buffer))
             model.save_pretrained(out)
+            if model.config.model_type != cfg.model_type:  # Mllama's CausalLM saves its text config, which no auto
+                cfg.save_pretrained(out)                   # class maps: the hub's checkpoints carry the whole one
             tok.save_pretrained(out)
             built[key] = out
         return built[key]

@@ -66,7 +66,7 @@ def lora_recipe(folder, *extra):
     return load_recipe(["recipes/tiny/lora.yaml", "--model_name_or_path", str(folder), *extra])
 
 
-@pytest.mark.parametrize("mt", ARCHS)
+@pytest.mark.parametrize("mt", [*ARCHS, "mllama"])  # (Mllama: its head has 8 rows fewer than its embedding)
 def test_planned_from_the_model_transformers_builds(mt, arch_models):
     """Every parameter counted (the meta model's sum), and the plan's trainable count is peft's on the run's own
     LoraConfig; an MoE's experts are its experts module's tensors only."""
