@@ -72,10 +72,10 @@ bench-overhead: $(STAMP)    ## what train.py adds per step over bare TRL, by cou
 bench-export: $(STAMP)      ## export memory/time: streaming merge/export vs peft and torch DCP (~12 min); writes docs/benchmarks.md
 	$(BIN)/python bench/bench_export.py
 
-sweep: $(STAMP)             ## every causal-LM architecture transformers maps: tiny model, LoRA 3 steps, merge --verify, plan vs run (~20 min at 2 jobs, goes on from outputs/sweep/; ARGS="--only a,b" reruns those); writes docs/generated/architectures.md
+sweep: $(STAMP)             ## every causal-LM architecture transformers maps: tiny model, LoRA 3 steps, merge --verify, plan vs run (~20 min at 2 jobs, goes on from outputs/sweep/; ARGS="--only a,b" reruns those, starting from the committed rows on a clone); writes docs/generated/architectures.md and .json
 	$(BIN)/python bench/sweep.py $(ARGS)
 
-sweep-two-ranks: $(STAMP)   ## the sweep's passing architectures launched on 2 ranks, ZeRO-3 LoRA and FSDP2 twins, only the model changed (~25 s each, goes on from outputs/sweep/); the table's "2 ranks" column
+sweep-two-ranks: $(STAMP)   ## the sweep's passing architectures launched on 2 ranks, ZeRO-3 LoRA and FSDP2 twins, only the model changed (~45 s each, goes on from outputs/sweep/ or the committed rows; ARGS="--only a,b --twins zero3"); the table's "2 ranks" column
 	$(BIN)/python bench/sweep.py --two-ranks $(ARGS)
 
 docs: $(STAMP)              ## regenerate docs/generated/options.md from the schema (checked in; tests compare)

@@ -197,9 +197,11 @@ def _worker(mt: str, timeout: int, mode: str = "--one", extra: tuple[str, ...] =
 
 
 def commit() -> str:
-    """The commit the rows are measured at (short hash, "+changes" where tracked files differ from it)."""
+    """The commit the rows are measured at (short hash, "+changes" where tracked files other than the sweep's own
+    output differ from it)."""
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs/generated"],  # (its own output)
+                           cwd=ROOT, capture_output=True, text=True).stdout.strip()
     return (head or "unknown") + ("+changes" if dirty else "")
 
 
