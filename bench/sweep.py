@@ -35,6 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from sftrecipes.paths import SWEEP_DOC as OUT  # noqa: E402 - after the path the package is found on
+from sftrecipes.paths import SWEEP_ROWS as ROWS  # noqa: E402
 PARAM_TOL = 1e-3  # the plan's parameters within 0.1% of the meta model's
 
 
@@ -206,7 +207,6 @@ def commit() -> str:
 
 
 CACHE = ROOT / "outputs" / "sweep"
-ROWS = OUT.with_suffix(".json")  # the rows behind the table, committed beside it
 
 
 def write_table(rows: list[dict], seconds: float, total: int) -> None:

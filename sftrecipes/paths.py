@@ -9,3 +9,4 @@ DATA_DIR = ROOT / "data" / "tiny_chat"  # the small chat dataset shipped in the 
 ASSETS = ROOT / ".assets"  # tiny models built locally (ignored by git)
 GENERATED_DOCS = ROOT / "docs" / "generated"  # pages written by commands (options.md, setups/), drift-tested
 SWEEP_DOC = GENERATED_DOCS / "architectures.md"  # make sweep's table (bench/sweep.py): a measurement, not drift-tested
+SWEEP_ROWS = GENERATED_DOCS / "architectures.json"  # the rows behind that table, so a clone reruns single entries
