@@ -42,6 +42,7 @@ def apply_process_env(recipe: Recipe, target: str) -> None:
     compat.num_experts_for_trl()
     if recipe.launch.backend == "deepspeed" and recipe.launch.zero_stage == 3:
         compat.loaded_modules_skip_init_under_zero3()
+        compat.split_sizes_from_full_shapes_under_zero3()
     if recipe.launch.backend == "fsdp":
         compat.fix_peft_prefixes_under_wrappers()
         compat.buffers_in_ram_efficient_fsdp2()

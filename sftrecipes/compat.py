@@ -267,6 +267,31 @@ def loaded_modules_skip_init_under_zero3() -> None:
     _patch("loaded_modules_skip_init_under_zero3", PreTrainedModel, "_initialize_weights", initialize)
 
 
+@_shim("transformers' Split conversion sizes each piece of a fused checkpoint tensor by its target parameter's shape, "
+       "which under ZeRO-3 is a 0-element partition (Sarvam-MoE's query_key_value, Lara-mini's in_proj_qkv: "
+       "split_with_sizes fails while loading)", transformers="~=5.24.0")
+def split_sizes_from_full_shapes_under_zero3() -> None:
+    """transformers 5.24's core_model_loading.Split cuts a stored fused tensor (q|k|v) into one piece per target,
+    each as many rows as the target parameter has. Under ZeRO-3 (zero.Init) the parameter holds a 0-element
+    partition; its full shape is in ds_shape. Read the sizes from there where the targets are partitioned; the same
+    cut otherwise (upstream's own code)."""
+    from transformers import core_model_loading  # noqa: PLC0415 - transformers: train runs only
+
+    original = core_model_loading.Split.convert
+
+    @functools.wraps(original)
+    def convert(self, input_dict, source_patterns, target_patterns, full_layer_name, model, **kwargs):
+        params = [model.get_parameter(full_layer_name.replace(target_patterns[0], t)) for t in target_patterns]
+        if len(input_dict) != 1 or not all(hasattr(p, "ds_shape") for p in params):
+            return original(self, input_dict, source_patterns, target_patterns, full_layer_name, model, **kwargs)
+        value = next(iter(input_dict.values()))
+        fused = value[0] if isinstance(value, list) else value
+        pieces = torch.split(fused, [p.ds_shape[self.dim] for p in params], dim=self.dim)
+        return {t: piece.contiguous() for t, piece in zip(target_patterns, pieces)}
+
+    _patch("split_sizes_from_full_shapes_under_zero3", core_model_loading.Split, "convert", convert)
+
+
 @_shim("peft's v4->v5 MoE target conversion drops dense nn.Linear targets named like the old expert projections",
        peft="~=0.21.2")
 def keep_dense_linears_in_moe_conversion() -> None:

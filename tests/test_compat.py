@@ -51,6 +51,7 @@ TARGETS = {
     "num_experts_for_trl": ("trl.trainer.sft_trainer", "add_fused_lm_head"),
     "buffers_in_ram_efficient_fsdp2": ("accelerate.utils.fsdp_utils", "fsdp2_load_full_state_dict"),
     "loaded_modules_skip_init_under_zero3": ("transformers.modeling_utils", "PreTrainedModel._initialize_weights"),
+    "split_sizes_from_full_shapes_under_zero3": ("transformers.core_model_loading", "Split.convert"),
 }
 
 
@@ -274,6 +275,30 @@ def test_canary_loaded_modules_skip_init_under_zero3():
     compat.SHIMS[name].apply()
     model.initialize_weights()
     assert all(p.numel() == 0 for p in model.parameters())
+
+
+def test_canary_split_sizes_from_full_shapes_under_zero3():
+    """A fused q|k|v checkpoint tensor split for parameters that are ZeRO-3 partitions (0 elements, the full shape in
+    ds_shape): upstream sizes the pieces by the partitions and fails; the shim cuts the rows each target has."""
+    import torch
+    from transformers.core_model_loading import Split
+
+    model = torch.nn.Module()
+    for name, rows in (("q_proj", 8), ("k_proj", 4), ("v_proj", 4)):
+        layer = torch.nn.Linear(6, rows, bias=False)
+        layer.weight.data = torch.empty(0)
+        layer.weight.ds_shape = (rows, 6)
+        model.add_module(name, layer)
+    fused = torch.arange(16 * 6, dtype=torch.float32).reshape(16, 6)
+    args = ({"qkv.weight": fused}, ["qkv"], ["q_proj", "k_proj", "v_proj"], "q_proj.weight", model)
+    name = "split_sizes_from_full_shapes_under_zero3"
+    with compat.upstream(name):
+        with pytest.raises(RuntimeError, match="split"):
+            Split(dim=0).convert(*args)
+    compat.SHIMS[name].apply()
+    got = Split(dim=0).convert(*args)
+    assert [tuple(got[t].shape) for t in ("q_proj", "k_proj", "v_proj")] == [(8, 6), (4, 6), (4, 6)]
+    assert torch.equal(torch.cat([got["q_proj"], got["k_proj"], got["v_proj"]]), fused)
 
 
 def test_canary_keep_dense_linears_in_moe_conversion():
