@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -108,7 +109,8 @@ def two_ranks_one(mt: str, work: Path, twins: tuple[str, ...] = TWINS) -> dict:
                              env={**os.environ, "MAIN_PROCESS_PORT": str(port)})
         lines = [x.strip() for x in res.stderr.splitlines() if x.strip()]
         # the rank's own one-line error, else the last exception line (torch's agent ends with a ==== banner)
-        said = [x for x in lines if x.startswith("error:")] or [x for x in lines if "Error:" in x and "ChildFailedError" not in x]
+        said = [x for x in lines if x.startswith("error:")] or [
+            x for x in lines if re.search(r"\w(Error|Exception)(:|$)", x) and "ChildFailedError" not in x]  # (a bare AssertionError too)
         last = (said or lines or ["no output"])[-1][:300]
         out[twin] = "pass" if res.returncode == 0 else f"exit {res.returncode}: {last}"
     return out
