@@ -211,10 +211,19 @@ def commit() -> str:
 CACHE = ROOT / "outputs" / "sweep"
 
 
+def overall(row: dict) -> str:
+    """A row's result in the table: one process's (train, merge --verify, plan exact), and a fail where a 2-rank twin
+    it was launched with failed -- a copied twin must launch any architecture the table calls passing."""
+    if row["result"] == "pass" and any(v != "pass" for v in (row.get("two_ranks") or {}).values()):
+        return "fail"
+    return row["result"]
+
+
 def write_table(rows: list[dict], seconds: float, total: int) -> None:
     tested = [r for r in rows if r["result"] != "left out"]
-    passed = [r for r in tested if r["result"] == "pass"]
-    launched = [r for r in passed if r.get("two_ranks")]
+    alone = [r for r in tested if r["result"] == "pass"]  # in one process
+    passed = [r for r in alone if overall(r) == "pass"]
+    launched = [r for r in alone if r.get("two_ranks")]
     both = [r for r in launched if all(v == "pass" for v in r["two_ranks"].values())]
     def at(key: str, of: list[dict]) -> str:
         counts: dict[str, int] = {}
@@ -231,24 +240,25 @@ def write_table(rows: list[dict], seconds: float, total: int) -> None:
            "of the meta model's and its trainable count equal to the run's. *2 ranks*: the same tiny model launched with "
            "`python -m sftrecipes launch` on 2 CPU ranks with the ZeRO-3 LoRA twin and the FSDP2 twin "
            "(`recipes/tiny/zero3.yaml`, `fsdp.yaml`; only `model_name_or_path` changed), 2 steps (`bench/sweep.py "
-           "--two-ranks`): *both*, or each twin's last line.", "",
+           "--two-ranks`): *both*, or each twin's last line. *pass*: all of these; an architecture that passes in one "
+           "process and fails a twin is a fail, the twin's line its reason.", "",
            f"**{len(passed)} of {len(tested)} decoder-only text architectures pass ({100 * len(passed) / max(len(tested), 1):.0f}%)**; "
            f"{len(rows) - len(tested)} entries left out (listed last, with why); {seconds / 60:.0f} min of runs on this machine. "
-           f"On 2 ranks: {len(both)} of the {len(launched)} passing architectures launched train with both twins"
-           + ("" if len(launched) == len(passed) else f" ({len(passed) - len(launched)} passing ones not launched yet)") + "."
+           f"In one process {len(alone)} pass; on 2 ranks {len(both)} of the {len(launched)} launched train with both twins"
+           + ("" if len(launched) == len(alone) else f" ({len(alone) - len(launched)} not launched yet)") + "."
            + ("" if len(rows) >= total else f" **Partial: {len(rows)} of the {total} entries ran** (`make sweep` goes on "
               "from here)."), "",
            f"Measured at commit (rows): {at('commit', rows)}" + (f"; on 2 ranks: {at('two_ranks_commit', launched)}" if launched else "") + ".", "",
            "| architecture | class | result | attention | LoRA targets | plan exact | 2 ranks | reason / note |",
            "|---|---|---|---|---|---|---|---|"]
     order = {"pass": 0, "fail": 1, "left out": 2}
-    for r in sorted(rows, key=lambda r: (order[r["result"]], r["arch"])):
+    for r in sorted(rows, key=lambda r: (order[overall(r)], r["arch"])):
         exact = {True: "yes", False: "no"}.get(r.get("plan_exact"), "")
         two = r.get("two_ranks") or {}
         failed = [f"{t}: {v}" for t, v in two.items() if v != "pass"]
         ranks = ("" if not two else "both" if not failed else "; ".join(failed)).replace("|", "\\|")
-        why = (r.get("reason") or r.get("note") or "").replace("|", "\\|")
-        out.append(f"| {r['arch']} | {r.get('class', '')} | {r['result']} | {r.get('attention', '')} | "
+        why = (r.get("reason") or r.get("note") or (f"2 ranks, {failed[0]}" if failed else "")).replace("|", "\\|")
+        out.append(f"| {r['arch']} | {r.get('class', '')} | {overall(r)} | {r.get('attention', '')} | "
                    f"{r.get('targets', '').replace(',', ', ')} | {exact} | {ranks} | {why} |")
     OUT.write_text("\n".join(out) + "\n")
     ROWS.write_text(json.dumps({"entries": total, "seconds": round(seconds, 1), "rows": sorted(rows, key=lambda r: r["arch"])},

@@ -190,7 +190,7 @@ def meta_shape(c: dict, name: str, where: str = "the model config") -> Shape:
                  max((L.experts for L in sparse), default=0), max((L.top_k for L in sparse), default=0), e_inter,
                  max((L.shared_intermediate for L in sparse), default=0), rest=rest,
                  supports_sdpa=bool(cls._supports_sdpa), unpacked=unpacked_reason(cls),
-                 checkpoints=bool(cls.supports_gradient_checkpointing), source="meta", config_json=key,
+                 checkpoints=bool(cls.supports_gradient_checkpointing), reruns=reruns(model), source="meta", config_json=key,
                  head_vocab=0 if tied or head.weight.shape[0] == embed.weight.shape[0] else head.weight.shape[0])
 
 
@@ -296,3 +296,51 @@ def packing_blocker(recipe: Recipe, cls: type) -> str | None:
     if not (recipe.trl_value("packing") or recipe.trl_value("padding_free")):
         return None
     return unpacked_reason(cls) or None
+
+
+@functools.cache
+def _loop_calls(cls: type) -> tuple[str, ...]:
+    """The attributes `cls.forward` calls as self.<name>(...) inside a `for ... in range(...)` loop of a size the
+    module fixes (its config's cycle counts, constants), read from the class's own source (empty where there is none
+    to read)."""
+    import ast  # noqa: PLC0415 - only this check reads source
+    import textwrap  # noqa: PLC0415
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return ()
+    def fixed(node) -> bool:  # a constant, self.<...> (the config's cycle counts), or arithmetic of those
+        if isinstance(node, ast.Constant):
+            return True
+        if isinstance(node, ast.BinOp):
+            return fixed(node.left) and fixed(node.right)
+        while isinstance(node, ast.Attribute):
+            node = node.value
+        return isinstance(node, ast.Name) and node.id == "self"
+
+    names: list[str] = []
+    for loop in ast.walk(tree):
+        it = loop.iter if isinstance(loop, ast.For) else None
+        if not (isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "range" and it.args
+                and all(fixed(a) for a in it.args)):
+            continue  # (a loop the data sizes calls its submodules as ZeRO-3 leaves: model.zero3_leaves)
+        for node in (n for stmt in loop.body for n in ast.walk(stmt)):
+            f = node.func if isinstance(node, ast.Call) else None
+            if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" and f.attr not in names:
+                names.append(f.attr)
+    return tuple(names)
+
+
+def reruns(model) -> str:
+    """Where the model runs one of its own submodules (with parameters, not a list of layers) several times in a
+    forward -- HRM's H and L stacks, looped over config-sized cycles -- in words, or "". Read from each module class's
+    forward source and the module tree (the meta model's or the loaded one's)."""
+    found = []
+    for module in model.modules():
+        called = [a for a in _loop_calls(type(module)) if isinstance(getattr(module, a, None), torch.nn.Module)
+                  and not isinstance(getattr(module, a), (torch.nn.ModuleList, torch.nn.ModuleDict))
+                  and any(True for _ in getattr(module, a).parameters())]
+        if called:
+            found.append(f"{type(module).__name__} runs its {' and '.join(called)} several times a forward")
+    return "; ".join(dict.fromkeys(found))

@@ -41,8 +41,6 @@ import torch
 import trl
 from accelerate import PartialState
 from accelerate.utils import gather_object
-from matplotlib.backends.backend_agg import FigureCanvasAgg  # no pyplot: no global backend
-from matplotlib.figure import Figure
 from torch.utils.tensorboard import SummaryWriter
 from transformers import TrainerCallback
 
@@ -304,6 +302,10 @@ def format_table(summary: dict) -> str:
 
 def save_plot(path: Path, log_history: list[dict], ranks: list[dict]) -> Path:
     """Loss (rank 0's logged losses) and real tokens/s per step of every rank, as a PNG."""
+    # matplotlib loads here, on the main process at the end: ~0.8 s of start-up every rank would pay otherwise
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415 - no pyplot: no global backend
+    from matplotlib.figure import Figure  # noqa: PLC0415 - as above
+
     fig = Figure(figsize=(9, 6))
     FigureCanvasAgg(fig)
     ax_loss, ax_tps = fig.subplots(2, 1, sharex=True)

@@ -193,17 +193,28 @@ def packing_fallback(recipe: Recipe) -> str | None:
 
 
 def checkpointing_fallback(recipe: Recipe) -> str | None:
-    """Activation checkpointing asked for on a model class that does not support it (GPT-1, CTRL, XLNet, JetMoE:
-    supports_gradient_checkpointing False; the trainer would raise after loading): the run goes without, as packing
-    falls back, on every rank alike; the plan counts it so (Shape.checkpoints). Returns the warning line, or None."""
+    """Activation checkpointing asked for where the run cannot have it (shape.checkpointing_off): a model class that
+    does not support it (GPT-1, CTRL, XLNet, JetMoE: supports_gradient_checkpointing False; the trainer would raise
+    after loading), or a submodule run several times a forward under ZeRO-3 (HRM; DeepSpeed's first backward would
+    fail). The run goes without, as packing falls back, on every rank alike; the plan counts it so. Returns the
+    warning line, or None."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from .shape import checkpointing_off  # noqa: PLC0415
+
     built = meta_model(recipe) if recipe.gradient_checkpointing else None
-    if built is None or built[1].supports_gradient_checkpointing:
+    if built is None:
+        return None
+    cfg, model = built
+    why = checkpointing_off(recipe, SimpleNamespace(model_type=cfg.model_type, reruns=meta.reruns(model),
+                                                    checkpoints=bool(model.supports_gradient_checkpointing)))
+    if not why:
         return None
     recipe.trl["gradient_checkpointing"] = False  # (TRL's default is on)
     if "activation_checkpointing" in recipe.trl:
         recipe.trl["activation_checkpointing"] = False
-    return (f"WARNING gradient_checkpointing: off for this run: {type(built[1]).__name__} does not support activation "
-            "checkpointing (every layer's activations are kept); set gradient_checkpointing: false to silence this")
+    return (f"WARNING gradient_checkpointing: off for this run: {why} (every layer's activations are kept); set "
+            "gradient_checkpointing: false to silence this")
 
 
 def packed(recipe: Recipe) -> bool:

@@ -175,6 +175,9 @@ class Shape:
     # them; the run pads its rows instead: model.packing_fallback), or "" where they can
     unpacked: str = ""
     checkpoints: bool = True  # the model class supports activation checkpointing (meta.py; else the run goes without)
+    # a submodule the model runs several times a forward (meta.reruns: HRM's stacks), or "": ZeRO-3 then goes without
+    # checkpointing (checkpointing_off)
+    reruns: str = ""
     source: str = "table"  # "table" (DEFAULTS, torch-free) or "meta" (the model transformers builds: meta.py)
     config_json: str = field(default="", compare=False)  # the config it was read from (meta.py rebuilds the model)
     head_vocab: int = 0  # the output head's rows where they differ from the input embedding's (Mllama: 8 image tokens
@@ -464,3 +467,18 @@ def load_dtype(recipe: Recipe) -> str:
 def mixed_dtype(recipe: Recipe) -> str | None:
     """The mixed-precision compute dtype: 'bfloat16' (bf16: true), 'float16' (fp16: true) or None (neither)."""
     return "bfloat16" if recipe.trl_value("bf16") else "float16" if recipe.trl_value("fp16") else None
+
+
+def checkpointing_off(recipe: Recipe, shape) -> str:
+    """Why a run that asks for activation checkpointing goes without it, in words, or "" (it runs checkpointed, or
+    never asked): a model class without support, or a submodule run several times a forward under ZeRO-3, whose
+    gradient buckets then take those parameters' gradients twice in one step with checkpointing on (DeepSpeed#4505;
+    an AssertionError in the first backward). The run (model.checkpointing_fallback) and the plan read this alike."""
+    if not recipe.gradient_checkpointing:
+        return ""
+    if not shape.checkpoints:
+        return f"the {shape.model_type} model class does not support activation checkpointing"
+    if shape.reruns and recipe.launch.backend == "deepspeed" and recipe.launch.zero_stage == 3:
+        return (f"{shape.reruns}, and ZeRO-3's gradient buckets take such a module's gradients twice in a step with "
+                "checkpointing on (DeepSpeed#4505)")
+    return ""

@@ -213,8 +213,9 @@ def test_two_rank_twins_train_any_architecture(twin, mt, arch_models, tmp_path):
         # and has no activation checkpointing, which the 70B FSDP recipe turns on: the run (and the plan) go without
         logged = res.stdout + res.stderr
         assert "fsdp: wrapping EncoderLayer (CTRLLMHeadModel declares no _no_split_modules" in logged
-        assert "WARNING gradient_checkpointing: off for this run: CTRLLMHeadModel does not support" in logged
-        assert any(n.startswith("gradient_checkpointing: the ctrl model class does not support it") for n in plan.notes)
+        assert "WARNING gradient_checkpointing: off for this run: the ctrl model class does not support" in logged
+        assert ("gradient_checkpointing: the run goes without: the ctrl model class does not support activation "
+                "checkpointing; planned so") in plan.notes
         return
     if twin == "fsdp":  # rank 0 read the weights and handed out the router's buffer whole
         base = {k: v for k, v in load_file(folder / "model.safetensors").items() if "e_score_correction_bias" in k}
@@ -392,3 +393,38 @@ def test_layouts_the_sweep_found_unread(tmp_path):
     AutoConfig.for_model(**tiny_config("bamba")).save_pretrained(tmp_path)
     assert "Infinity" in (tmp_path / "config.json").read_text()
     assert read_config(str(tmp_path))["time_step_limit"][1] == float("inf")
+
+
+def test_a_module_run_several_times_a_forward_goes_without_checkpointing_on_zero3(tmp_path):
+    """HRM runs its H and L stacks several times a forward; under ZeRO-3 with activation checkpointing DeepSpeed's
+    gradient buckets then take their gradients twice in one step (an AssertionError in the first backward; `make
+    sweep-two-ranks` launches it). Read from the model: the run goes without checkpointing on ZeRO-3 only, with one
+    warning, and the plan sizes the run as it goes (equal to asking for no checkpointing). Other models rerun nothing."""
+    from transformers import AutoConfig
+
+    from sftrecipes import model as models
+    from sftrecipes.tiny import tiny_config
+
+    AutoConfig.for_model(**tiny_config("hrm_text")).save_pretrained(tmp_path)
+    assert meta.reruns(meta.build(AutoConfig.for_model(**tiny_config("hrm_text")))) == \
+        "HrmTextModel runs its L_module and H_module several times a forward"
+    for mt in ("qwen3_5", "zamba2", "qwen4_exp"):  # hybrid layers sharing a block, a data-sized indexer loop (a leaf)
+        assert meta.reruns(meta.build(AutoConfig.for_model(**tiny_config(mt)))) == "", mt
+
+    def recipe(twin, *flags):
+        return load_recipe([f"recipes/tiny/{twin}.yaml", "--model_name_or_path", str(tmp_path), *flags])
+
+    zero3 = recipe("zero3")
+    assert zero3.gradient_checkpointing
+    plan = plan_recipe(zero3, _alternatives=False)
+    without = plan_recipe(recipe("zero3", "--gradient_checkpointing", "false"), _alternatives=False)
+    assert plan.phases == without.phases and plan.peak == without.peak
+    assert any(n.startswith("gradient_checkpointing: the run goes without: HrmTextModel runs its L_module and H_module")
+               and "DeepSpeed#4505" in n for n in plan.notes), plan.notes
+    line = models.checkpointing_fallback(zero3)
+    assert line.startswith("WARNING gradient_checkpointing: off for this run: HrmTextModel runs") and not zero3.gradient_checkpointing
+    fsdp = recipe("fsdp")
+    assert models.checkpointing_fallback(fsdp) is None and fsdp.gradient_checkpointing
+    fsdp_plan = plan_recipe(fsdp, _alternatives=False)  # checkpointed there, and planned so
+    assert not any("checkpointing" in n for n in fsdp_plan.notes)
+    assert fsdp_plan.phases != plan_recipe(recipe("fsdp", "--gradient_checkpointing", "false"), _alternatives=False).phases

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..recipe import Recipe
-from ..shape import Layer, Shape, Weight
+from ..shape import Layer, Shape, Weight, checkpointing_off
 from .sharding import Setup
 
 TRL_TOKEN_TILE, TRL_VOCAB_TILE = 4096, 32768  # trl.kernels.chunked_logprob tile of the fused LM head
@@ -61,7 +61,7 @@ def activations(recipe: Recipe, shape: Shape, s: Setup, adapted: tuple) -> Activ
     tokens = b * seq
     attn = planned_attention(recipe, shape, s.gpu)
     a = s.act_bytes
-    ckpt = recipe.gradient_checkpointing and shape.checkpoints  # (a class without support: the run goes without)
+    ckpt = recipe.gradient_checkpointing and not checkpointing_off(recipe, shape)  # (where it cannot: the run goes without)
     h, V = shape.hidden, shape.vocab
     # per decoder layer (dense and sparse layers differ): saved tensors, backward temporaries
     per_layer: dict = {}

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from .activations import TRL_VOCAB_TILE, Activations, activations, layer_lora_params
 from ..recipe import Recipe
-from ..shape import Shape, model_shape
+from ..shape import Shape, checkpointing_off, model_shape
 from .sharding import GB, Setup, quant_bytes_per_param, setup, trainable_bytes
 
 if TYPE_CHECKING:
@@ -99,8 +99,8 @@ def estimate(recipe: Recipe) -> Plan:
     notes += _outside_notes(shape, st, s.lora)
     if shape.unpacked and (recipe.trl_value("packing") or recipe.trl_value("padding_free")):
         notes.append(f"packing: the run pads its rows instead ({shape.unpacked}); planned unpacked")
-    if recipe.gradient_checkpointing and not shape.checkpoints:
-        notes.append(f"gradient_checkpointing: the {shape.model_type} model class does not support it; the run goes without, planned so")
+    if why := checkpointing_off(recipe, shape):
+        notes.append(f"gradient_checkpointing: the run goes without: {why}; planned so")
     if shape.moe:
         notes += _moe_notes(shape, s, st.adapted, st.float_b, recipe.model.lora_target_modules)
     return Plan(
@@ -227,7 +227,7 @@ def _model_states(recipe: Recipe, shape: Shape, s: Setup) -> ModelStates:
 
 def _live_phases(recipe: Recipe, shape: Shape, s: Setup, st: ModelStates, act: Activations) -> dict[str, list[tuple]]:
     """What is live at each phase of a step besides the model states: (name, bytes, note) per phase."""
-    L, ckpt, Lr = recipe.launch, recipe.gradient_checkpointing and shape.checkpoints, shape.layers
+    L, ckpt, Lr = recipe.launch, recipe.gradient_checkpointing and not checkpointing_off(recipe, shape), shape.layers
     gathered, head_gather = _gathered(recipe, shape, s, st)
     # grads outlive the step's backward only with accumulation (zero_grad(set_to_none) after each step), or when
     # DeepSpeed allocates its partitioned grad buffer up front
