@@ -28,7 +28,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from . import emit, launch, paths, plan, recipe_copy, schema, snapshots, tiny
+from . import emit, folders, launch, paths, plan, recipe_copy, schema, snapshots, tiny
 from .backends import launcher_env
 from .errors import RecipeError
 from .options_doc import options_markdown
@@ -81,6 +81,7 @@ def _merge(argv: list[str]) -> int:
     p.add_argument("--verify", action="store_true", help="before publishing, compare the merged model's logits with peft's "
                    "unmerged adapter on the base (one line; exit 2 above the dtype's tolerance; needs RAM for two fp32 copies)")
     ns = p.parse_args(argv)
+    folders.merge_base(folders.adapter_config(Path(ns.adapter)), ns.base)  # a wrong folder: one line before torch
     from .export import merge_lora  # noqa: PLC0415 - torch: --help and the other verbs stay torch-free
 
     print(merge_lora(ns.adapter, ns.out, base=ns.base, dtype=ns.dtype, verify=ns.verify))
@@ -95,6 +96,8 @@ def _export(argv: list[str]) -> int:
     p.add_argument("--dtype", default=None, choices=schema.DTYPES)
     p.add_argument("--verify", action="store_true", help="reload the export and compare logits with the source (needs RAM for two fp32 copies)")
     ns = p.parse_args(argv)
+    if folders.export_kind(Path(ns.src)) == "adapter":  # a wrong folder: one line before torch
+        folders.merge_base(folders.adapter_config(Path(ns.src)), ns.base)
     from .export import export  # noqa: PLC0415 - torch: --help and the other verbs stay torch-free
 
     print(export(ns.src, ns.dest, dtype=ns.dtype, base=ns.base, verify=ns.verify))

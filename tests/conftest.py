@@ -46,6 +46,59 @@ def run_cli(args: list[str], timeout: int = 600, env: dict | None = None) -> sub
                           env={**os.environ, **(env or {})})
 
 
+class Zygote:
+    """tests/zygote.py started once: run(argv, env) runs `python ARGV` from the repository root in a fork of a process
+    that has imported torch, transformers and the training modules already, and returns what subprocess.run would
+    (returncode, stdout, stderr). For many short processes whose errors come after torch loads."""
+
+    def __init__(self, env: dict):
+        self.env = env
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "zygote.py")], cwd=ROOT, env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self._read("ready", 300)
+
+    def _read(self, key: str, timeout: float):
+        import json
+        import select
+
+        deadline = time.time() + timeout
+        while True:
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.time()))
+            if not ready:
+                return None
+            line = self.proc.stdout.readline()
+            assert line, "tests/zygote.py ended"
+            try:
+                msg = json.loads(line)
+            except ValueError:  # (a library's own print while importing)
+                continue
+            if isinstance(msg, dict) and key in msg:
+                return msg[key]
+
+    def run(self, argv: list[str], tmp: Path, env: dict | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+        import json
+        import signal
+
+        out, err = tmp / "zygote.stdout", tmp / "zygote.stderr"
+        self.proc.stdin.write(json.dumps({"argv": argv, "cwd": str(ROOT), "env": {**self.env, **(env or {})},
+                                          "stdout": str(out), "stderr": str(err)}) + "\n")
+        self.proc.stdin.flush()
+        pid = self._read("pid", 30)
+        rc = self._read("rc", timeout)
+        if rc is None:
+            os.kill(pid, signal.SIGKILL)
+            self._read("rc", 30)
+            raise AssertionError(f"{argv} ran over {timeout} s")
+        res = subprocess.CompletedProcess(argv, rc, out.read_text(), err.read_text())
+        out.unlink()
+        err.unlink()
+        return res
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
 def free_port() -> int:
     import socket
 

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from conftest import ROOT
 
 from sftrecipes import export as ex
-from sftrecipes.export.readers import _local_model_dir
+from sftrecipes.folders import local_model_dir as _local_model_dir
 from sftrecipes.export.verify import _base_for_adapter
 from sftrecipes import schema
 from sftrecipes.errors import RecipeError

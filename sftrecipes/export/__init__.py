@@ -24,19 +24,21 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import shutil
 from pathlib import Path
 
 import torch
 
 from ..errors import RecipeError
+from ..folders import ds_tag_dir as _ds_tag_dir
+from ..folders import export_kind
+from ..folders import local_model_dir as _local_model_dir
 from ..model import DTYPES
 from .dcp import DCPSource
 from .layout import HubFormat, StoredLayout, expected_model_tensors, tied_copies
 from .adapters import ADAPTER_MARKS, _check_fits, _peft_name, _wrapped, param_wrappers, plan_merge, read_adapter
 from .merge import merge_in_run, merge_lora
-from .readers import _ds_tag_dir, _local_model_dir, _ZeroSource, folder_tensors, read_st_header
+from .readers import _ZeroSource, folder_tensors, read_st_header
 from .rewrite import rewrite_model
 from .verify import LOGIT_TOL, _adapter_reference, _from_pretrained, _state_dict_reference, check_adapter_folder, check_model_folder, upstream_state_dict, verify_logits
 from .writer import MANIFEST, TOKENIZER_FILES, SafetensorsStreamWriter, _Staging
@@ -58,27 +60,17 @@ def export(src: str | Path, dest: str | Path, dtype: str | None = None, base: st
     checkpoints of LoRA runs give an adapter folder (export that folder again to merge it). Floats are cast to
     `dtype` if given. verify=True also compares logits with the source (verify_logits)."""
     src = Path(src)
-    if not src.is_dir():
-        raise RecipeError(f"export: '{src}' is not a folder; give the run's output_dir (or a checkpoint-N in it)")
-    tag = _ds_tag_dir(src)
-    if tag is not None:
+    kind = export_kind(src)  # (torch-free: cli.py asks it before torch loads)
+    if kind == "zero":
+        tag = _ds_tag_dir(src)
         return _export_sharded(_ZeroSource(tag), tag.parent, dest, dtype, base, verify, "zero", tag, max_shard_bytes)
-    if (src / "pytorch_model_fsdp_0").is_dir():
+    if kind == "dcp":
         folder = src / "pytorch_model_fsdp_0"
         return _export_sharded(DCPSource(folder), src, dest, dtype, base, verify, "dcp", folder, max_shard_bytes)
-    if (src / "adapter_config.json").is_file():
+    if kind == "adapter":
         return merge_lora(src, dest, base=base, dtype=dtype, max_shard_bytes=max_shard_bytes, verify=verify, verb="export")
-    if (src / "config.json").is_file() and ((src / "model.safetensors").is_file() or (src / "model.safetensors.index.json").is_file()):
-        reference = (lambda: _from_pretrained(src)) if verify else None
-        return rewrite_model(src, dest, {}, dtype, src, max_shard_bytes, reference=reference)
-    found = sorted(p.name for p in src.iterdir())
-    ckpts = [n for n in found if re.fullmatch(r"checkpoint-\d+", n)]
-    if ckpts:
-        raise RecipeError(f"export: '{src}' has no final save (did the run finish?) but holds {', '.join(sorted(ckpts, key=lambda n: int(n.split('-')[1])))}; export one of them: export {src}/{ckpts[-1]} DEST")
-    raise RecipeError(
-        f"export: '{src}' is none of: DeepSpeed checkpoint (global_stepN/), FSDP sharded checkpoint (pytorch_model_fsdp_0/), "
-        f"LoRA adapter (adapter_config.json), safetensors model (config.json + model*.safetensors); found {', '.join(found[:8]) or 'nothing'}"
-    )
+    reference = (lambda: _from_pretrained(src)) if verify else None
+    return rewrite_model(src, dest, {}, dtype, src, max_shard_bytes, reference=reference)
 
 
 def _export_sharded(source, ckpt: Path, dest, dtype, base, verify: bool, kind: str, folder: Path, max_shard_bytes: int) -> Path:

@@ -3,7 +3,6 @@ changes (plan_merge), checking that the factors fit, and applying a plan entry t
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import torch
 
 from ..errors import RecipeError
+from ..folders import adapter_config
 from ..shape import pattern_value
 from .layout import _cut, _meta_model
 from .readers import _Reader
@@ -19,27 +19,6 @@ from .readers import _Reader
 PREFIX = "base_model.model."
 ADAPTER_MARKS = (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embedding_B.", ".lora_magnitude_vector.", ".modules_to_save.",
                  ".token_adapter.")
-
-
-# adapter_config.json features the streaming merge does not apply, each refused by name: what it is
-UNMERGEABLE = {
-    "lora_bias": "lora_bias (a bias in lora_B, which the base layers may not have)",
-    "layer_replication": "layer_replication (duplicated decoder layers)",
-    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens: it acts only after its invocation tokens)",
-    "use_qalora": "QALoRA (use_qalora)",
-    "kasa_config": "KaSA (kasa_config: it truncates the base weights)",
-    "use_bdlora": "block-diagonal LoRA (use_bdlora)",
-    "arrow_config": "Arrow routing (arrow_config)",
-    "monteclora_config": "MonteCLoRA (monteclora_config)",
-    "megatron_config": "Megatron tensor-parallel layers (megatron_config)",
-}
-
-
-# init_lora_weights whose adapters do not apply to the base as saved: they rewrote the base weights when created
-# (peft can convert them: save_pretrained(path_initial_model_for_weight_conversion=...)), or left lora_B out (mica)
-UNMERGEABLE_INIT = {"pissa": "rewrote the base weights", "olora": "rewrote the base weights", "corda": "rewrote the base weights",
-                    "loftq": "rewrote the base weights", "lora_ga": "rewrote the base weights",
-                    "mica": "left the frozen lora_B out of the adapter file"}
 
 
 def _peft_name(key: str) -> str:
@@ -52,20 +31,8 @@ def _peft_name(key: str) -> str:
 
 
 def read_adapter(adapter: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    cfg_path, weights = adapter / "adapter_config.json", adapter / "adapter_model.safetensors"
-    if not cfg_path.is_file() or not weights.is_file():
-        raise RecipeError(f"adapter: '{adapter}' has no adapter_config.json + adapter_model.safetensors; give a LoRA adapter folder")
-    cfg = json.loads(cfg_path.read_text())
-    if cfg.get("peft_type") != "LORA":
-        raise RecipeError(f"adapter: peft_type {cfg.get('peft_type')} cannot be merged; only LoRA adapters merge")
-    for key, what in UNMERGEABLE.items():
-        if cfg.get(key):
-            raise RecipeError(f"adapter: {what} is not supported by the streaming merge; merge with peft's merge_and_unload")
-    init = cfg.get("init_lora_weights")
-    family = "pissa" if isinstance(init, str) and init.startswith("pissa") else init
-    if isinstance(family, str) and family in UNMERGEABLE_INIT:
-        raise RecipeError(f"adapter: init_lora_weights '{init}' {UNMERGEABLE_INIT[family]}, so the adapter does not apply to the "
-                          "base model; convert it with peft (save_pretrained(path_initial_model_for_weight_conversion=...)) first")
+    cfg = adapter_config(adapter)  # (torch-free: cli.py asks it before torch loads)
+    weights = adapter / "adapter_model.safetensors"
     reader = _Reader()
     return cfg, {k: reader.get(weights, k) for k in reader.header(weights)}
 

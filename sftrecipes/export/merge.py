@@ -4,7 +4,6 @@ run from the live model on every backend, ZeRO-3 included (merge_in_run)."""
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import shutil
 from pathlib import Path
@@ -12,10 +11,11 @@ from pathlib import Path
 import torch
 
 from ..errors import RecipeError
+from ..folders import merge_base
 from ..model import DTYPES
 from .layout import StoredLayout
 from .adapters import ADAPTER_MARKS, PREFIX, _check_fits, _wrapped, plan_merge, read_adapter
-from .readers import _local_model_dir, _SafetensorsSource
+from .readers import _SafetensorsSource
 from .rewrite import _write_config, rewrite_model
 from .verify import _peft_reference, check_model_folder
 from .writer import SafetensorsStreamWriter, _shard_files, _shards, _Staging, _write_index
@@ -31,9 +31,7 @@ def merge_lora(adapter_dir: str | Path, out_dir: str | Path, base: str | None = 
     error names `verb`, the command that asked). Returns the finished output folder."""
     adapter = Path(adapter_dir)
     cfg, tensors = read_adapter(adapter)
-    base_dir = _local_model_dir(base or cfg.get("base_model_name_or_path") or "")
-    if (base_dir / "config.json").is_file() and "quantization_config" in json.loads((base_dir / "config.json").read_text()):
-        raise RecipeError(f"base: '{base_dir}' is quantized (config.json has quantization_config); merge into the unquantized base model (--base)")
+    base_dir = merge_base(cfg, base)
     source = _SafetensorsSource(base_dir)
     held = StoredLayout.of_config(base_dir).held if (base_dir / "config.json").is_file() else {}
     plan = plan_merge(cfg, tensors, set(source.names()) | set(held), _wrapped(base_dir, cfg))

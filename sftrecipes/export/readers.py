@@ -12,7 +12,6 @@ import struct
 from pathlib import Path
 
 import torch
-from huggingface_hub import snapshot_download
 
 from ..errors import RecipeError
 from .dcp import read_exactly
@@ -102,16 +101,6 @@ def folder_tensors(folder: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]
     return out
 
 
-def _local_model_dir(name_or_path: str) -> Path:
-    p = Path(name_or_path).expanduser()
-    if p.is_dir():
-        return p
-    try:
-        return Path(snapshot_download(name_or_path, allow_patterns=["*.safetensors", "*.json", "tokenizer*"]))
-    except Exception as e:  # noqa: BLE001 - any hub failure is the same advice
-        raise RecipeError(f"base: '{name_or_path}' is not a local folder and could not be fetched from the hub ({type(e).__name__}); pass --base LOCAL_DIR") from None
-
-
 def _release(t: torch.Tensor) -> None:
     """Hand back the pages of `t` (a view into a torch.load(mmap=True) file, mapped private and never written): the
     next access would re-read them from the file. Without this every page a conversion touched stays in RSS."""
@@ -125,16 +114,6 @@ def _release(t: torch.Tensor) -> None:
 
 def _natural(p: Path):
     return [int(s) if s.isdigit() else s for s in re.split(r"(\d+)", p.name)]
-
-
-def _ds_tag_dir(folder: Path) -> Path | None:
-    """The global_stepN folder of a DeepSpeed checkpoint (the one `latest` names, else the only one), or None."""
-    if re.fullmatch(r"global_step\d+", folder.name) and any(folder.glob("*_optim_states.pt")):
-        return folder
-    steps = sorted((p for p in folder.glob("global_step*") if p.is_dir()), key=_natural)
-    if (folder / "latest").is_file() and (folder / (folder / "latest").read_text().strip()).is_dir():
-        return folder / (folder / "latest").read_text().strip()
-    return steps[-1] if steps else None
 
 
 class _ZeroSource:

@@ -1,0 +1,109 @@
+"""What a folder given to `merge` or `export` is, read from its files without torch: cli.py asks before torch loads
+(a missing, empty or wrong folder is one line, exit 2, in a fraction of a second), and the export code asks the
+same functions, so the two never disagree."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from .errors import RecipeError
+
+# adapter_config.json features the streaming merge does not apply, each refused by name: what it is
+UNMERGEABLE = {
+    "lora_bias": "lora_bias (a bias in lora_B, which the base layers may not have)",
+    "layer_replication": "layer_replication (duplicated decoder layers)",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens: it acts only after its invocation tokens)",
+    "use_qalora": "QALoRA (use_qalora)",
+    "kasa_config": "KaSA (kasa_config: it truncates the base weights)",
+    "use_bdlora": "block-diagonal LoRA (use_bdlora)",
+    "arrow_config": "Arrow routing (arrow_config)",
+    "monteclora_config": "MonteCLoRA (monteclora_config)",
+    "megatron_config": "Megatron tensor-parallel layers (megatron_config)",
+}
+
+
+# init_lora_weights whose adapters do not apply to the base as saved: they rewrote the base weights when created
+# (peft can convert them: save_pretrained(path_initial_model_for_weight_conversion=...)), or left lora_B out (mica)
+UNMERGEABLE_INIT = {"pissa": "rewrote the base weights", "olora": "rewrote the base weights", "corda": "rewrote the base weights",
+                    "loftq": "rewrote the base weights", "lora_ga": "rewrote the base weights",
+                    "mica": "left the frozen lora_B out of the adapter file"}
+
+
+
+def adapter_config(adapter: Path) -> dict:
+    """adapter_config.json of a LoRA adapter folder the streaming merge applies, or RecipeError naming why not."""
+    cfg_path, weights = adapter / "adapter_config.json", adapter / "adapter_model.safetensors"
+    if not cfg_path.is_file() or not weights.is_file():
+        raise RecipeError(f"adapter: '{adapter}' has no adapter_config.json + adapter_model.safetensors; give a LoRA adapter folder")
+    cfg = json.loads(cfg_path.read_text())
+    if cfg.get("peft_type") != "LORA":
+        raise RecipeError(f"adapter: peft_type {cfg.get('peft_type')} cannot be merged; only LoRA adapters merge")
+    for key, what in UNMERGEABLE.items():
+        if cfg.get(key):
+            raise RecipeError(f"adapter: {what} is not supported by the streaming merge; merge with peft's merge_and_unload")
+    init = cfg.get("init_lora_weights")
+    family = "pissa" if isinstance(init, str) and init.startswith("pissa") else init
+    if isinstance(family, str) and family in UNMERGEABLE_INIT:
+        raise RecipeError(f"adapter: init_lora_weights '{init}' {UNMERGEABLE_INIT[family]}, so the adapter does not apply to the "
+                          "base model; convert it with peft (save_pretrained(path_initial_model_for_weight_conversion=...)) first")
+    return cfg
+
+
+def _natural(p: Path) -> list:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)]
+
+
+def ds_tag_dir(folder: Path) -> Path | None:
+    """The global_stepN folder of a DeepSpeed checkpoint (the one `latest` names, else the only one), or None."""
+    if re.fullmatch(r"global_step\d+", folder.name) and any(folder.glob("*_optim_states.pt")):
+        return folder
+    steps = sorted((p for p in folder.glob("global_step*") if p.is_dir()), key=_natural)
+    if (folder / "latest").is_file() and (folder / (folder / "latest").read_text().strip()).is_dir():
+        return folder / (folder / "latest").read_text().strip()
+    return steps[-1] if steps else None
+
+
+def export_kind(src: Path) -> str:
+    """What `export` makes of src, in its order: "zero" (global_stepN/), "dcp" (pytorch_model_fsdp_0/), "adapter"
+    (adapter_config.json), "model" (config.json + safetensors); else RecipeError naming what is there."""
+    if not src.is_dir():
+        raise RecipeError(f"export: '{src}' is not a folder; give the run's output_dir (or a checkpoint-N in it)")
+    if ds_tag_dir(src) is not None:
+        return "zero"
+    if (src / "pytorch_model_fsdp_0").is_dir():
+        return "dcp"
+    if (src / "adapter_config.json").is_file():
+        return "adapter"
+    if (src / "config.json").is_file() and ((src / "model.safetensors").is_file() or (src / "model.safetensors.index.json").is_file()):
+        return "model"
+    found = sorted(p.name for p in src.iterdir())
+    ckpts = [n for n in found if re.fullmatch(r"checkpoint-\d+", n)]
+    if ckpts:
+        raise RecipeError(f"export: '{src}' has no final save (did the run finish?) but holds {', '.join(sorted(ckpts, key=lambda n: int(n.split('-')[1])))}; export one of them: export {src}/{ckpts[-1]} DEST")
+    raise RecipeError(
+        f"export: '{src}' is none of: DeepSpeed checkpoint (global_stepN/), FSDP sharded checkpoint (pytorch_model_fsdp_0/), "
+        f"LoRA adapter (adapter_config.json), safetensors model (config.json + model*.safetensors); found {', '.join(found[:8]) or 'nothing'}"
+    )
+
+
+def local_model_dir(name_or_path: str) -> Path:
+    """A base model as a local folder: the folder itself, or the hub's snapshot of the id; RecipeError where neither."""
+    p = Path(name_or_path).expanduser()
+    if p.is_dir():
+        return p
+    from huggingface_hub import snapshot_download  # noqa: PLC0415 - only for a hub id
+
+    try:
+        return Path(snapshot_download(name_or_path, allow_patterns=["*.safetensors", "*.json", "tokenizer*"]))
+    except Exception as e:  # noqa: BLE001 - any hub failure is the same advice
+        raise RecipeError(f"base: '{name_or_path}' is not a local folder and could not be fetched from the hub ({type(e).__name__}); pass --base LOCAL_DIR") from None
+
+
+def merge_base(cfg: dict, base: str | None) -> Path:
+    """The unquantized base a LoRA adapter merges into (--base, else the adapter's base_model_name_or_path)."""
+    base_dir = local_model_dir(base or cfg.get("base_model_name_or_path") or "")
+    if (base_dir / "config.json").is_file() and "quantization_config" in json.loads((base_dir / "config.json").read_text()):
+        raise RecipeError(f"base: '{base_dir}' is quantized (config.json has quantization_config); merge into the unquantized base model (--base)")
+    return base_dir
