@@ -31,7 +31,6 @@ UNMERGEABLE_INIT = {"pissa": "rewrote the base weights", "olora": "rewrote the b
                     "mica": "left the frozen lora_B out of the adapter file"}
 
 
-
 def adapter_config(adapter: Path) -> dict:
     """adapter_config.json of a LoRA adapter folder the streaming merge applies, or RecipeError naming why not."""
     cfg_path, weights = adapter / "adapter_config.json", adapter / "adapter_model.safetensors"
@@ -51,7 +50,8 @@ def adapter_config(adapter: Path) -> dict:
     return cfg
 
 
-def _natural(p: Path) -> list:
+def natural_key(p: Path) -> list:
+    """Sort key: global_step10 after global_step9."""
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)]
 
 
@@ -59,7 +59,7 @@ def ds_tag_dir(folder: Path) -> Path | None:
     """The global_stepN folder of a DeepSpeed checkpoint (the one `latest` names, else the only one), or None."""
     if re.fullmatch(r"global_step\d+", folder.name) and any(folder.glob("*_optim_states.pt")):
         return folder
-    steps = sorted((p for p in folder.glob("global_step*") if p.is_dir()), key=_natural)
+    steps = sorted((p for p in folder.glob("global_step*") if p.is_dir()), key=natural_key)
     if (folder / "latest").is_file() and (folder / (folder / "latest").read_text().strip()).is_dir():
         return folder / (folder / "latest").read_text().strip()
     return steps[-1] if steps else None

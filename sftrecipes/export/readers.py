@@ -7,13 +7,13 @@ import ctypes
 import json
 import math
 import mmap
-import re
 import struct
 from pathlib import Path
 
 import torch
 
 from ..errors import RecipeError
+from ..folders import natural_key as _natural
 from .dcp import read_exactly
 from .writer import _LIBC, FROM_ST
 
@@ -110,10 +110,6 @@ def _release(t: torch.Tensor) -> None:
     start = t.data_ptr() // page * page
     end = t.data_ptr() + t.numel() * t.element_size()
     _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 4)  # 4 = MADV_DONTNEED
-
-
-def _natural(p: Path):
-    return [int(s) if s.isdigit() else s for s in re.split(r"(\d+)", p.name)]
 
 
 class _ZeroSource:
