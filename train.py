@@ -78,10 +78,12 @@ def run(recipe, life=None):
         train_ds, eval_ds, prompt, data_counts = data.load_datasets(recipe, tokenizer, end_of_turn)
 
     # 3. model: dtype, attention, 4/8-bit loading; LoRA is applied by the trainer from peft_config
-    rss_before = probes.rss_mb()
+    memory = probes.PhaseMemory()  # each phase's peak RSS on this rank, the kernel's high-water mark reset at its start
+    memory.start("loading")
     model = models.load_model(recipe, tokenizer, target)
     models.no_aux_loss_without_experts(model, args)  # a dense model whose config still declares router logits
     models.zero3_leaves(model, recipe, args.process_index == 0)  # modules whose submodule calls the data decides: one fetch each
+    memory.start("wrapping")  # to train()'s first callback: peft, accelerate's prepare (sharding, partitioning, broadcast)
     trainer = SFTTrainer(
         model=model,
         args=args,
@@ -89,7 +91,7 @@ def run(recipe, life=None):
         eval_dataset=eval_ds,
         processing_class=tokenizer,
         peft_config=lora.lora_config(recipe, added_tokens, model),
-        callbacks=[load_probe := probes.load_memory_probe(), dtypes := precision.precision_probe(recipe),
+        callbacks=[memory, dtypes := precision.precision_probe(recipe),
                    throughput := metrics.ThroughputCallback(peak_tflops=recipe.launch.peak_tflops),
                    guard := nonfinite.nonfinite_guard(recipe.run.nan_patience), life.callback()],
     )
@@ -113,7 +115,7 @@ def run(recipe, life=None):
         )
     life.stop_if_preempted(trainer)  # rank 0 writes preempted.json; main() exits 75
     backend = probes.describe_backend(trainer)  # before save/generate, which gather shards
-    load_memory = probes.gather_load_memory(trainer.accelerator, rss_before, load_probe.at_first_step or rss_before)
+    memory_phases = memory.gather(trainer.accelerator)
 
     # 5. final save (adapter for LoRA, full weights otherwise), then check it holds every expected tensor
     trainer.accelerator.unwrap_model(trainer.model).config.use_cache = True  # off for training only (model.load_model)
@@ -147,7 +149,7 @@ def run(recipe, life=None):
             "packed": bool(trainer.args.packing or trainer.args.padding_free),  # False where packing fell back (logged)
             "resumed_from": resume,
             "backend": backend,
-            "load_memory": load_memory,
+            "memory": memory_phases,  # per rank: baseline, then each phase's start/peak/end RSS and growth (MB)
             "precision": dtypes.table,
             "throughput": throughput.summary,  # tokens/s/device, step time, MFU, memory per rank (also metrics.json/png)
             "attention": model.config._attn_implementation,

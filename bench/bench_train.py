@@ -44,7 +44,7 @@ NOTES = """
 Findings (unpacked, batch 4, checkpointing on, LoRA, where the issue measured train.py at 1.21x bare TRL):
 
 - The two runs train the same thing the same way: the trainer's arguments, model, collator and checkpointing
-  function compared field by field differ only in ddp_timeout and the callbacks (train.py adds LoadMemoryProbe,
+  function compared field by field differ only in ddp_timeout and the callbacks (train.py adds its memory probe,
   PrecisionProbe, ThroughputCallback, NonFiniteGuard, Preemption); both checkpoint with
   `checkpoint(use_reentrant=False)`. torch.profiler counts the same ops per step; cProfile of the training loop
   (80-step counts less 40-step ones) ~110 more Python calls per step (25,540 against 25,430, +0.4%). The callbacks'

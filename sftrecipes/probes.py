@@ -1,5 +1,5 @@
 """Probes of what really ran, read from the live trainer: the backend (wrapper, ZeRO stage, how many parameter and
-optimizer elements this rank holds), each rank's memory around model loading, and a sample reply of the trained
+optimizer elements this rank holds), each rank's memory in each phase (loading, wrapping, the first steps), and a sample reply of the trained
 model."""
 
 from __future__ import annotations
@@ -130,31 +130,91 @@ def sample_reply(trainer, tokenizer, prompt, max_new_tokens: int) -> dict:
             "stopped_on": tokenizer.convert_ids_to_tokens(stop) if stop is not None else None}
 
 
-def rss_mb() -> tuple[float, float]:
-    """(current, peak so far) resident memory of this process in MB."""
-    return psutil.Process().memory_info().rss / 1e6, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6  # KiB
+PHASES = ("loading", "wrapping", "first_steps", "later_steps")
+FIRST_STEPS = 2  # optimizer steps in the "first_steps" phase: the first creates the optimizer states, the second runs as all later ones
 
 
-def load_memory_probe():
-    """A callback that records this rank's memory at the start of the first step: after loading and wrapping (FSDP
-    sharding, ZeRO partitioning, rank-0 broadcast), before any optimizer state exists. Weights are memory-mapped
-    and count only when touched, which happens at wrapping, not in from_pretrained."""
-    return LoadMemoryProbe()
+def _status_mb(field: str) -> float | None:
+    """A field of /proc/self/status (VmRSS, VmHWM) in MB; None where there is no procfs."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024 / 1e6  # kB
+    except OSError:
+        return None
+    return None
 
 
-class LoadMemoryProbe(TrainerCallback):
-    """load_memory_probe's callback: `at_first_step` is rss_mb() at the first step's start (None before)."""
+def _reset_peak() -> bool:
+    """Reset the kernel's high-water mark of this process's resident memory to its current RSS (Linux >= 4.0:
+    /proc/self/clear_refs '5'), so that VmHWM read later is the peak since now. False where it cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
-    at_first_step = None
 
-    def on_step_begin(self, args, state, control, **kwargs):
-        if self.at_first_step is None:
-            self.at_first_step = rss_mb()
+def rss_mb() -> float:
+    """This process's resident memory now, in MB."""
+    return psutil.Process().memory_info().rss / 1e6
 
 
-def gather_load_memory(acc, before: tuple[float, float], after: tuple[float, float]) -> list[dict]:
-    """Every rank's CPU memory from just before model loading to `after` (the probe's reading at train begin; all
-    ranks call, it is a collective). With RAM-efficient loading only rank 0 ever holds the whole model."""
-    mine = {"rank": acc.process_index, "rss_before_mb": round(before[0], 1), "peak_mb": round(after[1], 1),
-            "grew_mb": round(max(after[1] - before[0], 0.0), 1)}
-    return sorted(gather_object([mine]) if acc.num_processes > 1 else [mine], key=lambda d: d["rank"])
+class PhaseMemory(TrainerCallback):
+    """Each phase's peak resident memory on this rank, from the kernel's high-water mark reset at the phase's start:
+    an earlier peak of the process (data preparation, tokenization) never counts in a later phase. Phases, contiguous:
+    loading (from_pretrained and what load_model adds), wrapping (the trainer's construction — peft's wrapping — and
+    train() up to its first callback: accelerate's prepare, FSDP sharding, ZeRO partitioning, rank-0 broadcast, a
+    resume's checkpoint read), first_steps (the first FIRST_STEPS optimizer steps: optimizer states, activations,
+    gathers) and later_steps (to the end of training). `baseline_mb` is the RSS just before loading: python, torch,
+    the tokenized data. A callback so the trainer's events close the training phases."""
+
+    def __init__(self):
+        self.baseline_mb = None
+        self.phases: dict[str, dict] = {}
+        self.exact = True  # False where the high-water mark could not be reset (then peaks are lifetime peaks)
+        self._open = None
+        self._from_step = 0
+
+    def start(self, name: str) -> None:
+        self.close()
+        if self.baseline_mb is None:
+            self.baseline_mb = rss_mb()
+        self.exact = _reset_peak() and self.exact
+        self._open = (name, rss_mb())
+
+    def close(self) -> None:
+        if self._open is None:
+            return
+        name, start = self._open
+        self._open = None
+        now = rss_mb()
+        hwm = _status_mb("VmHWM")
+        if hwm is None or not self.exact:
+            hwm = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6, now)  # KiB: the lifetime peak
+        peak = max(hwm, start, now)
+        self.phases[name] = {"start_mb": round(start, 1), "peak_mb": round(peak, 1), "end_mb": round(now, 1),
+                             "grew_mb": round(max(peak - self.baseline_mb, 0.0), 1)}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self._open and self._open[0] == "wrapping":
+            self._from_step = state.global_step  # a resumed run counts its first steps from where it resumed
+            self.start("first_steps")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._open and self._open[0] == "first_steps" and state.global_step - self._from_step >= FIRST_STEPS:
+            self.start("later_steps")
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.close()
+
+    def gather(self, acc) -> list[dict]:
+        """Every rank's phases (all ranks call: a collective), by rank. `grew_mb` of a phase is its peak less the
+        baseline; `load_grew_mb` the larger of loading's and wrapping's: what holding the model cost this rank."""
+        self.close()
+        grew = [self.phases[k]["grew_mb"] for k in ("loading", "wrapping") if k in self.phases]
+        mine = {"rank": acc.process_index, "baseline_mb": round(self.baseline_mb or 0.0, 1), "exact": self.exact,
+                "load_grew_mb": max(grew, default=0.0), **{k: self.phases[k] for k in PHASES if k in self.phases}}
+        return sorted(gather_object([mine]) if acc.num_processes > 1 else [mine], key=lambda d: d["rank"])

@@ -108,6 +108,34 @@ def test_moe_flops_count_the_routed_experts_only(family_models, family):
     assert cb._split == (0, round(adapters)) and round(adapters) < peft.get_nb_trainable_parameters()[0]
 
 
+def test_phase_memory_peaks_are_each_phases_own():
+    """A phase's peak is its own: the high-water mark is reset at each phase's start, so an earlier, larger peak
+    (here 300 MB, freed before the next phase) does not count in a later phase that holds 60 MB."""
+    from types import SimpleNamespace
+
+    from sftrecipes.probes import PhaseMemory
+
+    mem, state = PhaseMemory(), SimpleNamespace(global_step=0)
+    mem.start("loading")
+    block = torch.ones(300_000_000 // 4)  # 300 MB, touched
+    del block
+    mem.start("wrapping")
+    held = torch.ones(60_000_000 // 4)
+    mem.on_train_begin(None, state, None)  # the trainer's first callback: wrapping ends, the first steps begin
+    for step in (1, 2, 3):
+        state.global_step = step
+        mem.on_step_end(None, state, None)
+    mem.on_train_end(None, state, None)
+    rows = mem.gather(SimpleNamespace(process_index=0, num_processes=1))
+    p = rows[0]
+    assert p["exact"], "the kernel's high-water mark could not be reset (/proc/self/clear_refs)"
+    assert p["loading"]["grew_mb"] > 290, p
+    assert 55 < p["wrapping"]["grew_mb"] < 150, p  # 60 MB held; not the 300 MB loading peak
+    assert p["load_grew_mb"] == p["loading"]["grew_mb"]
+    assert set(p) >= {"first_steps", "later_steps"} and p["wrapping"]["end_mb"] - p["wrapping"]["start_mb"] > 55, p
+    del held
+
+
 # ----------------------------------------------------------------------------------------------- one process
 
 

@@ -42,6 +42,10 @@ def test_lora_loss_falls_and_adapter_saved(lora_run):
     assert len(saved) == summary["saved_tensors"] == 2 * 7 * 2  # A and B for 7 linear modules x 2 layers
     assert all("lora_" in k for k in saved)
     assert json.loads((out / "run_summary.json").read_text())["last_loss"] == summary["last_loss"]
+    # each phase's memory on the one rank: the four phases, in order, each peak at least its start and end
+    (mem,) = summary["memory"]
+    assert mem["exact"] and [k for k in mem if isinstance(mem[k], dict)] == ["loading", "wrapping", "first_steps", "later_steps"], mem
+    assert all(mem[k]["peak_mb"] >= max(mem[k]["start_mb"], mem[k]["end_mb"]) for k in ("loading", "wrapping", "first_steps")), mem
 
 
 def test_lora_reload_gives_identical_logits(lora_run):

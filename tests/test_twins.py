@@ -228,7 +228,7 @@ def test_ram_efficient_loading_only_rank0_reads(tmp_path):
         summary = accelerate_run(["recipes/tiny/fsdp.yaml", "--model_name_or_path", str(medium), "--max_steps", "1",
                                   "--save_strategy", "no", "--sample_max_new_tokens", "0",
                                   "--launch.fsdp_cpu_ram_efficient_loading", str(efficient)], tmp_path / f"eff-{efficient}")
-        grew[efficient] = {m["rank"]: m["grew_mb"] for m in summary["load_memory"]}
+        grew[efficient] = {m["rank"]: m["load_grew_mb"] for m in summary["memory"]}
     print("CPU RSS growth from load to first step (MB):", grew)
     # without it, rank 1 also materialises the whole fp32 model; with it, rank 1 saves most of that (measured
     # 68-102 MB of the 103 MB: allocator arenas blur the rest); reading the model on rank 1 would save ~0
