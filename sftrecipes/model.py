@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
 
 from . import meta
 from .attention import register
+from .backends import RANK0_READS, weight_reading
 from .errors import RecipeError
 from .recipe import Recipe
 from .schema import DTYPES as DTYPE_NAMES
@@ -558,6 +559,8 @@ def load_model(recipe: Recipe, tokenizer, hardware: str):
     if qc is not None:
         kwargs["quantization_config"] = qc
     rank = ram_efficient_rank(recipe, quantized=qc is not None)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and dist.get_rank() == 0:
+        log.info("loading the weights: %s", weight_reading(recipe, quantized=qc is not None)[1])  # as the plan says
     if rank:  # not rank 0: build on the meta device, read nothing; FSDP receives rank 0's weights when it wraps
         kwargs["device_map"] = "meta"
     model = AutoModelForCausalLM.from_pretrained(m.model_name_or_path, **kwargs)
@@ -593,12 +596,11 @@ def load_model(recipe: Recipe, tokenizer, hardware: str):
 
 
 def ram_efficient_rank(recipe: Recipe, quantized: bool) -> int | None:
-    """This process's rank when only rank 0 should read the weights (FSDP2 with fsdp_cpu_ram_efficient_loading and
-    a process group), else None. transformers 5 reads the checkpoint on every rank even then (8 ranks x 70B x 4 B is
-    2 TB of RAM), so the other ranks load on the meta device here, and accelerate's FSDP2 preparation broadcasts
-    rank 0's state dict into their shards. 4-bit models are excluded, as accelerate excludes them."""
-    L = recipe.launch
-    if not (L.backend == "fsdp" and L.fsdp_version == 2 and L.fsdp_cpu_ram_efficient_loading and not quantized):
+    """This process's rank when only rank 0 should read the weights (backends.weight_reading says RANK0_READS: FSDP2
+    with fsdp_cpu_ram_efficient_loading, 16-bit) and there is a process group, else None. transformers 5 reads the
+    checkpoint on every rank even then (8 ranks x 70B x 4 B is 2 TB of RAM), so the other ranks load on the meta
+    device here, and accelerate's FSDP2 preparation broadcasts rank 0's state dict into their shards."""
+    if weight_reading(recipe, quantized)[0] != RANK0_READS:
         return None
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return None

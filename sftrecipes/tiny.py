@@ -29,11 +29,13 @@ TINY_MODEL = ASSETS / "tiny-llama"
 SPECIAL = ["<unk>", "<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]
 
 # Sizes of the tiny model; `size="medium"` (25.7M parameters; saved in bf16 like hub checkpoints, 51 MB, and 103 MB
-# once loaded in fp32 for full fine-tuning) is big enough to see memory effects.
-SAVE_DTYPE = {"tiny": "float32", "medium": "bfloat16"}
+# once loaded in fp32 for full fine-tuning) is big enough to see memory effects; `size="large"` (252M parameters,
+# 504 MB in bf16) is the loading calibration's (bench/bench_loading.py): big enough that weights dominate each rank.
+SAVE_DTYPE = {"tiny": "float32", "medium": "bfloat16", "large": "bfloat16"}
 SIZES = {
     "tiny": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
     "medium": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4),
+    "large": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8),
 }
 
 _CAPITALS = [("France", "Paris"), ("Japan", "Tokyo"), ("Italy", "Rome"), ("Spain", "Madrid"), ("Egypt", "Cairo"),

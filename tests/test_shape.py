@@ -247,15 +247,21 @@ def test_planner_counts_the_dtype_the_model_loads_in(argv):
     """One load-dtype rule (shape.load_dtype) for the loader and the planner: the bytes per weight the planner's
     loading RAM counts are those of the dtype model.load_dtype loads in, for every precision setting -- a copy of the
     rule on either side that drifts in one case fails here."""
+    from sftrecipes.backends import EVERY_RANK, RANK0_READS, weight_reading
     from sftrecipes.model import load_dtype
 
     recipe = load_recipe(argv)
     plan = plan_recipe(recipe, _alternatives=False)
     loading = next(i for i in plan.cpu if i.name == "loading")
-    if "whole model" in loading.note:  # every rank reads the whole model, in the load dtype
+    quantized = recipe.model.use_4bit_quantization or recipe.model.use_8bit_quantization
+    mode, why = weight_reading(recipe, quantized)  # the loader's rule; the plan states it
+    assert why in loading.note
+    if mode == RANK0_READS:  # fsdp_cpu_ram_efficient_loading: rank 0 reads the whole model
+        per_weight = loading.gb * GB / plan.params
+    elif mode == EVERY_RANK and not quantized:  # every rank reads the whole model, in the load dtype
         per_weight = loading.gb * GB / recipe.launch.gpus_per_node / plan.params
-    else:  # fsdp_cpu_ram_efficient_loading: rank 0 reads it; quantized/zero.Init: streamed, so the shard cap hides it
-        per_weight = sharding.load_bytes(recipe) if "stream" in loading.note else loading.gb * GB / plan.params
+    else:  # quantized / zero.Init: streamed shard by shard, so the shard cap hides it
+        per_weight = sharding.load_bytes(recipe)
     assert per_weight == pytest.approx(load_dtype(recipe).itemsize)
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .activations import TRL_VOCAB_TILE, Activations, activations, layer_lora_params
+from ..backends import PARTITIONED, RANK0_READS, weight_reading
 from ..recipe import Recipe
 from ..shape import Shape, checkpointing_off, model_shape
 from .sharding import GB, Setup, quant_bytes_per_param, setup, trainable_bytes
@@ -339,18 +340,20 @@ def _largest_param(shape: Shape, recipe: Recipe, adapted: tuple) -> int:
 
 def _peak(recipe: Recipe, shape: Shape, s: Setup, st: ModelStates, live: dict, notes: list[str]) -> tuple[dict, str, float]:
     """GB per GPU at each phase (model states + what is live), the peak phase, and the runtime allowance on a GPU.
-    QLoRA under ZeRO-3 adds a loading phase (to `live` and `notes`)."""
+    QLoRA under ZeRO-3 or FSDP adds a loading phase (to `live` and `notes`)."""
     L = recipe.launch
     resident = sum(i.gb for i in st.items) * GB
     phases = {k: (resident + sum(x[1] for x in v)) / GB for k, v in live.items()}
-    if s.quant_bits == 4 and L.backend == "deepspeed" and L.zero_stage == 3:
-        # bitsandbytes weights cannot be created inside zero.Init: every rank loads the whole 4-bit model first
+    if s.quant_bits == 4 and ((L.backend == "deepspeed" and L.zero_stage == 3) or L.backend == "fsdp"):
+        # bitsandbytes weights are neither created inside zero.Init nor loaded RAM-efficiently (weight_reading): every
+        # rank quantizes the whole model onto its own GPU (transformers' bnb device map) before the backend shards it
         lin = shape.linear_params
         load_gb = (lin * quant_bytes_per_param(recipe) + (shape.params - lin) * st.float_b) / GB
         phases["loading (whole 4-bit model per GPU)"] = load_gb
         live["loading (whole 4-bit model per GPU)"] = [("whole 4-bit model (replaces the shards above)", load_gb * GB - resident, "")]
-        notes.append("QLoRA + ZeRO-3: DeepSpeed cannot partition 4-bit weights while loading; each GPU holds the whole "
-                     f"4-bit model ({load_gb:.1f} GB) until the engine partitions it")
+        engine = "ZeRO-3" if L.backend == "deepspeed" else "FSDP"
+        notes.append(f"QLoRA + {engine}: 4-bit weights are not partitioned while loading; each GPU holds the whole "
+                     f"4-bit model ({load_gb:.1f} GB) until {engine} shards it")
     peak_phase = max(phases, key=phases.get)
     churn = phases[peak_phase] - resident / GB if not peak_phase.startswith("loading") else 0.0
     allowance = (CUDA_CONTEXT_GB + FRAGMENTATION * max(churn, 0.0)) if s.gpu else 0.0
@@ -366,13 +369,14 @@ def _cpu_ram(recipe: Recipe, shape: Shape, s: Setup, st: ModelStates) -> tuple[l
     cpu = [Item("processes", gpn * PROCESS_CPU_GB, f"{gpn} ranks x {PROCESS_CPU_GB:.0f} GB (python, torch, CUDA libs)")]
     load_float_b = s.load_bytes
     full_model = shape.params * load_float_b
-    if L.backend == "fsdp" and L.fsdp_cpu_ram_efficient_loading:
-        cpu.append(Item("loading", full_model / GB, "fsdp_cpu_ram_efficient_loading: only local rank 0 reads the weights"))
-    elif (L.backend == "deepspeed" and L.zero_stage == 3 and L.zero3_init) or s.quant_bits < 16:
+    mode, why = weight_reading(recipe, quantized=s.quant_bits < 16)  # the loader's own rule (model.load_model)
+    if mode == RANK0_READS:
+        cpu.append(Item("loading", full_model / GB, why))
+    elif mode == PARTITIONED or (s.quant_bits < 16 and s.gpu):
         cpu.append(Item("loading", gpn * min(full_model, CKPT_SHARD_GB * GB) / GB,
-                        "weights stream shard by shard into " + ("zero.Init partitions" if s.quant_bits == 16 else "quantized GPU tensors")))
+                        why if mode == PARTITIONED else f"{why}, shard by shard into quantized GPU tensors"))
     else:
-        cpu.append(Item("loading", gpn * full_model / GB, f"every rank loads the whole model ({full_model / GB:.0f} GB in {load_float_b}-byte floats)"))
+        cpu.append(Item("loading", gpn * full_model / GB, f"{why} ({full_model / GB:.0f} GB in {load_float_b}-byte floats)"))
     off = 0.0
     if s.offload_opt:
         off += st.trainable * (12 if s.deepspeed16 else st.o_b + (0 if L.backend == "fsdp" else 4)) / s.shard_o

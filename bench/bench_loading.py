@@ -1,0 +1,120 @@
+#!/usr/bin/env python
+"""`make bench-loading`: each rank's memory, phase by phase, for every CPU twin backend at the calibration size.
+
+    python bench/bench_loading.py [--twins ddp,zero3,...] [--repeat 2] [--steps 3] [--no-docs]
+
+The model is the `large` tiny Llama (252M parameters, saved in bf16: 504 MB; built once into .assets/large-llama).
+Each twin runs through its own launcher (scripts/run_tiny-<twin>.sh, 2 ranks) with that model, `--max_steps`
+--steps, `--max_length 64`, micro-batch 1, no checkpoint, no sample reply; `--repeat` runs of each, interleaved
+(twin A, B, ..., then A, B, ... again) so that a drift of the host shows as a spread rather than as a backend's cost.
+Every figure is read from the run's own `run_summary.json` -> `memory`: per rank, the RSS before loading (baseline)
+and each phase's peak from the kernel's high-water mark reset at the phase's start (loading, wrapping, first_steps;
+sftrecipes.probes.PhaseMemory). A cell is `min-max` over the repeats of the phase's peak less the baseline (MB).
+Results go to docs/loading.md between the loading-bench markers (the rest of the file is kept).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+DOCS = ROOT / "docs" / "loading.md"
+START, END = "<!-- loading-bench:start -->", "<!-- loading-bench:end -->"
+TWINS = ["ddp", "zero1", "zero2", "zero3", "offload", "fsdp1", "fsdp", "qlora-fsdp", "qlora-zero3"]
+PHASES = ["loading", "wrapping", "first_steps"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_twin(twin: str, model: Path, out: Path, steps: int) -> tuple[list[dict], int, float]:
+    """One 2-rank run of the twin; (its per-rank memory rows, the model's parameters as the run counted them, wall
+    seconds)."""
+    cmd = [f"scripts/run_tiny-{twin}.sh", "--output_dir", str(out), "--model_name_or_path", str(model),
+           "--max_steps", str(steps), "--max_length", "64", "--per_device_train_batch_size", "1",
+           "--gradient_accumulation_steps", "1", "--save_strategy", "no", "--sample_max_new_tokens", "0",
+           "--logging_steps", "1"]
+    start = time.time()
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800,
+                         env={**os.environ, "MAIN_PROCESS_PORT": str(free_port())})
+    if res.returncode != 0:
+        raise SystemExit(f"{twin} failed (exit {res.returncode}):\n{(res.stdout + res.stderr)[-3000:]}")
+    summary = json.loads((out / "run_summary.json").read_text())
+    return summary["memory"], summary["backend"]["param_elements_full"], time.time() - start
+
+
+def span(values: list[float]) -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo:,.0f}" if round(lo) == round(hi) else f"{lo:,.0f}–{hi:,.0f}"
+
+
+def spread(values: list[float]) -> float:
+    """(max - min) / max, the repeats' disagreement."""
+    return (max(values) - min(values)) / max(max(values), 1.0)
+
+
+def table(results: dict[str, list[list[dict]]], params: int, weights_mb: float) -> str:
+    lines = [f"Measured {datetime.date.today()} on {platform.machine()}, {os.cpu_count()} cores, 2 ranks, model "
+             f"{params / 1e6:.0f}M parameters ({weights_mb:,.0f} MB in bf16), {len(next(iter(results.values())))} runs "
+             "per twin: each phase's peak RSS less the rank's RSS before loading, MB (min–max over the runs).", "",
+             "| twin | rank | baseline | loading | wrapping | first steps | spread of the peak |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for twin, runs in results.items():
+        for rank in (0, 1):
+            rows = [next(r for r in run if r["rank"] == rank) for run in runs]
+            cells = [span([r[p]["grew_mb"] for r in rows]) for p in PHASES]
+            peaks = [max(r[p]["peak_mb"] for p in PHASES) for r in rows]
+            lines.append(f"| {twin if rank == 0 else ''} | {rank} | {span([r['baseline_mb'] for r in rows])} | "
+                         + " | ".join(cells) + f" | {spread(peaks):.1%} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--twins", default=",".join(TWINS))
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--workdir", default=str(ROOT / "outputs" / "bench-loading"))
+    ap.add_argument("--no-docs", action="store_true")
+    args = ap.parse_args()
+    from sftrecipes.paths import ASSETS
+    from sftrecipes.tiny import ensure_tiny_model
+
+    model = ensure_tiny_model(ASSETS / "large-llama", "large")
+    weights_mb = sum(f.stat().st_size for f in model.glob("*.safetensors")) / 1e6
+    params = 0
+    twins = args.twins.split(",")
+    results: dict[str, list[list[dict]]] = {t: [] for t in twins}
+    for k in range(args.repeat):
+        for twin in twins:
+            rows, params, seconds = run_twin(twin, model, Path(args.workdir) / f"{twin}-{k}", args.steps)
+            results[twin].append(rows)
+            print(f"{twin} run {k + 1}: {seconds:.0f}s " + "; ".join(
+                f"rank {r['rank']}: " + ", ".join(f"{p} {r[p]['grew_mb']:.0f}" for p in PHASES) for r in rows), flush=True)
+    text = table(results, params, weights_mb)
+    print(text)
+    (Path(args.workdir) / "results.json").write_text(json.dumps(results, indent=1))
+    if not args.no_docs:
+        doc = DOCS.read_text()
+        block = f"{START}\n{text}{END}"
+        doc = doc[: doc.index(START)] + block + doc[doc.index(END) + len(END):] if START in doc else doc.rstrip() + "\n\n" + block + "\n"
+        DOCS.write_text(doc)
+        print(f"wrote {DOCS.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
