@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import socket
@@ -40,9 +41,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_twin(twin: str, model: Path, out: Path, steps: int) -> tuple[list[dict], int, float]:
-    """One 2-rank run of the twin; (its per-rank memory rows, the model's parameters as the run counted them, wall
-    seconds)."""
+def run_twin(twin: str, model: Path, out: Path, steps: int) -> tuple[list[dict], float]:
+    """One 2-rank run of the twin; (its per-rank memory rows, wall seconds)."""
     cmd = [f"scripts/run_tiny-{twin}.sh", "--output_dir", str(out), "--model_name_or_path", str(model),
            "--max_steps", str(steps), "--max_length", "64", "--per_device_train_batch_size", "1",
            "--gradient_accumulation_steps", "1", "--save_strategy", "no", "--sample_max_new_tokens", "0",
@@ -53,7 +53,7 @@ def run_twin(twin: str, model: Path, out: Path, steps: int) -> tuple[list[dict],
     if res.returncode != 0:
         raise SystemExit(f"{twin} failed (exit {res.returncode}):\n{(res.stdout + res.stderr)[-3000:]}")
     summary = json.loads((out / "run_summary.json").read_text())
-    return summary["memory"], summary["backend"]["param_elements_full"], time.time() - start
+    return summary["memory"], time.time() - start
 
 
 def span(values: list[float]) -> str:
@@ -70,12 +70,15 @@ def table(results: dict[str, list[list[dict]]], params: int, weights_mb: float) 
     lines = [f"Measured {datetime.date.today()} on {platform.machine()}, {os.cpu_count()} cores, 2 ranks, model "
              f"{params / 1e6:.0f}M parameters ({weights_mb:,.0f} MB in bf16), {len(next(iter(results.values())))} runs "
              "per twin: each phase's peak RSS less the rank's RSS before loading, MB (min–max over the runs).", "",
-             "| twin | rank | baseline | loading | wrapping | first steps | spread of the peak |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "| twin | rank | baseline | loading | held after loading (of it mapped) | wrapping | first steps | spread of the peak |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for twin, runs in results.items():
         for rank in (0, 1):
             rows = [next(r for r in run if r["rank"] == rank) for run in runs]
             cells = [span([r[p]["grew_mb"] for r in rows]) for p in PHASES]
+            held = span([r["loading"]["end_mb"] - r["baseline_mb"] for r in rows])
+            mapped = span([r["loading"]["end_mapped_mb"] - r["baseline_mapped_mb"] for r in rows])
+            cells.insert(1, f"{held} ({mapped})")
             peaks = [max(r[p]["peak_mb"] for p in PHASES) for r in rows]
             lines.append(f"| {twin if rank == 0 else ''} | {rank} | {span([r['baseline_mb'] for r in rows])} | "
                          + " | ".join(cells) + f" | {spread(peaks):.1%} |")
@@ -94,13 +97,18 @@ def main() -> int:
     from sftrecipes.tiny import ensure_tiny_model
 
     model = ensure_tiny_model(ASSETS / "large-llama", "large")
+    from safetensors import safe_open
+
     weights_mb = sum(f.stat().st_size for f in model.glob("*.safetensors")) / 1e6
-    params = 0
+    params = 0  # the checkpoint's own count (a run's summary counts a 4-bit model's packed elements)
+    for f in model.glob("*.safetensors"):
+        with safe_open(f, "pt") as st:
+            params += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())
     twins = args.twins.split(",")
     results: dict[str, list[list[dict]]] = {t: [] for t in twins}
     for k in range(args.repeat):
         for twin in twins:
-            rows, params, seconds = run_twin(twin, model, Path(args.workdir) / f"{twin}-{k}", args.steps)
+            rows, seconds = run_twin(twin, model, Path(args.workdir) / f"{twin}-{k}", args.steps)
             results[twin].append(rows)
             print(f"{twin} run {k + 1}: {seconds:.0f}s " + "; ".join(
                 f"rank {r['rank']}: " + ", ".join(f"{p} {r[p]['grew_mb']:.0f}" for p in PHASES) for r in rows), flush=True)

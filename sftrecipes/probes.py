@@ -135,7 +135,7 @@ FIRST_STEPS = 2  # optimizer steps in the "first_steps" phase: the first creates
 
 
 def _status_mb(field: str) -> float | None:
-    """A field of /proc/self/status (VmRSS, VmHWM) in MB; None where there is no procfs."""
+    """A field of /proc/self/status (VmHWM, RssFile, ...) in MB; None where there is no procfs or no such field."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -157,6 +157,12 @@ def _reset_peak() -> bool:
         return False
 
 
+def _mapped_mb() -> float | None:
+    """Of this process's RSS, the pages of mapped files and shared memory (RssFile + RssShmem), MB; None without procfs."""
+    parts = [_status_mb(f) for f in ("RssFile", "RssShmem")]
+    return None if None in parts else sum(parts)
+
+
 def rss_mb() -> float:
     """This process's resident memory now, in MB."""
     return psutil.Process().memory_info().rss / 1e6
@@ -172,7 +178,7 @@ class PhaseMemory(TrainerCallback):
     the tokenized data. A callback so the trainer's events close the training phases."""
 
     def __init__(self):
-        self.baseline_mb = None
+        self.baseline_mb = self.baseline_mapped_mb = None
         self.phases: dict[str, dict] = {}
         self.exact = True  # False where the high-water mark could not be reset (then peaks are lifetime peaks)
         self._open = None
@@ -181,7 +187,7 @@ class PhaseMemory(TrainerCallback):
     def start(self, name: str) -> None:
         self.close()
         if self.baseline_mb is None:
-            self.baseline_mb = rss_mb()
+            self.baseline_mb, self.baseline_mapped_mb = rss_mb(), _mapped_mb()
         self.exact = _reset_peak() and self.exact
         self._open = (name, rss_mb())
 
@@ -197,6 +203,9 @@ class PhaseMemory(TrainerCallback):
         peak = max(hwm, start, now)
         self.phases[name] = {"start_mb": round(start, 1), "peak_mb": round(peak, 1), "end_mb": round(now, 1),
                              "grew_mb": round(max(peak - self.baseline_mb, 0.0), 1)}
+        mapped = _mapped_mb()
+        if mapped is not None:  # of end_mb, the pages of mapped files (a memory-mapped checkpoint, libraries) and shm
+            self.phases[name]["end_mapped_mb"] = round(mapped, 1)
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self._open and self._open[0] == "wrapping":
@@ -216,5 +225,6 @@ class PhaseMemory(TrainerCallback):
         self.close()
         grew = [self.phases[k]["grew_mb"] for k in ("loading", "wrapping") if k in self.phases]
         mine = {"rank": acc.process_index, "baseline_mb": round(self.baseline_mb or 0.0, 1), "exact": self.exact,
+                **({"baseline_mapped_mb": round(self.baseline_mapped_mb, 1)} if self.baseline_mapped_mb is not None else {}),
                 "load_grew_mb": max(grew, default=0.0), **{k: self.phases[k] for k in PHASES if k in self.phases}}
         return sorted(gather_object([mine]) if acc.num_processes > 1 else [mine], key=lambda d: d["rank"])

@@ -108,9 +108,11 @@ def test_moe_flops_count_the_routed_experts_only(family_models, family):
     assert cb._split == (0, round(adapters)) and round(adapters) < peft.get_nb_trainable_parameters()[0]
 
 
-def test_phase_memory_peaks_are_each_phases_own():
+def test_phase_memory_peaks_are_each_phases_own(tmp_path):
     """A phase's peak is its own: the high-water mark is reset at each phase's start, so an earlier, larger peak
-    (here 300 MB, freed before the next phase) does not count in a later phase that holds 60 MB."""
+    (here 300 MB, freed before the next phase) does not count in a later phase that holds 60 MB. The pages of a
+    memory-mapped file (a checkpoint loaded in its own dtype) are told apart from the rest: end_mapped_mb."""
+    import mmap
     from types import SimpleNamespace
 
     from sftrecipes.probes import PhaseMemory
@@ -121,6 +123,10 @@ def test_phase_memory_peaks_are_each_phases_own():
     del block
     mem.start("wrapping")
     held = torch.ones(60_000_000 // 4)
+    (tmp_path / "weights.bin").write_bytes(b"\1" * 40_000_000)
+    with open(tmp_path / "weights.bin", "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    assert sum(mapped[i] for i in range(0, len(mapped), 4096)) == len(range(0, len(mapped), 4096))  # every page touched
     mem.on_train_begin(None, state, None)  # the trainer's first callback: wrapping ends, the first steps begin
     for step in (1, 2, 3):
         state.global_step = step
@@ -132,7 +138,10 @@ def test_phase_memory_peaks_are_each_phases_own():
     assert p["loading"]["grew_mb"] > 290, p
     assert 55 < p["wrapping"]["grew_mb"] < 150, p  # 60 MB held; not the 300 MB loading peak
     assert p["load_grew_mb"] == p["loading"]["grew_mb"]
-    assert set(p) >= {"first_steps", "later_steps"} and p["wrapping"]["end_mb"] - p["wrapping"]["start_mb"] > 55, p
+    assert set(p) >= {"first_steps", "later_steps"} and p["wrapping"]["end_mb"] - p["wrapping"]["start_mb"] > 95, p
+    assert 38 < p["wrapping"]["end_mapped_mb"] - p["loading"]["end_mapped_mb"] < 45, p  # the 40 MB mapped file
+    assert p["loading"]["end_mapped_mb"] - p["baseline_mapped_mb"] < 5, p
+    mapped.close()
     del held
 
 
