@@ -19,6 +19,7 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
 
 from . import meta
+from .heap import steady_heap
 from .attention import register
 from .backends import RANK0_READS, weight_reading
 from .errors import RecipeError
@@ -563,7 +564,8 @@ def load_model(recipe: Recipe, tokenizer, hardware: str):
         log.info("loading the weights: %s", weight_reading(recipe, quantized=qc is not None)[1])  # as the plan says
     if rank:  # not rank 0: build on the meta device, read nothing; FSDP receives rank 0's weights when it wraps
         kwargs["device_map"] = "meta"
-    model = AutoModelForCausalLM.from_pretrained(m.model_name_or_path, **kwargs)
+    with steady_heap():  # what a rank holds after loading is the model, not the order its temporaries were freed in
+        model = AutoModelForCausalLM.from_pretrained(m.model_name_or_path, **kwargs)
     log_attention(recipe, hardware, model.config._attn_implementation, why)  # what the loaded model really runs
     if rank:
         # Real but untouched storage: accelerate maps optimizer params to their shards by data_ptr, which is 0 for
