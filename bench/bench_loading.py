@@ -21,6 +21,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import socket
 import subprocess
 import sys
@@ -47,6 +48,7 @@ def run_twin(twin: str, model: Path, out: Path, steps: int) -> tuple[list[dict],
            "--max_steps", str(steps), "--max_length", "64", "--per_device_train_batch_size", "1",
            "--gradient_accumulation_steps", "1", "--save_strategy", "no", "--sample_max_new_tokens", "0",
            "--logging_steps", "1"]
+    shutil.rmtree(out, ignore_errors=True)  # a folder holding a finished run would be a no-op, and its old summary read
     start = time.time()
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800,
                          env={**os.environ, "MAIN_PROCESS_PORT": str(free_port())})
