@@ -8,7 +8,8 @@ rank holds after loading depended on the order they happened to be freed in: the
 held 0.70 GB in one run and 1.73 GB in the next (docs/loading.md). With the threshold fixed while loading, every
 large temporary is its own mapping and goes back to the kernel when freed; the same load then peaks at 0.72-0.75 GB in
 every run. After loading, the heap's freed memory is returned (malloc_trim) and the threshold is set to 32 MiB, the
-ceiling glibc's own adaptation reaches, so training allocates as it would have.
+ceiling glibc's own adaptation reaches in a process that has freed large blocks (training's allocation speed was
+not measured against the default).
 
 Nothing is changed where the C library is not glibc, or where MALLOC_MMAP_THRESHOLD_ is set (the user's choice)."""
 

@@ -19,10 +19,10 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
 
 from . import meta
-from .heap import steady_heap
 from .attention import register
 from .backends import RANK0_READS, weight_reading
 from .errors import RecipeError
+from .heap import steady_heap
 from .recipe import Recipe
 from .schema import DTYPES as DTYPE_NAMES
 from .shape import load_dtype as load_dtype_name
