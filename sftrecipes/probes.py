@@ -134,16 +134,13 @@ PHASES = ("loading", "wrapping", "first_steps", "later_steps")
 FIRST_STEPS = 2  # optimizer steps in the "first_steps" phase: the first creates the optimizer states, the second runs as all later ones
 
 
-def _status_mb(field: str) -> float | None:
-    """A field of /proc/self/status (VmHWM, RssFile, ...) in MB; None where there is no procfs or no such field."""
+def _status() -> dict[str, float]:
+    """The memory fields of /proc/self/status (VmHWM, RssFile, ...) in MB, read at once; empty where there is no procfs."""
     try:
         with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024 / 1e6  # kB
+            return {k: int(v.split()[0]) * 1024 / 1e6 for k, v in (ln.split(":", 1) for ln in f if ":" in ln) if v.strip().endswith("kB")}
     except OSError:
-        return None
-    return None
+        return {}
 
 
 def _reset_peak() -> bool:
@@ -157,10 +154,9 @@ def _reset_peak() -> bool:
         return False
 
 
-def _mapped_mb() -> float | None:
-    """Of this process's RSS, the pages of mapped files and shared memory (RssFile + RssShmem), MB; None without procfs."""
-    parts = [_status_mb(f) for f in ("RssFile", "RssShmem")]
-    return None if None in parts else sum(parts)
+def _mapped_mb(status: dict[str, float]) -> float | None:
+    """Of this process's RSS, the pages of mapped files and shared memory (RssFile + RssShmem), MB; None without them."""
+    return status["RssFile"] + status["RssShmem"] if "RssFile" in status and "RssShmem" in status else None
 
 
 def rss_mb() -> float:
@@ -187,7 +183,7 @@ class PhaseMemory(TrainerCallback):
     def start(self, name: str) -> None:
         self.close()
         if self.baseline_mb is None:
-            self.baseline_mb, self.baseline_mapped_mb = rss_mb(), _mapped_mb()
+            self.baseline_mb, self.baseline_mapped_mb = rss_mb(), _mapped_mb(_status())
         self.exact = _reset_peak() and self.exact
         self._open = (name, rss_mb())
 
@@ -196,14 +192,14 @@ class PhaseMemory(TrainerCallback):
             return
         name, start = self._open
         self._open = None
-        now = rss_mb()
-        hwm = _status_mb("VmHWM")
+        now, status = rss_mb(), _status()
+        hwm = status.get("VmHWM")
         if hwm is None or not self.exact:
             hwm = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6, now)  # KiB: the lifetime peak
         peak = max(hwm, start, now)
         self.phases[name] = {"start_mb": round(start, 1), "peak_mb": round(peak, 1), "end_mb": round(now, 1),
                              "grew_mb": round(max(peak - self.baseline_mb, 0.0), 1)}
-        mapped = _mapped_mb()
+        mapped = _mapped_mb(status)
         if mapped is not None:  # of end_mb, the pages of mapped files (a memory-mapped checkpoint, libraries) and shm
             self.phases[name]["end_mapped_mb"] = round(mapped, 1)
 
