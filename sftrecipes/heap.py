@@ -6,10 +6,11 @@ converted or quantized and dropped), blocks of that size come from the heap inst
 whenever anything allocated after it is still live. Loading a model frees such temporaries by the hundred, so what a
 rank holds after loading depended on the order they happened to be freed in: the same QLoRA load of a 253M model
 held 0.70 GB in one run and 1.73 GB in the next (docs/loading.md). With the threshold fixed while loading, every
-large temporary is its own mapping and goes back to the kernel when freed; the same load then peaks at 0.72-0.75 GB in
-every run. After loading, the heap's freed memory is returned (malloc_trim) and the threshold is set to 32 MiB, the
-ceiling glibc's own adaptation reaches in a process that has freed large blocks (training's allocation speed was
-not measured against the default).
+large temporary is its own mapping and goes back to the kernel when freed (as long as no freed heap chunk is large
+enough to be cut from: so in a rank's fresh process, where loading happens, not in one that has already freed large
+heap blocks); the same load then peaks at 0.72-0.75 GB in every run. After loading, the heap's freed memory is
+returned (malloc_trim) and the threshold is set to 32 MiB, the ceiling glibc's own adaptation reaches in a process that
+has freed large blocks (training's allocation speed was not measured against the default).
 
 Nothing is changed where the C library is not glibc, or where MALLOC_MMAP_THRESHOLD_ is set (the user's choice)."""
 
