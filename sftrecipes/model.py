@@ -22,7 +22,7 @@ from . import meta
 from .attention import register
 from .backends import RANK0_READS, weight_reading
 from .errors import RecipeError
-from .heap import steady_heap
+from .heap import own_checkpoint_views, steady_heap
 from .recipe import Recipe
 from .schema import DTYPES as DTYPE_NAMES
 from .shape import load_dtype as load_dtype_name
@@ -566,6 +566,8 @@ def load_model(recipe: Recipe, tokenizer, hardware: str):
         kwargs["device_map"] = "meta"
     with steady_heap():  # what a rank holds after loading is the model, not the order its temporaries were freed in
         model = AutoModelForCausalLM.from_pretrained(m.model_name_or_path, **kwargs)
+        if qc is not None:  # what was not quantized is still a view into the checkpoint's mapping: let it go
+            own_checkpoint_views(model)
     log_attention(recipe, hardware, model.config._attn_implementation, why)  # what the loaded model really runs
     if rank:
         # Real but untouched storage: accelerate maps optimizer params to their shards by data_ptr, which is 0 for

@@ -277,6 +277,16 @@ def test_qlora_adapter_merges_into_16bit_base(runs, tmp_path, dtype, capsys):
             torch.testing.assert_close(t.float(), want.float(), atol=0, rtol=2**-7, msg=n)
 
 
+def test_merge_into_a_bf16_base_verifies_at_the_dtype_it_writes(runs, tmp_path, capsys):
+    """A base stored in bf16, as hub checkpoints are, merged without --dtype: written in bf16 and verified at bf16's
+    tolerance (it was held to fp32's, and refused a correct merge into every bf16 base)."""
+    base16 = ex.rewrite_model(ROOT / ".assets/tiny-llama", tmp_path / "base16", {}, "bfloat16", ROOT / ".assets/tiny-llama")
+    out = ex.merge_lora(runs("qlora"), tmp_path / "merged", base=str(base16), verify=True)
+    verdict = [line for line in capsys.readouterr().out.splitlines() if line.startswith("verify:")]
+    assert len(verdict) == 1 and verdict[0].endswith(", bfloat16)"), verdict
+    assert {t.dtype for t in load_file(out / "model.safetensors").values()} == {torch.bfloat16}
+
+
 def test_ddp_final_adapter_merges_with_verify(runs, tmp_path, capsys):
     out = ex.export(runs("ddp"), tmp_path / "merged", verify=True)
     assert "verify: max abs logits difference" in capsys.readouterr().out

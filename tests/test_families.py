@@ -7,16 +7,18 @@ with --verify and loaded with AutoModelForCausalLM.
 
 import json
 import re
+import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import train
 from conftest import FAMILIES, ROOT, run_cli
 from sftrecipes import model as models
 from sftrecipes.export import export, merge_lora
 from sftrecipes.errors import RecipeError
+from sftrecipes.heap import _file_mappings
 from sftrecipes.recipe import load_recipe
 from sftrecipes.tiny import FAMILIES as SPECS
 from sftrecipes.tokenizer import end_of_turn, load_tokenizer, set_generation_stop
@@ -114,6 +116,19 @@ def test_qlora_4bit(family, family_models, tmp_path):
     decoder (MoE expert tensors are parameters, not Linear layers: they stay in the bf16 storage dtype), LoRA trains,
     and the adapter merges into the unquantized base with --verify."""
     import bitsandbytes as bnb
+
+    # a copy saved in bf16 as hub checkpoints are, so its tensors load as views into the file (no other test maps it):
+    # loaded, what was not quantized (norms, embeddings, lm_head) no longer holds the checkpoint mapped with every page
+    # quantization read still resident (heap.own_checkpoint_views); MoE experts are fused into new tensors as they load
+    base = tmp_path / "bf16"
+    shutil.copytree(family_models[family], base)
+    ckpt = base / "model.safetensors"
+    save_file({k: v.to(torch.bfloat16) for k, v in load_file(ckpt).items()}, ckpt, metadata={"format": "pt"})
+    (base / "config.json").write_text(json.dumps({**json.loads((base / "config.json").read_text()), "dtype": "bfloat16"}))
+    r16 = load_recipe(["recipes/tiny/qlora.yaml", "--model_name_or_path", str(base)])
+    loaded = models.load_model(r16, load_tokenizer(r16)[0], "cpu")
+    assert not _file_mappings(str(ckpt)), family
+    del loaded
 
     out = tmp_path / "qlora"
     trainer, summary = train.run(load_recipe(["recipes/tiny/qlora.yaml", "--model_name_or_path", str(family_models[family]),
