@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """`make bench-loading`: each rank's memory, phase by phase, for every CPU twin backend at the calibration size.
 
-    python bench/bench_loading.py [--twins ddp,zero3,...] [--repeat 2] [--steps 3] [--no-docs]
+    python bench/bench_loading.py [--twins ddp,zero3,...] [--repeat 2] [--steps 3] [--no-docs] [--from-results JSON]
 
 The model is the `large` tiny Llama (252M parameters, saved in bf16: 504 MB; built once into .assets/large-llama).
 Each twin runs through its own launcher (scripts/run_tiny-<twin>.sh, 2 ranks) with that model, `--max_steps`
@@ -10,6 +10,8 @@ Each twin runs through its own launcher (scripts/run_tiny-<twin>.sh, 2 ranks) wi
 Every figure is read from the run's own `run_summary.json` -> `memory`: per rank, the RSS before loading (baseline)
 and each phase's peak from the kernel's high-water mark reset at the phase's start (loading, wrapping, first_steps;
 sftrecipes.probes.PhaseMemory). A cell is `min-max` over the repeats of the phase's peak less the baseline (MB).
+Beside loading's peak and what is held at its end: the planner's figure for the same recipe (Plan.rank_loading,
+sftrecipes/plan/ranks.py) and its distance from the farthest run. --from-results re-plans an earlier results.json.
 Results go to docs/loading.md between the loading-bench markers (the rest of the file is kept).
 """
 
@@ -42,12 +44,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def overrides(model: Path, steps: int) -> list[str]:
+    return ["--model_name_or_path", str(model), "--max_steps", str(steps), "--max_length", "64",
+            "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "1", "--save_strategy", "no",
+            "--sample_max_new_tokens", "0", "--logging_steps", "1"]
+
+
+def planned(twin: str, model: Path, steps: int) -> dict[int, tuple[float, float]]:
+    """The planner's loading figures for the twin as run: rank -> (peak, held after loading), MB of RSS growth."""
+    from sftrecipes.plan import plan_recipe
+    from sftrecipes.recipe import load_recipe
+
+    plan = plan_recipe(load_recipe([f"recipes/tiny/{twin}.yaml", *overrides(model, steps)]), _alternatives=False)
+    out = {}
+    for rank in (0, 1):
+        g = next(g for g in plan.rank_loading if g.ranks in ("every rank", f"rank {rank}") or (rank and g.ranks.startswith("ranks 1-")))
+        out[rank] = (g.peak_gb * 1e3, g.held_gb * 1e3)
+    return out
+
+
 def run_twin(twin: str, model: Path, out: Path, steps: int) -> tuple[list[dict], float]:
     """One 2-rank run of the twin; (its per-rank memory rows, wall seconds)."""
-    cmd = [f"scripts/run_tiny-{twin}.sh", "--output_dir", str(out), "--model_name_or_path", str(model),
-           "--max_steps", str(steps), "--max_length", "64", "--per_device_train_batch_size", "1",
-           "--gradient_accumulation_steps", "1", "--save_strategy", "no", "--sample_max_new_tokens", "0",
-           "--logging_steps", "1"]
+    cmd = [f"scripts/run_tiny-{twin}.sh", "--output_dir", str(out), *overrides(model, steps)]
     shutil.rmtree(out, ignore_errors=True)  # a folder holding a finished run would be a no-op, and its old summary read
     start = time.time()
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800,
@@ -68,19 +86,30 @@ def spread(values: list[float]) -> float:
     return (max(values) - min(values)) / max(max(values), 1.0)
 
 
-def table(results: dict[str, list[list[dict]]], params: int, weights_mb: float) -> str:
+def against(measured: list[float], plan: float) -> str:
+    """The planned figure and its distance from the run farthest from it, as a share of that run's: `plan (+d%)`."""
+    far = max(measured, key=lambda v: abs(plan - v))
+    return f"{plan:,.0f} ({(plan - far) / max(far, 1.0):+.0%})"
+
+
+def table(results: dict[str, list[list[dict]]], params: int, weights_mb: float, plans: dict[str, dict]) -> str:
     lines = [f"Measured {datetime.date.today()} on {platform.machine()}, {os.cpu_count()} cores, 2 ranks, model "
              f"{params / 1e6:.0f}M parameters ({weights_mb:,.0f} MB in bf16), {len(next(iter(results.values())))} runs "
-             "per twin: each phase's peak RSS less the rank's RSS before loading, MB (min–max over the runs).", "",
-             "| twin | rank | baseline | loading | held after loading (of it mapped) | wrapping | first steps | spread of the peak |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "per twin: each phase's peak RSS less the rank's RSS before loading, MB (min–max over the runs); planned: "
+             "the planner's figure for the rank on the cpu target (`plan`, sftrecipes/plan/ranks.py) and its distance "
+             "from the farthest run, as a share of that run's figure.", "",
+             "| twin | rank | baseline | loading | planned | held after loading (of it mapped) | planned | wrapping "
+             "| first steps | spread of the peak |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for twin, runs in results.items():
         for rank in (0, 1):
             rows = [next(r for r in run if r["rank"] == rank) for run in runs]
             cells = [span([r[p]["grew_mb"] for r in rows]) for p in PHASES]
-            held = span([r["loading"]["end_mb"] - r["baseline_mb"] for r in rows])
+            held_mb = [r["loading"]["end_mb"] - r["baseline_mb"] for r in rows]
             mapped = span([r["loading"]["end_mapped_mb"] - r["baseline_mapped_mb"] for r in rows])
-            cells.insert(1, f"{held} ({mapped})")
+            peak_plan, held_plan = plans[twin][rank]
+            cells[1:1] = [against([r["loading"]["grew_mb"] for r in rows], peak_plan), f"{span(held_mb)} ({mapped})",
+                          against(held_mb, held_plan)]
             peaks = [max(r[p]["peak_mb"] for p in PHASES) for r in rows]
             lines.append(f"| {twin if rank == 0 else ''} | {rank} | {span([r['baseline_mb'] for r in rows])} | "
                          + " | ".join(cells) + f" | {spread(peaks):.1%} |")
@@ -94,6 +123,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--workdir", default=str(ROOT / "outputs" / "bench-loading"))
     ap.add_argument("--no-docs", action="store_true")
+    ap.add_argument("--from-results", metavar="JSON", help="render and plan an earlier call's results.json, run nothing")
     args = ap.parse_args()
     from sftrecipes.paths import ASSETS
     from sftrecipes.tiny import ensure_tiny_model
@@ -108,15 +138,18 @@ def main() -> int:
             params += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())
     twins = args.twins.split(",")
     results: dict[str, list[list[dict]]] = {t: [] for t in twins}
-    for k in range(args.repeat):
+    if args.from_results:  # the measured runs of an earlier call, planned again (a planner change needs no new runs)
+        results = {t: v for t, v in json.loads(Path(args.from_results).read_text()).items() if t in twins}
+    for k in range(0 if args.from_results else args.repeat):
         for twin in twins:
             rows, seconds = run_twin(twin, model, Path(args.workdir) / f"{twin}-{k}", args.steps)
             results[twin].append(rows)
             print(f"{twin} run {k + 1}: {seconds:.0f}s " + "; ".join(
                 f"rank {r['rank']}: " + ", ".join(f"{p} {r[p]['grew_mb']:.0f}" for p in PHASES) for r in rows), flush=True)
-    text = table(results, params, weights_mb)
+    text = table(results, params, weights_mb, {t: planned(t, model, args.steps) for t in results})
     print(text)
-    (Path(args.workdir) / "results.json").write_text(json.dumps(results, indent=1))
+    if not args.from_results:
+        (Path(args.workdir) / "results.json").write_text(json.dumps(results, indent=1))
     if not args.no_docs:
         doc = DOCS.read_text()
         block = f"{START}\n{text}{END}"

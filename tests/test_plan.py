@@ -381,3 +381,43 @@ def test_recipes_for_todays_models_plan_offline_and_fit(rel, capsys):
     assert verdict.startswith("VERDICT: fits") and verdict.endswith("per node fits"), verdict
     if "30b-a3b" in rel:
         assert "3.35B active per token" in out and "router (mlp.gate): not adapted" in out
+
+
+def test_cpu_quantization_temporaries_per_element_as_planned():
+    """plan/ranks.QUANTIZE_BYTES_PER_ELEMENT, the loading peak's quantization temporaries on the cpu target: the peak
+    of bitsandbytes' CPU quantization of one bf16 weight (nf4, nested, bf16 storage, as the QLoRA twins load), beside
+    the weight itself, per element, at two sizes (a fixed part would show as a difference); in a fresh interpreter
+    with the loading's heap (heap.steady_heap), where every large temporary is its own mapping."""
+    import json
+    import platform
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from sftrecipes.plan.ranks import QUANTIZE_BYTES_PER_ELEMENT
+
+    if platform.system() != "Linux":
+        pytest.skip("the kernel's high-water mark (/proc/self/clear_refs)")
+    code = """if True:
+        import json, sys, torch, bitsandbytes as bnb
+        from sftrecipes.heap import steady_heap
+
+        def hwm_mb():
+            return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")) / 1024
+
+        out = []
+        with steady_heap():
+            for rows in (64, 4096, 16384):  # the first call's own setup (~12 MB, once per process) on a small one
+                w = torch.randn(rows, 1024).to(torch.bfloat16)
+                open("/proc/self/clear_refs", "w").write("5")
+                before = hwm_mb()
+                q = bnb.nn.Params4bit(w, requires_grad=False, quant_type="nf4", compress_statistics=True,
+                                      quant_storage=torch.bfloat16)._quantize("cpu")
+                out.append((hwm_mb() - before) * 2**20 / w.numel())
+                del q, w
+        print(json.dumps(out[1:]))
+    """
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    per_element = json.loads(res.stdout.splitlines()[-1])
+    for b in per_element:
+        assert abs(b - QUANTIZE_BYTES_PER_ELEMENT) <= 0.10 * QUANTIZE_BYTES_PER_ELEMENT, per_element

@@ -67,6 +67,11 @@ def format_plan(plan: Plan, warnings: list[str] | None = None) -> str:
     out += [f"  {'runtime allowance':<{w}} {plan.allowance_gb:8.2f} GB  CUDA context/workspaces {CUDA_CONTEXT_GB:g} GB + "
             f"{FRAGMENTATION:.0%} of the non-resident peak for allocator fragmentation",
             f"  {'= required per GPU':<{w}} {plan.gpu_total_gb:8.2f} GB"]
+    if plan.rank_loading:
+        out += ["", "Per rank — RSS growth while the weights load (cpu target: the device is the process):"]
+        for g in plan.rank_loading:
+            out.append(f"  {g.ranks + ': peak':<{w}} {g.peak_gb * 1e3:8.0f} MB  held after loading {g.held_gb * 1e3:,.0f} MB")
+            out += [f"    {n:<{w - 2}} {gb * 1e3:8.1f} MB  {why}" for n, gb, why in g.items]
     out += ["", "Per node — CPU RAM:"] + [line(i) for i in plan.cpu] + [f"  {'= peak per node':<{w}} {plan.cpu_total_gb:8.2f} GB"]
     if plan.comm:
         out += ["", "Communication per GPU per optimizer step:"] + [line(i) for i in plan.comm]

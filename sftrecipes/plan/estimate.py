@@ -24,6 +24,7 @@ from .activations import TRL_VOCAB_TILE, Activations, activations, layer_lora_pa
 from ..backends import PARTITIONED, RANK0_READS, weight_reading
 from ..recipe import Recipe
 from ..shape import Shape, checkpointing_off, model_shape
+from .ranks import RankLoading, rank_loading
 from .sharding import GB, Setup, quant_bytes_per_param, setup, trainable_bytes
 
 if TYPE_CHECKING:
@@ -77,6 +78,8 @@ class Plan:
     weights_shard_gb: float = 0.0  # one rank's share of all weights (what offload_params moves over PCIe)
     active_params: int = 0  # parameters one token runs through (MoE: its top-k experts; else all)
     live: dict[str, list[Item]] = field(default_factory=dict)  # per phase: what is live besides the model states
+    # the cpu target (device and host are one process): each group of ranks' RSS growth while loading (ranks.py)
+    rank_loading: list[RankLoading] = field(default_factory=list)
 
     @property
     def model_states_gb(self) -> float:
@@ -113,7 +116,8 @@ def estimate(recipe: Recipe) -> Plan:
         cpu_fits=None if L.cpu_ram_gb is None else cpu_total <= L.cpu_ram_gb, comm=comm, comm_gb=comm_gb,
         global_batch=recipe.trl_value("per_device_train_batch_size") * ga * s.world, notes=notes,
         weights_shard_gb=(st.frozen + st.trainable * st.p_b) / s.shard_w / GB, active_params=shape.active_params,
-        live={k: _items(v) for k, v in live.items()})
+        live={k: _items(v) for k, v in live.items()},
+        rank_loading=[] if s.gpu else rank_loading(recipe, shape, s, st.float_b))
 
 
 def _outside_notes(shape: Shape, st: ModelStates, lora: bool) -> list[str]:

@@ -1,0 +1,119 @@
+"""The cpu target, rank by rank, while the weights load: what each rank's resident memory grows by, planned from the
+loader's own rule (backends.weight_reading) and the checkpoint as it is stored (torch-free). On the cpu target the
+device is the process itself, so what a GPU rank would hold on the device and what its host holds while reading are
+one RSS; bench/bench_loading.py measures the same two figures per rank (the phase's peak and what is held at its end,
+less the RSS before loading) and prints them beside these.
+
+What the loader does, by weight_reading's mode (measured at 253M parameters, docs/loading.md):
+- a rank that reads the checkpoint touches every page of it (F, the file's bytes): the pages are mapped, counted in
+  its RSS while they stay mapped;
+- a 16-bit load in the checkpoint's own dtype copies nothing: the tensors are views into the mapping, whose pages are
+  touched when the backend first uses them (wrapping), not while loading;
+- a load that converts (a bf16 checkpoint trained in fp32) holds its own copy, params x the load dtype's bytes;
+- zero3_init: rank 0 reads the checkpoint, and every rank keeps its 1/N partition in the 16-bit dtype DeepSpeed casts
+  to; the mapping goes when loading ends;
+- RAM-efficient FSDP2: the other ranks build on the meta device and take untouched storage (0);
+- 4-bit: every rank reads the whole checkpoint and keeps the quantized model (the views into the checkpoint that stay
+  are copied, so the mapping goes: heap.own_checkpoint_views).
+The figures are each rank's RSS growth over its RSS before loading (the process with its libraries imported), as
+the benchmark measures it; a rank's own baseline is not planned.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..backends import PARTITIONED, RANK0_READS, weight_reading
+from ..recipe import Recipe
+from ..shape import DTYPE_BYTES, Shape, read_config
+from .sharding import GB, Setup, quant_bytes_per_param
+
+# what loading leaves in a rank's RSS besides the weights: the modeling modules and libraries from_pretrained imports
+# (partly mapped .so pages) and the model's Python objects. Measured 25-33 MB per rank at 253M on every twin whose
+# loading copies nothing or partitions (bench/bench_loading.py), and the same at 25.7M (tests/test_twins.py): it does
+# not grow with the model. It accrues while the weights load, within what the checkpoint's pages give back when the
+# mapping goes, so a rank's peak is the larger of reading (pages + its own weights + a quantization's temporaries)
+# and the end (its own weights + this).
+LOAD_OVERHEAD_GB = 0.025
+# bitsandbytes 0.50.2's CPU quantization of one weight: 14 bytes per element of temporaries besides the weight (its
+# float copies and codes), measured at 4.2M and 16.8M elements after the first call's own setup
+# (tests/test_plan.py::test_cpu_quantization_temporaries_per_element_as_planned); one weight at a time
+QUANTIZE_BYTES_PER_ELEMENT = 14
+FAULT_AROUND = 64 << 10  # Linux maps 16 pages around a faulting page of a mapped file (fault_around_bytes)
+_STORED = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+@dataclass
+class RankLoading:
+    """One group of ranks that load alike: their RSS growth at the loading phase's peak and at its end."""
+
+    ranks: str  # "rank 0", "ranks 1-7", "every rank"
+    peak_gb: float
+    held_gb: float
+    items: list[tuple[str, float, str]] = field(default_factory=list)  # (what, GB, why) making the peak
+
+
+def checkpoint_bytes(name: str, shape: Shape) -> tuple[float, int | None, int]:
+    """(bytes of the checkpoint's tensors, bytes per stored float, tensors): from the safetensors headers of a local
+    folder, else the parameters at the config's dtype and the shape's weights (hub ids: the shipped config)."""
+    folder = Path(name)
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    if files:
+        total, count, widths = 0, 0, {}
+        for f in files:
+            with open(f, "rb") as fh:
+                header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
+            for k, v in header.items():
+                if k == "__metadata__":
+                    continue
+                n = v["data_offsets"][1] - v["data_offsets"][0]
+                total, count = total + n, count + 1
+                widths[_STORED.get(v["dtype"], 0)] = widths.get(_STORED.get(v["dtype"], 0), 0) + n
+        return float(total), max(widths, key=widths.get) if widths else None, count
+    cfg = read_config(name)
+    dtype = cfg.get("dtype") or cfg.get("torch_dtype") or (cfg.get("text_config") or {}).get("dtype")
+    width = DTYPE_BYTES.get(str(dtype)) if dtype else None
+    count = sum(len(layer.weights) for layer in shape.decoder) + 2 + (0 if shape.tied else 1)  # + embedding, norm, head
+    return float(shape.params * (width or 2)), width, count
+
+
+def rank_loading(recipe: Recipe, shape: Shape, s: Setup, float_b: int) -> list[RankLoading]:
+    """Each group of ranks' RSS growth while the weights load on the cpu target (the module docstring's rules)."""
+    N = s.world
+    mode, why = weight_reading(recipe, quantized=s.quant_bits < 16)
+    F, stored_b, tensors = checkpoint_bytes(recipe.model.model_name_or_path, shape)
+    o = LOAD_OVERHEAD_GB
+    over = ("loading overhead", o, "modules imported and objects built by from_pretrained (measured)")
+
+    def group(ranks: str, reading: float, own: float, items: list) -> RankLoading:
+        return RankLoading(ranks, max(reading, own + o), own + o, items + [over])
+    read = ("checkpoint pages read", F / GB, f"the {F / 1e6:,.0f} MB checkpoint, mapped while it loads")
+    others = f"ranks 1-{N - 1}" if N > 2 else "rank 1"
+    if s.quant_bits < 16:
+        lin = shape.linear_params
+        q = (lin * quant_bytes_per_param(recipe) + (shape.params - lin) * float_b) / GB
+        kept = ("quantized model", q, f"{lin / 1e6:,.1f}M linear weights in {s.quant_bits}-bit + the rest in {float_b}-byte floats")
+        big = max((w.numel for layer in shape.decoder for w in layer.weights if w.kind == "linear"), default=0)
+        tmp = ("quantizing one weight", big * QUANTIZE_BYTES_PER_ELEMENT / GB,
+               f"the largest, {big / 1e6:.1f}M elements x {QUANTIZE_BYTES_PER_ELEMENT} B (bitsandbytes' CPU quantizer)")
+        return [group("every rank", F / GB + q + tmp[1], q, [read, kept, tmp])]
+    if mode == PARTITIONED:
+        part = shape.params * float_b / N / GB
+        kept = ("its partition", part, f"{shape.params / 1e6:,.1f}M x {float_b} B / {N} ranks (zero.Init)")
+        return [group("rank 0", F / GB + part, part, [read, kept])] + ([group(others, part, part, [kept])] if N > 1 else [])
+    if stored_b is not None and stored_b != s.load_bytes:  # converted: a copy of its own
+        own = shape.params * s.load_bytes / GB
+        mine = group("every rank", F / GB + own, own,
+                     [read, ("its own copy", own, f"{shape.params / 1e6:,.1f}M x {s.load_bytes} B (stored in {stored_b}-byte floats)")])
+    else:
+        around = tensors * FAULT_AROUND / GB
+        mine = group("every rank", around, around,
+                     [("checkpoint mapped", around, f"views into the mapped file: {tensors} tensors x 64 KiB mapped around the "
+                       "first page loading touches (the kernel's fault-around); the rest when the backend first uses them")])
+    if mode == RANK0_READS and N > 1:
+        mine.ranks = "rank 0"
+        return [mine, group(others, 0.0, 0.0, [("meta device", 0.0, why)])]
+    return [mine]
