@@ -99,6 +99,7 @@ def run(recipe, life=None):
     lora.module_dropout(trainer.model, recipe)  # lora_dropout on the modules of an adapter that also adapts parameters
     if recipe.model.use_peft_lora and args.process_index == 0:
         log.info("%s", lora.describe_adapter(trainer.model, recipe))  # what LoRA adapted: modules, experts, router
+    backends.size_deepspeed_buckets(trainer)  # reduce / prefetch buckets by the hidden size, as the planner counts
     checkpoints.make_checkpoints_atomic(trainer)  # a marker written last; rotation never drops the last complete one
     precision.apply_precision_policy(trainer, recipe)  # trainable params fp32 under mixed precision (logged)
     precision.autocast_under_fsdp2(trainer, recipe)  # the autocast accelerate gives DDP and FSDP1 but not FSDP2

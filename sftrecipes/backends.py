@@ -140,6 +140,25 @@ def weight_reading(recipe: Recipe, quantized: bool) -> tuple[str, str]:
     return EVERY_RANK, "every rank loads the whole model"
 
 
+# DeepSpeed sizes, by the model's hidden size h, as transformers and accelerate fill them from a config file's "auto"
+DS_SIZED_BY_HIDDEN = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
+
+
+def size_deepspeed_buckets(trainer) -> None:
+    """DeepSpeed's buckets sized by the model, as the planner counts them: reduce bucket h^2, and under ZeRO-3 prefetch
+    bucket 0.9 h^2 and persistence threshold 10 h (transformers fills these "auto" values when train() initialises DeepSpeed).
+    accelerate's config, unlike a DeepSpeed config file, leaves them out, so DeepSpeed's defaults applied: a 5e7-element
+    prefetch bucket, which from the second step (once the trace is recorded) fetches ahead up to its 1e9 live
+    parameters — every layer of a model below 1e9 parameters gathered at once, 505 MB on each rank at 253M in bf16
+    where one layer is 31 MB — and a 5e8-element reduce buffer (1 GB in bf16). A value the config already holds stays."""
+    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    if plugin is None:
+        return
+    zero = plugin.hf_ds_config.config.setdefault("zero_optimization", {})
+    for key in DS_SIZED_BY_HIDDEN if zero.get("stage") == 3 else DS_SIZED_BY_HIDDEN[:1]:
+        zero.setdefault(key, "auto")
+
+
 def accelerate_config(recipe: Recipe) -> dict:
     """The launch section as a standard accelerate config (what `accelerate config` would write)."""
     L = recipe.launch

@@ -72,6 +72,10 @@ def describe_backend(trainer) -> dict:
         opt = engine.optimizer
         info["optimizer_fp32_elements_local"] = int(sum(g.numel() for g in fp32_partitions(opt)))
         info["optimizer"] = type(getattr(opt, "optimizer", opt)).__name__
+        info["zero_buckets"] = {"reduce_bucket_size": engine.zero_reduce_bucket_size(),
+                                "prefetch_bucket_size": engine.zero_prefetch_bucket_size(),
+                                "param_persistence_threshold": engine.zero_param_persistence_threshold(),
+                                "max_live_parameters": engine.zero_max_live_parameters()}
     plugin = getattr(acc.state, "fsdp_plugin", None)
     if plugin is not None:
         info["fsdp_version"] = plugin.fsdp_version

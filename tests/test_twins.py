@@ -108,6 +108,13 @@ def test_twin_runs_through_its_launcher(twin_runs, family_models, name):
     for key in ("distributed_type", "wrapper", "zero_stage", "fsdp_version", "zero_offload_optimizer", "zero_offload_params", "optimizer"):
         if key in want:
             assert b[key] == want[key], (key, b)
+    if "zero_stage" in b:  # DeepSpeed's buckets by the model's hidden size h, as the planner counts them (backends.py)
+        h = load_recipe([f"recipes/tiny/{name}.yaml"]).model.model_name_or_path
+        h = json.loads((ROOT / h / "config.json").read_text())["hidden_size"]
+        z = b["zero_buckets"]
+        assert z["reduce_bucket_size"] == h * h, z
+        if b["zero_stage"] == 3:
+            assert z["prefetch_bucket_size"] == int(0.9 * h * h) and z["param_persistence_threshold"] == 10 * h, z
     if want["shard"] == "params":  # each rank holds half the parameters (ZeRO-3 partitions / FSDP shards)
         assert b["param_elements_local"] * 2 == pytest.approx(b["param_elements_full"], rel=0.02), b
     elif want["shard"] == "optimizer":  # ZeRO-1/2: full parameters, half the fp32 optimizer copy
