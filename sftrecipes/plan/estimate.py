@@ -287,7 +287,8 @@ def _live_phases(recipe: Recipe, shape: Shape, s: Setup, st: ModelStates, act: A
 
 def _gathered(recipe: Recipe, shape: Shape, s: Setup, st: ModelStates) -> tuple[float, float]:
     """ZeRO-3/FSDP: the layer being computed + the next one prefetched, in the gather dtype (DeepSpeed gathers one
-    layer plus its prefetch bucket, 0.9 h^2 elements, accelerate's 'auto'); and lm_head, gathered for the head."""
+    layer plus its prefetch bucket, 0.9 h^2 elements, as backends.size_deepspeed_buckets sizes it); and lm_head,
+    gathered for the head."""
     L = recipe.launch
     layer_params = max(L_.params for L_ in shape.decoder)  # the largest layer (MoE: all its experts)
     layer_gather = layer_params * st.gather_b
