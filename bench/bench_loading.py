@@ -53,14 +53,11 @@ def overrides(model: Path, steps: int) -> list[str]:
 def planned(twin: str, model: Path, steps: int) -> dict[int, tuple[float, float]]:
     """The planner's loading figures for the twin as run: rank -> (peak, held after loading), MB of RSS growth."""
     from sftrecipes.plan import plan_recipe
+    from sftrecipes.plan.ranks import loading_of
     from sftrecipes.recipe import load_recipe
 
     plan = plan_recipe(load_recipe([f"recipes/tiny/{twin}.yaml", *overrides(model, steps)]), _alternatives=False)
-    out = {}
-    for rank in (0, 1):
-        g = next(g for g in plan.rank_loading if g.ranks in ("every rank", f"rank {rank}") or (rank and g.ranks.startswith("ranks 1-")))
-        out[rank] = (g.peak_gb * 1e3, g.held_gb * 1e3)
-    return out
+    return {rank: (g.peak_gb * 1e3, g.held_gb * 1e3) for rank in (0, 1) for g in [loading_of(plan.rank_loading, rank)]}
 
 
 def run_twin(twin: str, model: Path, out: Path, steps: int) -> tuple[list[dict], float]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 from pathlib import Path
 
 from .errors import RecipeError
@@ -107,3 +108,19 @@ def merge_base(cfg: dict, base: str | None) -> Path:
     if (base_dir / "config.json").is_file() and "quantization_config" in json.loads((base_dir / "config.json").read_text()):
         raise RecipeError(f"base: '{base_dir}' is quantized (config.json has quantization_config); merge into the unquantized base model (--base)")
     return base_dir
+
+
+def read_st_header(path: Path, verb: str = "export") -> tuple[dict, int]:
+    """(header without __metadata__, offset of the data) of one safetensors file; a truncated file is refused (a
+    RecipeError starting with `verb`, the command that reads it). torch-free: the planner reads it too."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+    except (OSError, struct.error, ValueError) as e:
+        raise RecipeError(f"{verb}: '{path}' is not a readable safetensors file ({type(e).__name__}); it is truncated or not safetensors — re-copy it") from None
+    header.pop("__metadata__", None)
+    end = 8 + n + max((v["data_offsets"][1] for v in header.values()), default=0)
+    if path.stat().st_size < end:
+        raise RecipeError(f"{verb}: '{path}' is truncated ({path.stat().st_size} bytes, its header needs {end}); re-copy it")
+    return header, 8 + n

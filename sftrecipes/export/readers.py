@@ -7,30 +7,14 @@ import ctypes
 import json
 import math
 import mmap
-import struct
 from pathlib import Path
 
 import torch
 
 from ..errors import RecipeError
-from ..folders import natural_key as _natural
+from ..folders import natural_key as _natural, read_st_header
 from .dcp import read_exactly
 from .writer import _LIBC, FROM_ST
-
-
-def read_st_header(path: Path) -> tuple[dict, int]:
-    """(header without __metadata__, offset of the data) of one safetensors file; a truncated file is refused."""
-    try:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-    except (OSError, struct.error, ValueError) as e:
-        raise RecipeError(f"export: '{path}' is not a readable safetensors file ({type(e).__name__}); it is truncated or not safetensors — re-copy it") from None
-    header.pop("__metadata__", None)
-    end = 8 + n + max((v["data_offsets"][1] for v in header.values()), default=0)
-    if path.stat().st_size < end:
-        raise RecipeError(f"export: '{path}' is truncated ({path.stat().st_size} bytes, its header needs {end}); re-copy it")
-    return header, 8 + n
 
 
 class _Reader:

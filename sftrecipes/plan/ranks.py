@@ -21,12 +21,11 @@ the benchmark measures it; a rank's own baseline is not planned.
 
 from __future__ import annotations
 
-import json
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..backends import PARTITIONED, RANK0_READS, weight_reading
+from ..folders import read_st_header
 from ..recipe import Recipe
 from ..shape import DTYPE_BYTES, Shape, read_config
 from .sharding import GB, Setup, quant_bytes_per_param
@@ -56,6 +55,11 @@ class RankLoading:
     items: list[tuple[str, float, str]] = field(default_factory=list)  # (what, GB, why) making the peak
 
 
+def loading_of(groups: list[RankLoading], rank: int) -> RankLoading:
+    """The group a rank belongs to: "every rank", "rank 0", "rank 1" or "ranks 1-N"."""
+    return next(g for g in groups if g.ranks in ("every rank", f"rank {rank}") or (rank > 0 and g.ranks.startswith("ranks 1-")))
+
+
 def checkpoint_bytes(name: str, shape: Shape) -> tuple[float, int | None, int]:
     """(bytes of the checkpoint's tensors, bytes per stored float, tensors): from the safetensors headers of a local
     folder, else the parameters at the config's dtype and the shape's weights (hub ids: the shipped config)."""
@@ -64,11 +68,7 @@ def checkpoint_bytes(name: str, shape: Shape) -> tuple[float, int | None, int]:
     if files:
         total, count, widths = 0, 0, {}
         for f in files:
-            with open(f, "rb") as fh:
-                header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
-            for k, v in header.items():
-                if k == "__metadata__":
-                    continue
+            for v in read_st_header(f, verb="plan")[0].values():
                 n = v["data_offsets"][1] - v["data_offsets"][0]
                 total, count = total + n, count + 1
                 widths[_STORED.get(v["dtype"], 0)] = widths.get(_STORED.get(v["dtype"], 0), 0) + n
