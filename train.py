@@ -40,7 +40,8 @@ def run(recipe, life=None):
     from trl import SFTTrainer  # noqa: PLC0415 - torch: --help and validation stay torch-free
 
     from sftrecipes import (  # noqa: PLC0415 - as above
-        backends, checkpoints, data, finalsave, hub, lora, metrics, model as models, nonfinite, precision, preflight, probes,
+        backends, checkpoints, data, finalsave, folders, hub, lora, metrics, model as models, nonfinite, precision, preflight,
+        probes,
     )
     from sftrecipes.plan.pitfalls import pitfalls  # noqa: PLC0415 - as above
     from sftrecipes.tokenizer import load_tokenizer  # noqa: PLC0415 - as above
@@ -56,7 +57,7 @@ def run(recipe, life=None):
     life.started(args)  # every rank up: the lock is this run's
     resume = checkpoints.resolve_resume(recipe.trl.get("resume_from_checkpoint"), args.output_dir)
     checkpoints.match_resume(resume, recipe, args)  # its backend and global batch at this process count, or one line why not
-    models.check_model_files(recipe)  # tokenizer files present, safetensors whole: named here, not deep in a loader
+    folders.check_model_files(recipe.model)  # tokenizer files present, safetensors whole: named here, not deep in a loader
     models.choose_attention(recipe, target)  # a kernel the model cannot run: refused here, before anything loads
     if recipe.launch.backend == "fsdp":
         models.fsdp_wrap_classes(recipe)  # the layer classes FSDP wraps: named for accelerate before the trainer builds its plugin

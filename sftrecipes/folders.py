@@ -1,6 +1,6 @@
-"""What a folder given to `merge` or `export` is, read from its files without torch: cli.py asks before torch loads
-(a missing, empty or wrong folder is one line, exit 2, in a fraction of a second), and the export code asks the
-same functions, so the two never disagree."""
+"""What a folder given to `merge`, `export` or a recipe's model_name_or_path is, read from its files without torch:
+cli.py and launch's pre-flight ask before torch loads (a missing, empty, cut or wrong folder is one line, exit 2, in a
+fraction of a second), and the export code and every rank ask the same functions, so they never disagree."""
 
 from __future__ import annotations
 
@@ -110,17 +110,87 @@ def merge_base(cfg: dict, base: str | None) -> Path:
     return base_dir
 
 
+def _st_header(path: Path) -> tuple[dict, int] | None:
+    """(header without __metadata__, offset of the data) of one safetensors file, or None where the header itself
+    cannot be read (cut, damaged, not safetensors)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return None
+            (n,) = struct.unpack("<Q", head)
+            if n > 100 * 2**20:  # no real header is that large: the file is not safetensors
+                return None
+            header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        if not all(isinstance(v, dict) and len(v.get("data_offsets", ())) == 2 for v in header.values()):
+            return None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return header, 8 + n
+
+
+def _st_length(header: dict, offset: int) -> int:
+    """The length the file must have: its data's offset and the end of its last tensor."""
+    return offset + max((v["data_offsets"][1] for v in header.values()), default=0)
+
+
 def read_st_header(path: Path, verb: str = "export") -> tuple[dict, int]:
     """(header without __metadata__, offset of the data) of one safetensors file; a truncated file is refused (a
     RecipeError starting with `verb`, the command that reads it). torch-free: the planner reads it too."""
-    try:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-    except (OSError, struct.error, ValueError) as e:
-        raise RecipeError(f"{verb}: '{path}' is not a readable safetensors file ({type(e).__name__}); it is truncated or not safetensors — re-copy it") from None
-    header.pop("__metadata__", None)
-    end = 8 + n + max((v["data_offsets"][1] for v in header.values()), default=0)
+    got = _st_header(path)
+    if got is None:
+        raise RecipeError(f"{verb}: '{path}' is not a readable safetensors file; it is truncated or not safetensors — re-copy it")
+    end = _st_length(*got)
     if path.stat().st_size < end:
         raise RecipeError(f"{verb}: '{path}' is truncated ({path.stat().st_size} bytes, its header needs {end}); re-copy it")
-    return header, 8 + n
+    return got
+
+
+# Files a tokenizer can load from (a fast tokenizer's tokenizer.json, a SentencePiece/tiktoken model, BPE or WordPiece
+# vocabularies); a folder with none of them makes transformers suggest installing sentencepiece.
+TOKENIZER_SOURCES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "*.tiktoken", "sentencepiece*.model")
+
+
+def check_model_files(model) -> None:
+    """A recipe's model section (recipe.model): a local tokenizer folder holds tokenizer files, and the local model
+    folder's weights are whole (check_weights). A RecipeError names the folder or file and what is missing, where the
+    loaders would say "install sentencepiece" or "incomplete metadata". Asked by launch's pre-flight before any rank
+    starts, and by every rank before anything is prepared (train.py run directly)."""
+    key = "tokenizer_name_or_path" if model.tokenizer_name_or_path else "model_name_or_path"
+    tok = Path(model.tokenizer_name_or_path or model.model_name_or_path).expanduser()
+    if tok.is_dir() and not any(any(tok.glob(pattern)) for pattern in TOKENIZER_SOURCES):
+        raise RecipeError(f"{key}: {tok} has no tokenizer files (none of tokenizer.json, tokenizer.model, vocab.json + "
+                          "merges.txt); copy them from the model it came from (checkpoints and some exports lack them), or set "
+                          "tokenizer_name_or_path to a folder or hub id that has them")
+    check_weights(model.model_name_or_path)
+
+
+def check_weights(model_name_or_path: str) -> list[Path]:
+    """A local model folder's safetensors files (those its index lists, else every one), each whole: as long as its
+    header says. A RecipeError (model_name_or_path: ...) names a listed file that is missing, a header that cannot be
+    read, a file cut short or longer than its header. [] for a hub id."""
+    folder = Path(model_name_or_path).expanduser()
+    if not folder.is_dir():
+        return []
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = [folder / n for n in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise RecipeError(f"model_name_or_path: {index} is unreadable (no weight_map); copy it again from the model") from None
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    for f in files:
+        if not f.is_file():
+            raise RecipeError(f"model_name_or_path: {f.name} is listed in {index.name} but missing from {folder}; copy it there")
+        size, got = f.stat().st_size, _st_header(f)
+        if got is None:
+            raise RecipeError(f"model_name_or_path: {f} is not a readable safetensors file ({size:,} bytes; its header is cut "
+                              "or damaged); copy it again")
+        want = _st_length(*got)
+        if size != want:
+            what = "truncated" if size < want else "longer than its header describes"
+            raise RecipeError(f"model_name_or_path: {f} is {what}: {size:,} bytes, its header says {want:,}; copy it again "
+                              "(a download or copy did not finish)")
+    return files

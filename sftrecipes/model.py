@@ -1,18 +1,16 @@
 """Model: loading the model a recipe describes (load dtype, quantization, attention kernel, RAM-efficient ranks).
 
-The same functions load the tiny test model and meta-llama/Llama-2-70b-hf; before loading, check_model_files names a
-missing tokenizer file or a cut safetensors file. The tokenizer is tokenizer.py's, LoRA lora.py's.
+The same functions load the tiny test model and meta-llama/Llama-2-70b-hf; before loading, folders.check_model_files
+names a missing tokenizer file or a cut safetensors file. The tokenizer is tokenizer.py's, LoRA lora.py's.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
-import json
 import logging
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -364,64 +362,6 @@ def fsdp_wrap_classes(recipe: Recipe) -> list[str] | None:
     os.environ[FSDP_WRAP_ENV] = _wrap_set_here[FSDP_WRAP_ENV] = ",".join(classes)
     log.info("fsdp: wrapping %s (%s)", ", ".join(classes), why)
     return classes
-
-
-# Files a tokenizer can load from (a fast tokenizer's tokenizer.json, a SentencePiece/tiktoken model, BPE or WordPiece
-# vocabularies); a folder with none of them makes transformers suggest installing sentencepiece.
-TOKENIZER_SOURCES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "*.tiktoken", "sentencepiece*.model")
-
-
-def check_model_files(recipe: Recipe) -> None:
-    """Before anything is prepared: a local tokenizer folder holds tokenizer files, and a local model folder's
-    safetensors files are whole (as long as their headers say; listed shards present). A RecipeError names the folder
-    or file and what is missing, where the loaders would say "install sentencepiece" or "incomplete metadata"."""
-    m = recipe.model
-    key = "tokenizer_name_or_path" if m.tokenizer_name_or_path else "model_name_or_path"
-    tok = Path(m.tokenizer_name_or_path or m.model_name_or_path).expanduser()
-    if tok.is_dir() and not any(any(tok.glob(pattern)) for pattern in TOKENIZER_SOURCES):
-        raise RecipeError(f"{key}: {tok} has no tokenizer files (none of tokenizer.json, tokenizer.model, vocab.json + "
-                          "merges.txt); copy them from the model it came from (checkpoints and some exports lack them), or set "
-                          "tokenizer_name_or_path to a folder or hub id that has them")
-    folder = Path(m.model_name_or_path).expanduser()
-    if not folder.is_dir():
-        return
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            files = [folder / n for n in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-        except (ValueError, KeyError, TypeError):
-            raise RecipeError(f"model_name_or_path: {index} is unreadable (no weight_map); copy it again from the model") from None
-    else:
-        files = sorted(folder.glob("*.safetensors"))
-    for f in files:
-        if not f.is_file():
-            raise RecipeError(f"model_name_or_path: {f.name} is listed in {index.name} but missing from {folder}; copy it there")
-        size, want = f.stat().st_size, safetensors_length(f)
-        if want is None:
-            raise RecipeError(f"model_name_or_path: {f} is not a readable safetensors file ({size:,} bytes; its header is cut "
-                              "or damaged); copy it again")
-        if size != want:
-            what = "truncated" if size < want else "longer than its header describes"
-            raise RecipeError(f"model_name_or_path: {f} is {what}: {size:,} bytes, its header says {want:,}; copy it again "
-                              "(a download or copy did not finish)")
-
-
-def safetensors_length(path) -> int | None:
-    """The length a safetensors file must have (8 + header + the end of its last tensor), from its header; None when
-    the header itself cannot be read."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            return None
-        n = int.from_bytes(head, "little")
-        if n > 100 * 2**20:  # no real header is that large: the file is not safetensors
-            return None
-        try:
-            header = json.loads(f.read(n))
-            return 8 + n + max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-        except (ValueError, KeyError, TypeError, AttributeError):
-            return None
-
 
 
 def quantization_config(recipe: Recipe):

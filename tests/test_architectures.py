@@ -160,23 +160,37 @@ def test_padding_free_fallback_names_the_key_set(arch_models):
 
 
 def test_a_refusal_in_every_rank_is_exit_2_under_launch(arch_models, tmp_path):
-    """A check only the ranks make (the weights whole: a copy that did not finish) stops every rank with the same one
-    line before anything loads; launch then exits 2, like bad input it finds itself, and output_dir stays empty."""
+    """A check only the ranks can make (a layer class to wrap that the model lacks: it takes the model's classes, so
+    torch) stops every rank with the same one line before anything loads; launch then exits 2, like bad input it
+    finds itself, and output_dir holds nothing of the run. A check whose facts are in the files (the weights whole: a
+    copy that did not finish) is launch's own: one line, exit 2, before any rank starts and before anything is
+    written, --force included (it skips the memory verdict, not the files)."""
     import shutil
 
-    folder, out = tmp_path / "cut", tmp_path / "out"
+    out = tmp_path / "out"
+    key = "launch.fsdp_transformer_layer_cls_to_wrap"
+    res = run_cli(["-m", "sftrecipes", "launch", "recipes/tiny/fsdp.yaml", "--model_name_or_path", str(arch_models("qwen3_5")),
+                   "--output_dir", str(out), "--max_steps", "2", f"--{key}", "NoSuchLayer"],
+                  env={"MAIN_PROCESS_PORT": str(free_port())})
+    assert res.returncode == 2, res.stderr[-2000:]
+    start = f"{key}: NoSuchLayer is not a module class of Qwen3_5ForCausalLM (its classes: "
+    refusals = [x for x in res.stderr.splitlines() if x.startswith(f"error: {start}")]
+    # launch says "every rank" from each rank's refusal record; a rank's own stderr line can be cut when the agent
+    # ends it as the other exits, so at least one of the two is printed
+    assert refusals and f"launch: every rank refused the recipe (exit 2): {start}" in res.stderr, res.stderr[-2000:]
+    written = {p.name for p in out.rglob("*") if p.is_file()} if out.exists() else set()
+    assert written <= {"accelerate_config.yaml"}, written  # launch's own config; nothing of the run
+
+    folder, out = tmp_path / "cut", tmp_path / "out-cut"
     shutil.copytree(arch_models("qwen3_5"), folder)
     weights = folder / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])
     res = run_cli(["-m", "sftrecipes", "launch", "recipes/tiny/ddp.yaml", "--model_name_or_path", str(folder),
-                   "--output_dir", str(out), "--max_steps", "2"], env={"MAIN_PROCESS_PORT": str(free_port())})
+                   "--output_dir", str(out), "--max_steps", "2", "--force"], env={"MAIN_PROCESS_PORT": str(free_port())})
     assert res.returncode == 2, res.stderr[-2000:]
-    refusals = [x for x in res.stderr.splitlines() if x.startswith(f"error: model_name_or_path: {weights} is truncated")]
-    # launch says "every rank" from each rank's refusal record; a rank's own stderr line can be cut when the agent
-    # ends it as the other exits, so at least one of the two is printed
-    assert refusals and "launch: every rank refused the recipe (exit 2): model_name_or_path:" in res.stderr, res.stderr[-2000:]
-    written = {p.name for p in out.rglob("*") if p.is_file()} if out.exists() else set()
-    assert written <= {"accelerate_config.yaml"}, written  # launch's own config; nothing of the run
+    assert res.stderr.strip().splitlines()[-1].startswith(f"error: model_name_or_path: {weights} is truncated: "), res.stderr[-2000:]
+    assert "launch: ddp" not in res.stderr and "every rank" not in res.stderr, res.stderr[-2000:]  # no rank started
+    assert not out.exists()
 
 
 # 2-rank runs (~35 s each): the MoE and the multimodal Gemma-3 on ZeRO-3 LoRA (its meta-device builds under ZeRO-3

@@ -22,10 +22,9 @@ the benchmark measures it; a rank's own baseline is not planned.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ..backends import PARTITIONED, RANK0_READS, weight_reading
-from ..folders import read_st_header
+from ..folders import check_weights, read_st_header
 from ..recipe import Recipe
 from ..shape import DTYPE_BYTES, Shape, read_config
 from .sharding import GB, Setup, quant_bytes_per_param
@@ -63,8 +62,7 @@ def loading_of(groups: list[RankLoading], rank: int) -> RankLoading:
 def checkpoint_bytes(name: str, shape: Shape) -> tuple[float, int | None, int]:
     """(bytes of the checkpoint's tensors, bytes per stored float, tensors): from the safetensors headers of a local
     folder, else the parameters at the config's dtype and the shape's weights (hub ids: the shipped config)."""
-    folder = Path(name)
-    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    files = check_weights(name)  # whole, or one line naming the file (model_name_or_path: ... is truncated)
     if files:
         total, count, widths = 0, 0, {}
         for f in files:
