@@ -1,4 +1,4 @@
-"""Pre-flight: everything checked about a recipe before its processes start (its model files, the memory plan's
+"""Pre-flight: everything checked about a recipe before its processes start (its weights whole, the memory plan's
 verdict, the GPUs it names) and again inside each rank before anything loads (its process count, the launcher's
 accelerate config, what the hardware target cannot run).
 
@@ -12,7 +12,7 @@ import os
 
 from .backends import accelerate_config, render_target
 from .errors import RecipeError
-from .folders import check_model_files
+from .folders import check_weights
 from .plan import verdict
 from .recipe import Recipe
 
@@ -37,13 +37,14 @@ def gpu_count() -> int:
 
 
 def before_launch(recipe: Recipe, force: bool = False) -> str:
-    """Can this recipe start on this machine? First its model files (a local folder's tokenizer files, its weights
-    whole: the check every rank would make, made once before any starts), then the memory plan (does it fit the GPUs
-    it names?), then the hardware (are those GPUs here?). Returns the text to print; a RecipeError (exit 2) says why
-    not; --force skips the memory verdict (also a plan that cannot be made), never the files or the hardware."""
+    """Can this recipe start on this machine? First its weights (a local folder's safetensors files whole: the check
+    every rank would make, made once before any starts), then the memory plan (does it fit the GPUs it names?), then
+    the hardware (are those GPUs here?). Returns the text to print; a RecipeError (exit 2) says why not; --force skips
+    the memory verdict (also a plan that cannot be made), never the weights or the hardware. (The tokenizer files are
+    the ranks' check, folders.check_model_files: a folder holding only config.json still plans.)"""
     L = recipe.launch
     world = L.world_size
-    check_model_files(recipe.model)
+    check_weights(recipe.model.model_name_or_path)
     try:
         fits, plan_text = verdict(recipe)
     except RecipeError as e:  # the planner cannot plan this model: --force goes on, and loading will tell
