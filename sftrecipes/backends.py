@@ -123,16 +123,20 @@ def weight_reading(recipe: Recipe, quantized: bool) -> tuple[str, str]:
     states, so the plan never claims a loading the loader does not do. (mode, why):
     RANK0_READS: FSDP2 with fsdp_cpu_ram_efficient_loading, 16-bit weights: rank 0 reads the checkpoint, the others
     build on the meta device and receive their shards when FSDP wraps (model.ram_efficient_rank);
-    PARTITIONED: ZeRO-3 with zero3_init, 16-bit weights: every rank reads, keeping only its partition of each tensor;
-    EVERY_RANK: every rank loads the whole model (quantized models always: accelerate leaves them out of RAM-efficient
-    loading, and transformers turns zero.Init off for bitsandbytes)."""
+    PARTITIONED: ZeRO-3 with zero3_init: every rank reads, keeping only its partition of each tensor (16-bit:
+    transformers' zero.Init; 4-bit: each decoder layer partitioned once quantized, quantload.partition_4bit_layers);
+    EVERY_RANK: every rank loads the whole model (quantized models under FSDP: accelerate leaves them out of
+    RAM-efficient loading)."""
     L = recipe.launch
     if L.backend == "fsdp" and L.fsdp_cpu_ram_efficient_loading and L.fsdp_version == 2 and not quantized:
         return RANK0_READS, "fsdp_cpu_ram_efficient_loading: only rank 0 reads the weights"
-    if L.backend == "deepspeed" and L.zero_stage == 3 and L.zero3_init and not quantized:
+    if L.backend == "deepspeed" and L.zero_stage == 3 and L.zero3_init:
+        if quantized:
+            return PARTITIONED, ("zero3_init: each rank quantizes the weights layer by layer and keeps its partition of "
+                                 "each layer once quantized")
         return PARTITIONED, "zero3_init: each rank keeps its partition as the shards stream in"
     if quantized and L.backend == "deepspeed" and L.zero_stage == 3:
-        return EVERY_RANK, "quantized: every rank loads the whole model (no zero.Init for bitsandbytes)"
+        return EVERY_RANK, "quantized, zero3_init off: every rank loads the whole model"
     if quantized and L.backend == "fsdp":
         return EVERY_RANK, "quantized: every rank loads the whole model (no RAM-efficient loading for 4-bit)"
     if L.backend == "fsdp" and L.fsdp_cpu_ram_efficient_loading:

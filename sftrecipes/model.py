@@ -15,12 +15,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
+from transformers.integrations import is_deepspeed_zero3_enabled
 
 from . import meta
 from .attention import register
-from .backends import RANK0_READS, weight_reading
+from .backends import PARTITIONED, RANK0_READS, weight_reading
 from .errors import RecipeError
 from .heap import own_checkpoint_views, steady_heap
+from .quantload import partition_4bit_layers
 from .recipe import Recipe
 from .schema import DTYPES as DTYPE_NAMES
 from .shape import load_dtype as load_dtype_name
@@ -504,10 +506,15 @@ def load_model(recipe: Recipe, tokenizer, hardware: str):
         log.info("loading the weights: %s", weight_reading(recipe, quantized=qc is not None)[1])  # as the plan says
     if rank:  # not rank 0: build on the meta device, read nothing; FSDP receives rank 0's weights when it wraps
         kwargs["device_map"] = "meta"
-    with steady_heap():  # what a rank holds after loading is the model, not the order its temporaries were freed in
+    # 4-bit under ZeRO-3 with zero3_init: each decoder layer partitioned as soon as it is quantized (quantload.py)
+    partition = qc is not None and is_deepspeed_zero3_enabled() and weight_reading(recipe, quantized=True)[0] == PARTITIONED
+    # steady_heap: what a rank holds after loading is the model, not the order its temporaries were freed in
+    with steady_heap(), partition_4bit_layers(partition) as part:
         model = AutoModelForCausalLM.from_pretrained(m.model_name_or_path, **kwargs)
         if qc is not None:  # what was not quantized is still a view into the checkpoint's mapping: let it go
             own_checkpoint_views(model)
+    if part is not None and dist.get_rank() == 0:
+        log.info("zero3_init: %d of %d decoder layers partitioned as their 4-bit weights loaded", part.partitioned, part.layers)
     log_attention(recipe, hardware, model.config._attn_implementation, why)  # what the loaded model really runs
     if rank:
         # Real but untouched storage: accelerate maps optimizer params to their shards by data_ptr, which is 0 for

@@ -107,6 +107,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def accelerate_launch(recipe: str, out, script: str, extra=(), accelerate_config=None):
+    """Launch `script` on 2 processes as the twin launchers do (accelerate config + the recipe's env), on a free port."""
+    import yaml
+
+    from sftrecipes.backends import accelerate_config as acc_cfg, launcher_env
+    from sftrecipes.recipe import load_recipe
+
+    args = [recipe, "--output_dir", str(out), *extra]
+    r = load_recipe(args)
+    if accelerate_config is None:
+        accelerate_config = out.parent / (out.name + "-accelerate.yaml")
+        accelerate_config.write_text(yaml.safe_dump(acc_cfg(r)))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accelerate_config), "--num_machines", "1",
+           "--num_processes", "2", "--machine_rank", "0", "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port()), script, *args]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, **launcher_env(r)})
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    return res
+
+
 def bindable(port: int) -> bool:
     """Whether `port` is free on this host now (a rendezvous binds every address)."""
     import socket

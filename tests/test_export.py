@@ -8,14 +8,12 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, free_port, launch_twin
+from conftest import ROOT, accelerate_launch, free_port, launch_twin
 
 from sftrecipes import export as ex
 from sftrecipes.export.adapters import _peft_name
@@ -25,24 +23,6 @@ from sftrecipes.model import DTYPES
 STEPS = ["--max_steps", "3", "--save_strategy", "steps", "--save_steps", "3", "--sample_max_new_tokens", "0"]
 IDS = torch.tensor([[1, 20, 30, 40, 50, 60, 70, 80]])
 TWINS = {"ddp", "zero1", "offload", "fsdp", "fsdp1", "qlora-fsdp", "qlora-zero3"}  # read from conftest.twin_runs
-
-
-def accelerate_launch(recipe: str, out, script: str, extra=(), accelerate_config=None):
-    """Launch `script` on 2 processes as the twin launchers do (accelerate config + the recipe's env), on a free port."""
-    import yaml
-
-    from sftrecipes.backends import accelerate_config as acc_cfg, launcher_env
-    from sftrecipes.recipe import load_recipe
-
-    args = [recipe, "--output_dir", str(out), *extra]
-    r = load_recipe(args)
-    if accelerate_config is None:
-        accelerate_config = out.parent / (out.name + "-accelerate.yaml")
-        accelerate_config.write_text(yaml.safe_dump(acc_cfg(r)))
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accelerate_config), "--num_machines", "1",
-           "--num_processes", "2", "--machine_rank", "0", "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port()), script, *args]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, **launcher_env(r)})
-    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
 
 
 @pytest.fixture(scope="module")
