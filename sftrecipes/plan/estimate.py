@@ -25,7 +25,7 @@ from ..backends import PARTITIONED, RANK0_READS, weight_reading
 from ..recipe import Recipe
 from ..shape import Shape, checkpointing_off, model_shape
 from .ranks import RankLoading, rank_loading
-from .sharding import GB, Setup, quant_bytes_per_param, setup, trainable_bytes
+from .sharding import GB, Setup, partitioned_4bit_load, quant_bytes_per_param, setup, trainable_bytes
 
 if TYPE_CHECKING:
     from .strategies import Strategy
@@ -349,16 +349,30 @@ def _peak(recipe: Recipe, shape: Shape, s: Setup, st: ModelStates, live: dict, n
     L = recipe.launch
     resident = sum(i.gb for i in st.items) * GB
     phases = {k: (resident + sum(x[1] for x in v)) / GB for k, v in live.items()}
-    if s.quant_bits == 4 and ((L.backend == "deepspeed" and L.zero_stage == 3) or L.backend == "fsdp"):
+    if s.quant_bits == 4 and weight_reading(recipe, quantized=True)[0] == PARTITIONED:
+        # ZeRO-3 with zero3_init: each decoder layer partitioned once quantized (quantload.py), on each rank's GPU
+        ld = partitioned_4bit_load(recipe, shape, s.shard_w, st.float_b)
+        quantizing = ld.largest * s.load_bytes
+        load_gb = (ld.share + ld.outside + ld.layer + quantizing) / GB
+        name = "loading (4-bit, partitioned per layer)"
+        phases[name] = load_gb
+        live[name] = [("4-bit layers partitioned as they load (replaces the shards above)", load_gb * GB - resident,
+                       f"share {ld.share / GB:.2f} GB + outside the layers {ld.outside / GB:.2f} GB + one layer "
+                       f"{ld.layer / GB:.2f} GB + one weight being quantized {quantizing / GB:.2f} GB")]
+        notes.append(f"QLoRA + ZeRO-3 (zero3_init): each decoder layer's 4-bit weights are partitioned as soon as they "
+                     f"are quantized; while loading a GPU holds its share of the layers ({ld.share / GB:.1f} GB), what "
+                     f"lies outside them whole ({ld.outside / GB:.1f} GB: embeddings, head) and the layer being "
+                     f"quantized ({ld.layer / GB:.2f} GB)")
+    elif s.quant_bits == 4 and ((L.backend == "deepspeed" and L.zero_stage == 3) or L.backend == "fsdp"):
         # bitsandbytes weights are neither created inside zero.Init nor loaded RAM-efficiently (weight_reading): every
         # rank quantizes the whole model onto its own GPU (transformers' bnb device map) before the backend shards it
         lin = shape.linear_params
         load_gb = (lin * quant_bytes_per_param(recipe) + (shape.params - lin) * st.float_b) / GB
         phases["loading (whole 4-bit model per GPU)"] = load_gb
         live["loading (whole 4-bit model per GPU)"] = [("whole 4-bit model (replaces the shards above)", load_gb * GB - resident, "")]
-        engine = "ZeRO-3" if L.backend == "deepspeed" else "FSDP"
+        engine, fix = ("ZeRO-3", "; zero3_init: true partitions them") if L.backend == "deepspeed" else ("FSDP", "")
         notes.append(f"QLoRA + {engine}: 4-bit weights are not partitioned while loading; each GPU holds the whole "
-                     f"4-bit model ({load_gb:.1f} GB) until {engine} shards it")
+                     f"4-bit model ({load_gb:.1f} GB) until {engine} shards it{fix}")
     peak_phase = max(phases, key=phases.get)
     churn = phases[peak_phase] - resident / GB if not peak_phase.startswith("loading") else 0.0
     allowance = (CUDA_CONTEXT_GB + FRAGMENTATION * max(churn, 0.0)) if s.gpu else 0.0

@@ -14,7 +14,8 @@ What the loader does, by weight_reading's mode (measured at 253M parameters, doc
   to; the mapping goes when loading ends;
 - RAM-efficient FSDP2: the other ranks build on the meta device and take untouched storage (0);
 - 4-bit: every rank reads the whole checkpoint and keeps the quantized model (the views into the checkpoint that stay
-  are copied, so the mapping goes: heap.own_checkpoint_views).
+  are copied, so the mapping goes: heap.own_checkpoint_views); under ZeRO-3 with zero3_init it keeps its partition of
+  each decoder layer once the layer is quantized (quantload.py), and what lies outside the layers whole.
 The figures are each rank's RSS growth over its RSS before loading (the process with its libraries imported), as
 the benchmark measures it; a rank's own baseline is not planned.
 """
@@ -27,7 +28,7 @@ from ..backends import PARTITIONED, RANK0_READS, weight_reading
 from ..folders import check_weights, read_st_header
 from ..recipe import Recipe
 from ..shape import DTYPE_BYTES, Shape, read_config
-from .sharding import GB, Setup, quant_bytes_per_param
+from .sharding import GB, Setup, partitioned_4bit_load, quant_bytes_per_param
 
 # what loading leaves in a rank's RSS besides the weights: the modeling modules and libraries from_pretrained imports
 # (partly mapped .so pages) and the model's Python objects. Measured 25-33 MB per rank at 253M on every twin whose
@@ -90,6 +91,17 @@ def rank_loading(recipe: Recipe, shape: Shape, s: Setup, float_b: int) -> list[R
         return RankLoading(ranks, max(reading, own + o), own + o, items + [over])
     read = ("checkpoint pages read", F / GB, f"the {F / 1e6:,.0f} MB checkpoint, mapped while it loads")
     others = f"ranks 1-{N - 1}" if N > 2 else "rank 1"
+    if s.quant_bits < 16 and mode == PARTITIONED:
+        ld = partitioned_4bit_load(recipe, shape, N, float_b)
+        tmp = ld.largest * QUANTIZE_BYTES_PER_ELEMENT / GB
+        items = [read,
+                 ("its partition of the layers", ld.share / GB, f"{shape.layers} decoder layers (4-bit linear weights, the rest "
+                  f"in {float_b}-byte floats) / {N} ranks, each partitioned once quantized (quantload.py)"),
+                 ("one layer whole", ld.layer / GB, "the layer being quantized, until its last weight is set"),
+                 ("quantizing one weight", tmp, f"the largest, {ld.largest / 1e6:.1f}M elements x {QUANTIZE_BYTES_PER_ELEMENT} B"),
+                 ("outside the layers", ld.outside / GB, "embeddings, final norm, head: copied out of the mapping at the end "
+                  "(heap.own_checkpoint_views), partitioned later by the engine")]
+        return [group("every rank", F / GB + ld.share / GB + max(ld.layer / GB + tmp, ld.outside / GB), ld.kept / GB, items)]
     if s.quant_bits < 16:
         lin = shape.linear_params
         q = (lin * quant_bytes_per_param(recipe) + (shape.params - lin) * float_b) / GB
