@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export PYTHONDONTWRITEBYTECODE ?= 1
 
-.PHONY: venv assets demo lint test data schema docs emit plan bench bench-overhead bench-export bench-loading sweep sweep-two-ranks clean sft-70b-lora sft-70b-qlora sft-offload sft-70b-fsdp sft-70b-qlora-fsdp sft-ddp sft-llama3-70b-lora sft-qwen3-32b-qlora sft-qwen3-moe-lora
+.PHONY: venv assets demo lint test data schema docs emit plan bench bench-overhead bench-export bench-loading sweep sweep-two-ranks clean sft-70b-lora sft-70b-qlora sft-offload sft-70b-fsdp sft-70b-qlora-fsdp sft-ddp sft-llama3-70b-lora sft-qwen3-32b-qlora sft-qwen3-moe-lora sft-llama3-70b-qlora sft-llama3-405b-qlora
 
 $(STAMP): requirements.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -58,6 +58,10 @@ sft-ddp: $(STAMP)           ## Llama-2-7B LoRA, DDP, 8 GPUs
 	scripts/run_llama2-7b-ddp.sh $(ARGS)
 sft-llama3-70b-lora: $(STAMP) ## Llama-3.1-70B-Instruct LoRA, DeepSpeed ZeRO-3, 8 x 80 GB
 	scripts/run_llama3.1-70b-lora.sh $(ARGS)
+sft-llama3-70b-qlora: $(STAMP) ## Llama-3.1-70B-Instruct QLoRA, DeepSpeed ZeRO-3 (4-bit partitioned as it loads), 8 x 24 GB
+	scripts/run_llama3.1-70b-qlora.sh $(ARGS)
+sft-llama3-405b-qlora: $(STAMP) ## Llama-3.1-405B-Instruct QLoRA, DeepSpeed ZeRO-3 (4-bit partitioned as it loads), 8 x 80 GB
+	scripts/run_llama3.1-405b-qlora.sh $(ARGS)
 sft-qwen3-32b-qlora: $(STAMP) ## Qwen3-32B QLoRA, FSDP2, 2 x 24 GB
 	scripts/run_qwen3-32b-qlora-fsdp.sh $(ARGS)
 sft-qwen3-moe-lora: $(STAMP) ## Qwen3-30B-A3B (MoE) LoRA, DeepSpeed ZeRO-3, 4 x 80 GB

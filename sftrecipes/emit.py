@@ -225,7 +225,8 @@ def export_script(recipe: Recipe, rel: str, name: str) -> str:
 MAKE_TARGETS = {"llama2-70b-lora": "sft-70b-lora", "llama2-70b-qlora": "sft-70b-qlora", "llama2-7b-offload": "sft-offload",
                 "llama2-70b-fsdp": "sft-70b-fsdp", "llama2-70b-qlora-fsdp": "sft-70b-qlora-fsdp", "llama2-7b-ddp": "sft-ddp",
                 "llama3.1-70b-lora": "sft-llama3-70b-lora", "qwen3-32b-qlora-fsdp": "sft-qwen3-32b-qlora",
-                "qwen3-30b-a3b-lora": "sft-qwen3-moe-lora"}
+                "qwen3-30b-a3b-lora": "sft-qwen3-moe-lora", "llama3.1-70b-qlora": "sft-llama3-70b-qlora",
+                "llama3.1-405b-qlora": "sft-llama3-405b-qlora"}
 
 
 def _header_comments(path: Path) -> list[str]:

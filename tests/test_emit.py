@@ -78,7 +78,9 @@ def test_every_make_target_has_its_launcher():
     makefile = (ROOT / "Makefile").read_text()
     for target, script in (("sft-70b-lora", "run_llama2-70b-lora.sh"), ("sft-70b-qlora", "run_llama2-70b-qlora.sh"),
                            ("sft-offload", "run_llama2-7b-offload.sh"), ("sft-70b-fsdp", "run_llama2-70b-fsdp.sh"),
-                           ("sft-70b-qlora-fsdp", "run_llama2-70b-qlora-fsdp.sh"), ("sft-ddp", "run_llama2-7b-ddp.sh")):
+                           ("sft-70b-qlora-fsdp", "run_llama2-70b-qlora-fsdp.sh"), ("sft-ddp", "run_llama2-7b-ddp.sh"),
+                           ("sft-llama3-70b-qlora", "run_llama3.1-70b-qlora.sh"),
+                           ("sft-llama3-405b-qlora", "run_llama3.1-405b-qlora.sh")):
         assert f"{target}: $(STAMP)" in makefile and f"scripts/{script}" in makefile
         assert os.access(ROOT / "scripts" / script, os.X_OK)
 

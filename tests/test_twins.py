@@ -35,10 +35,12 @@ TWINS = {
     "qlora-zero3": dict(distributed_type="DEEPSPEED", zero_stage=3, shard="params"),
     # the recipes for today's models, each twin on a tiny model of its own architecture
     "llama3-zero3": dict(distributed_type="DEEPSPEED", zero_stage=3, shard="params"),
+    "llama3-qlora-zero3": dict(distributed_type="DEEPSPEED", zero_stage=3, shard="params"),
     "qwen3-qlora-fsdp": dict(distributed_type="FSDP", fsdp_version=2, wrapper="FSDPPeftModelForCausalLM", shard="params"),
     "qwen3moe-zero3": dict(distributed_type="DEEPSPEED", zero_stage=3, shard="params"),
 }
-BASE_OF = {"llama3-zero3": "llama3", "qwen3-qlora-fsdp": "qwen3", "qwen3moe-zero3": "qwen3_moe"}  # else tiny-llama
+BASE_OF = {"llama3-zero3": "llama3", "llama3-qlora-zero3": "llama3", "qwen3-qlora-fsdp": "qwen3",
+           "qwen3moe-zero3": "qwen3_moe"}  # else tiny-llama
 
 
 def assert_loadable(out, summary, base_dir=".assets/tiny-llama", quantized=False):
@@ -133,8 +135,11 @@ def test_twin_runs_through_its_launcher(twin_runs, family_models, name):
     if name == "qwen3moe-zero3":  # all-linear adapts attention and experts, not the router (lora_target_router false)
         assert "router not adapted" in log and ".mlp.gate." not in " ".join(load_file_names(out))
         assert any(".mlp.experts." in n for n in load_file_names(out))
-    if name == "llama3-zero3":  # the template's end of turn, read as the run's eos and stop token
+    if name.startswith("llama3-"):  # the template's end of turn, read as the run's eos and stop token
         assert "end of turn is <|eot_id|> (added token)" in log
+    if name.endswith("qlora-zero3"):  # zero3_init: each decoder layer partitioned once its 4-bit weights loaded
+        layers = json.loads((ROOT / base / "config.json").read_text())["num_hidden_layers"]
+        assert f"zero3_init: {layers} of {layers} decoder layers partitioned as their 4-bit weights loaded" in log, log[-3000:]
     assert_loadable(out, summary, base, quantized="qlora" in name)
 
 
