@@ -13,6 +13,9 @@
     kernel or package is missing is listed as skipped with the reason. Per row: real tokens/s/device, MFU, peak
     allocated memory and the planner's figure. Rows run in priority order (every kernel without Liger first) until
     --budget-s is spent; a row over --row-timeout-s is stopped and listed.
+(3) QLoRA loading: a random-weight Llama (--qlora-size, 1B) saved in bf16, loaded with the QLoRA ZeRO-3 twin's settings
+    in one process under accelerate (bench/qlora_load_probe.py), partitioned as it loads (zero3_init) and whole:
+    the device's peak allocated memory over each load against the planner's loading phase.
 Writes DIR/gpu_check.json (schema: check_schema) and DIR/gpu_check.md (the tables).
 
 The varlen kernel is looked up by name in transformers' AttentionInterface: VARLEN_NAME ("sft_varlen", the project's
@@ -310,6 +313,72 @@ def throughput(rows: list[dict], a, device: str, started: float) -> None:
         print(json.dumps(row), flush=True)
 
 
+# ----------------------------------------------------------------------------------------------- QLoRA loading
+
+
+def qlora_checkpoint(size: str, folder: Path) -> Path:
+    """A random-weight Llama of gpu_bench's `size` shape saved in bf16, as hub checkpoints are, with the tiny Llama's
+    tokenizer; written once into `folder`."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    ckpt = folder / f"qlora-ckpt-{size}"
+    if not (ckpt / "config.json").is_file():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**gpu_bench.SHAPES[size], tie_word_embeddings=False),
+                                                 dtype=torch.bfloat16)
+        model.save_pretrained(ckpt)
+        del model
+        for f in (ROOT / ".assets/tiny-llama").iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens")):
+                shutil.copy(f, ckpt / f.name)
+    return ckpt
+
+
+def qlora_loading(size: str, device: str, folder: Path, timeout_s: int) -> list[dict]:
+    """Load-time peak per device of the QLoRA ZeRO-3 setup against the plan, partitioned as it loads and whole
+    (bench/qlora_load_probe.py under accelerate, one process: what one GPU can show; the partition's share is the
+    whole at one rank, so the rows check the planner's loading terms, not the saving). A row per load, or one with
+    the error. The checkpoint and the probe's files go in `folder` (main: outputs/gpu-check, not the results)."""
+    import os
+    import socket
+    import subprocess
+
+    import yaml
+
+    from sftrecipes.backends import accelerate_config, launcher_env
+    from sftrecipes.recipe import load_recipe
+
+    missing = [m for m in ("deepspeed", "bitsandbytes") if importlib.util.find_spec(m) is None]
+    if missing:
+        return [{"size": size, "skip": f"{' and '.join(missing)} not importable (bench/gpu_check.sh's header: the .whl/ folder)"}]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        ckpt = qlora_checkpoint(size, folder)
+        out = folder / f"qlora-load-{size}"
+        argv = ["recipes/tiny/qlora-zero3.yaml", "--model_name_or_path", str(ckpt), "--output_dir", str(out),
+                "--launch.gpus_per_node", "1", "--launch.hardware", "cpu" if device == "cpu" else "gpu"]
+        recipe = load_recipe(argv)
+        cfg = folder / "qlora-load-accelerate.yaml"
+        cfg.write_text(yaml.safe_dump(accelerate_config(recipe)))
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg), "--num_machines", "1",
+               "--num_processes", "1", "--machine_rank", "0", "--main_process_ip", "127.0.0.1", "--main_process_port",
+               str(port), "bench/qlora_load_probe.py", *argv]
+        res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
+                             env={**os.environ, **launcher_env(recipe)})
+        if res.returncode != 0:
+            return [{"size": size, "error": (res.stderr.strip().splitlines() or ["exit %d" % res.returncode])[-1][:300]}]
+        found = json.loads((out / "qlora-load-rank0.json").read_text())
+    except (OSError, subprocess.TimeoutExpired, ValueError) as e:
+        return [{"size": size, "error": f"{type(e).__name__}: {e}"[:300]}]
+    return [{"size": size, "rank": found["rank"], "target": found["target"], **row} for row in found["rows"]]
+
+
 # ----------------------------------------------------------------------------------------------- results
 
 
@@ -328,6 +397,12 @@ def check_schema(result: dict) -> None:
         if "error" not in n:
             for k in ("logits_rel_err", "grad_rel_err", "reference_logits_rel_err", "reference_grad_rel_err"):
                 need(n, k, float, f"numerics[{i}]")
+    for i, q in enumerate(result.get("qlora_loading", [])):
+        need(q, "size", str, f"qlora_loading[{i}]")
+        if "error" not in q and "skip" not in q:
+            for k, kinds in {"load": str, "measured_gb": (int, float), "planned_gb": (int, float), "plan_item": str,
+                             "layers_partitioned": int}.items():
+                need(q, k, kinds, f"qlora_loading[{i}]")
     for i, r in enumerate(result["rows"]):
         for k, kinds in {"run": str, "size": str, "gradient_checkpointing": bool, "attention": str, "packed": bool, "liger": bool}.items():
             need(r, k, kinds, f"rows[{i}]")
@@ -368,6 +443,15 @@ def markdown(result: dict) -> str:
         note = "" if r["ran_attention"] == r["attention"] else f"ran {r['ran_attention']}"
         lines.append(f"{head} {r['tokens_per_s_per_device']:.0f} | {mfu} | {peak} | {r['planned_tensor_peak_gb']:.1f} / "
                      f"{r['planned_total_gb']:.1f} | {note} |")
+    if result.get("qlora_loading"):
+        lines += ["", "QLoRA loading (QLoRA ZeRO-3 twin's settings, one process): the device's peak over the load against the plan.",
+                  "", "| model | load | measured GB | planned GB | plan item | layers partitioned |", "|---|---|---:|---:|---|---:|"]
+        for q in result["qlora_loading"]:
+            if "error" in q or "skip" in q:
+                lines.append(f"| {q['size']} | {'failed: ' + q['error'] if 'error' in q else 'skipped: ' + q['skip']} | | | | |")
+            else:
+                lines.append(f"| {q['size']} | {q['load']} | {q['measured_gb']:.2f} | {q['planned_gb']:.2f} | {q['plan_item']} | "
+                             f"{q['layers_partitioned']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -388,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default="", help="comma-separated kernels to keep in the matrix (e.g. sdpa,sft_varlen)")
     p.add_argument("--no-liger-rows", action="store_true")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
+    p.add_argument("--qlora-size", default="1b", choices=list(gpu_bench.SHAPES), help="model of the QLoRA loading rows")
+    p.add_argument("--no-qlora-load", action="store_true", help="leave out the QLoRA loading rows")
     p.add_argument("--out", default=str(ROOT / "bench/results"))
     a = p.parse_args(argv)
     started = time.time()
@@ -402,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: no CUDA device; use --cpu-smoke for the CPU code path", file=sys.stderr)
         return 2
     if a.cpu_smoke:
-        a.size = a.full_size = a.numerics_size = "tiny"
+        a.size = a.full_size = a.numerics_size = a.qlora_size = "tiny"
         a.steps, a.batch, a.seq = min(a.steps, 2), min(a.batch, 2), min(a.seq, 128)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -424,6 +510,11 @@ def main(argv: list[str] | None = None) -> int:
     ceiling = gpu_bench.matmul_ceiling_tflops() if device == "cuda" else None
     throughput(rows, a, device, started)
 
+    # (3) QLoRA loading: the load-time peak per device against the plan
+    qlora = [] if a.no_qlora_load else qlora_loading(a.qlora_size, device, ROOT / "outputs" / "gpu-check", a.row_timeout_s * 4)
+    for q in qlora:
+        print(json.dumps(q), flush=True)
+
     versions = {m: getattr(importlib.import_module(m), "__version__", "?") for m in ("torch", "transformers", "trl", "peft", "accelerate")}
     for m in ("flash_attn", "liger_kernel", "triton"):
         if importlib.util.find_spec(m):
@@ -431,14 +522,14 @@ def main(argv: list[str] | None = None) -> int:
     result = {"schema": SCHEMA_VERSION, "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
               "matmul_bf16_tflops": ceiling, "versions": versions, "torch_varlen": torch_varlen_available(), "varlen_name": a.varlen_name,
               "settings": {"seq": a.seq, "batch": a.batch, "steps": a.steps, "lengths": lengths, "budget_s": a.budget_s, "cpu_smoke": a.cpu_smoke},
-              "numerics": num, "rows": rows, "seconds": round(time.time() - started, 1)}
+              "numerics": num, "rows": rows, "qlora_loading": qlora, "seconds": round(time.time() - started, 1)}
     check_schema(result)
     stem = f"gpu-check-{'cpu-smoke' if a.cpu_smoke else result['device'].split()[-1].lower()}-{result['date']}"
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     (out / f"{stem}.md").write_text(markdown(result))
     print("\n" + markdown(result))
     print(f"wrote {out / stem}.json and .md")
-    return 0 if all(n["ok"] for n in num) else 1
+    return 0 if all(n["ok"] for n in num) and not any("error" in q for q in qlora) else 1
 
 
 if __name__ == "__main__":

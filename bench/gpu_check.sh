@@ -2,7 +2,10 @@
 # GPU check (one GPU, under 8 minutes on an H200): (0) the suite's GPU-marked tests (pytest -m gpu); (1) packed-attention numerics in bf16 (varlen, flex, flash-attn 2
 # where importable, against sdpa with the dense block-diagonal mask); (2) throughput rows — LoRA ~8B with gradient
 # checkpointing on and off and a full ~1B, each with sdpa padded / sdpa packed / varlen / flex / flash-attn 2, each
-# without and with Liger — tokens/s/device, MFU, peak memory and the planner's figure (bench/gpu_check.py).
+# without and with Liger — tokens/s/device, MFU, peak memory and the planner's figure; (3) QLoRA loading — a 1B
+# random-weight Llama in bf16 loaded with the QLoRA ZeRO-3 twin's settings, partitioned as it loads and whole, the GPU's
+# peak over each load against the planner's loading phase (bench/gpu_check.py, bench/qlora_load_probe.py; skipped with
+# the reason where deepspeed or bitsandbytes is not importable: add deepspeed==0.19.8 and bitsandbytes==0.50.2 to .whl/).
 # Writes bench/results/gpu-check-<gpu>-<date>.{json,md}; docs/benchmarks.md, "GPU check", says how to read them.
 #   bench/gpu_check.sh [--budget-s 330] [--steps 6] [--only sdpa,sft_varlen] [--no-liger-rows]
 #   python bench/gpu_check.py --cpu-smoke --out /tmp/x     # the same code on CPU (tests/test_gpu_check.py)

@@ -1,6 +1,7 @@
 """bench/gpu_check.sh's parts that run without a GPU: the matrix and its skip reasons, the numerics comparison (fp32
 on CPU, against the reference varlen and a broken one it must catch), the JSON schema and the table, and the script
-end to end on the tiny model (one configuration, sdpa rows), so the GPU run does not fail on code never executed."""
+end to end on the tiny model (one configuration, sdpa rows, the QLoRA loading rows), so the GPU run does not fail on
+code never executed."""
 
 import json
 import sys
@@ -77,3 +78,9 @@ def test_gpu_check_cpu_smoke_end_to_end(tiny_model, tmp_path):
     assert result["numerics"] and all(n["ok"] and n["dtype"] == "float32" for n in result["numerics"])
     md = Path(js.with_suffix(".md")).read_text()
     assert "| full tiny | on | sdpa | packed | no |" in md and "logits rel. err" in md
+    # (3) QLoRA loading, one process under accelerate (bench/qlora_load_probe.py): both loads measured and planned
+    parted, whole = result["qlora_loading"]
+    assert parted["load"].startswith("partitioned") and parted["layers_partitioned"] == 2, parted
+    assert whole["load"].startswith("whole") and whole["layers_partitioned"] == 0, whole
+    assert parted["measured_gb"] > 0 and parted["planned_gb"] > 0 and parted["plan_item"].startswith("cpu target"), parted
+    assert "| tiny | partitioned as it loads (zero3_init) |" in md
