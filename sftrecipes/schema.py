@@ -230,7 +230,8 @@ class LaunchOptions:
     zero_stage: int = opt(3, "deepspeed only: ZeRO stage 0-3.", choices=(0, 1, 2, 3))
     offload_optimizer: bool = opt(False, "deepspeed only: keep optimizer states (and the step) on the CPU. Needs zero_stage 3.")
     offload_params: bool = opt(False, "deepspeed only: keep parameters on the CPU between uses. Needs zero_stage 3.")
-    zero3_init: bool = opt(True, "deepspeed zero_stage 3 only: partition weights while loading (zero3_init_flag).")
+    zero3_init: bool = opt(True, "deepspeed zero_stage 3 only: partition weights while loading (zero3_init_flag; 4-bit "
+                              "weights: each decoder layer once quantized, sftrecipes/quantload.py).")
     fsdp_version: int = opt(2, "fsdp only: 1 (FlatParameter) or 2 (per-parameter DTensor shards).", choices=(1, 2))
     fsdp_sharding_strategy: str = opt(
         "FULL_SHARD", "fsdp only: what is sharded.", choices=("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
