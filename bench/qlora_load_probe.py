@@ -22,41 +22,31 @@ sys.path.insert(0, str(ROOT))
 
 
 def measure(recipe, tokenizer, target: str) -> tuple[float, int]:
-    """(the load's peak over what was held before it, GB; decoder layers partitioned as they loaded)."""
+    """(the load's peak over what was held before it, GB; decoder layers the loaded model holds partitioned)."""
     import torch
 
-    from sftrecipes import model as models, quantload
+    from sftrecipes import meta, model as models
     from sftrecipes.probes import PhaseMemory
 
-    counted = []
-    handover = quantload.LayerPartitioner._partition
-
-    def counting(self, layer):
-        counted.append(1)
-        handover(self, layer)
-
-    quantload.LayerPartitioner._partition = counting
-    try:
-        if target == "gpu":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated()
-            model = models.load_model(recipe, tokenizer, target)
-            torch.cuda.synchronize()
-            peak = (torch.cuda.max_memory_allocated() - before) / 1e9
-        else:
-            mem = PhaseMemory()
-            mem.start("loading")
-            model = models.load_model(recipe, tokenizer, target)
-            mem.close()
-            peak = mem.phases["loading"]["grew_mb"] / 1e3
-    finally:
-        quantload.LayerPartitioner._partition = handover
+    if target == "gpu":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        model = models.load_model(recipe, tokenizer, target)
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - before) / 1e9
+    else:
+        mem = PhaseMemory()
+        mem.start("loading")
+        model = models.load_model(recipe, tokenizer, target)
+        mem.close()
+        peak = mem.phases["loading"]["grew_mb"] / 1e3
+    layers = sum(all(hasattr(p, "ds_tensor") for p in layer.parameters()) for layer in meta.decoder_layers(model)[1])
     del model
     gc.collect()
     if target == "gpu":
         torch.cuda.empty_cache()
-    return peak, len(counted)
+    return peak, layers
 
 
 def planned(recipe, target: str, rank: int) -> tuple[str, float]:
