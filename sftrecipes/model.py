@@ -514,7 +514,12 @@ def load_model(recipe: Recipe, tokenizer, hardware: str):
         if qc is not None:  # what was not quantized is still a view into the checkpoint's mapping: let it go
             own_checkpoint_views(model)
     if part is not None and dist.get_rank() == 0:
-        log.info("zero3_init: %d of %d decoder layers partitioned as their 4-bit weights loaded", part.partitioned, part.layers)
+        line = f"zero3_init: {part.partitioned} of {part.layers} decoder layers partitioned as their 4-bit weights loaded"
+        if part.layers and part.partitioned == part.layers:
+            log.info("%s", line)
+        else:  # a weight the checkpoint lacks, or a loader that no longer calls the setter quantload wraps
+            log.warning("%s; the rest stayed whole until the engine partitions them (more memory while loading than "
+                        "planned)", line)
     log_attention(recipe, hardware, model.config._attn_implementation, why)  # what the loaded model really runs
     if rank:
         # Real but untouched storage: accelerate maps optimizer params to their shards by data_ptr, which is 0 for

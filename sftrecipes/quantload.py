@@ -4,7 +4,7 @@ one layer being quantized.
 
 transformers turns `deepspeed.zero.Init` off for bitsandbytes loads: the model is built on the meta device, every
 weight is quantized as it is set, and the whole 4-bit model sits on each rank (each GPU) until the DeepSpeed engine
-partitions it in `deepspeed.initialize` (35 GB per GPU for a 70B model; a 405B model cannot load on 80 GB GPUs).
+partitions it in `deepspeed.initialize` (36 GB per GPU for a 70B model; a 405B model cannot load on 80 GB GPUs).
 Here the same loader runs, and its per-weight setter (`core_model_loading.set_param_for_module`, looked up by name at
 each call) is wrapped: once every parameter of a decoder layer is set, the layer's parameters are converted to ZeRO-3
 parameters with the same DeepSpeed config transformers uses for 16-bit zero.Init. The conversion is DeepSpeed's own,
@@ -14,7 +14,9 @@ statistics) stays on the `Params4bit` object on every rank, where bitsandbytes r
 quantizes every weight itself (from the memory-mapped checkpoint: one read of it per node in the page cache), so
 the states are every rank's own and equal to rank 0's, bit for bit: the quantizer is deterministic.
 
-A layer with a weight the checkpoint lacks (initialised after loading) is left whole, for the engine to partition.
+A layer with a weight the checkpoint lacks (initialised after loading) is left whole, for the engine to partition;
+model.load_model warns when any layer was (also when the setter was never called: a transformers whose loader no
+longer goes through it). tests/test_quantload.py holds the setter's use at the pinned version.
 """
 
 from __future__ import annotations
