@@ -166,13 +166,13 @@ def check_model_files(model) -> None:
     check_weights(model.model_name_or_path)
 
 
-def check_weights(model_name_or_path: str) -> list[Path]:
+def check_weights(model_name_or_path: str) -> dict[Path, dict]:
     """A local model folder's safetensors files (those its index lists, else every one), each whole: as long as its
-    header says. A RecipeError (model_name_or_path: ...) names a listed file that is missing, a header that cannot be
-    read, a file cut short or longer than its header. [] for a hub id."""
+    header says; file -> its header (without __metadata__). A RecipeError (model_name_or_path: ...) names a listed file
+    that is missing, a header that cannot be read, a file cut short or longer than its header. {} for a hub id."""
     folder = Path(model_name_or_path).expanduser()
     if not folder.is_dir():
-        return []
+        return {}
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -181,6 +181,7 @@ def check_weights(model_name_or_path: str) -> list[Path]:
             raise RecipeError(f"model_name_or_path: {index} is unreadable (no weight_map); copy it again from the model") from None
     else:
         files = sorted(folder.glob("*.safetensors"))
+    headers = {}
     for f in files:
         if not f.is_file():
             raise RecipeError(f"model_name_or_path: {f.name} is listed in {index.name} but missing from {folder}; copy it there")
@@ -193,4 +194,5 @@ def check_weights(model_name_or_path: str) -> list[Path]:
             what = "truncated" if size < want else "longer than its header describes"
             raise RecipeError(f"model_name_or_path: {f} is {what}: {size:,} bytes, its header says {want:,}; copy it again "
                               "(a download or copy did not finish)")
-    return files
+        headers[f] = got[0]
+    return headers

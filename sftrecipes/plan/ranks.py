@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..backends import PARTITIONED, RANK0_READS, weight_reading
-from ..folders import check_weights, read_st_header
+from ..folders import check_weights
 from ..recipe import Recipe
 from ..shape import DTYPE_BYTES, Shape, read_config
 from .sharding import GB, Setup, partitioned_4bit_load, quant_bytes_per_param
@@ -63,11 +63,11 @@ def loading_of(groups: list[RankLoading], rank: int) -> RankLoading:
 def checkpoint_bytes(name: str, shape: Shape) -> tuple[float, int | None, int]:
     """(bytes of the checkpoint's tensors, bytes per stored float, tensors): from the safetensors headers of a local
     folder, else the parameters at the config's dtype and the shape's weights (hub ids: the shipped config)."""
-    files = check_weights(name)  # whole, or one line naming the file (model_name_or_path: ... is truncated)
-    if files:
+    headers = check_weights(name)  # whole, or one line naming the file (model_name_or_path: ... is truncated)
+    if headers:
         total, count, widths = 0, 0, {}
-        for f in files:
-            for v in read_st_header(f, verb="plan")[0].values():
+        for header in headers.values():
+            for v in header.values():
                 n = v["data_offsets"][1] - v["data_offsets"][0]
                 total, count = total + n, count + 1
                 widths[_STORED.get(v["dtype"], 0)] = widths.get(_STORED.get(v["dtype"], 0), 0) + n

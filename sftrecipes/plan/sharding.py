@@ -94,11 +94,11 @@ def quant_bytes_per_param(recipe: Recipe) -> float:
 class Partitioned4bitLoad:
     """Bytes one rank holds while a 4-bit model loads with each decoder layer partitioned once quantized (ZeRO-3 with
     zero3_init: quantload.partition_4bit_layers): its share of the layers, what lies outside them whole (embeddings,
-    the final norm, the head, a vision tower: the DeepSpeed engine partitions them later), the one layer being quantized whole, and
-    the largest weight in its loaded 16-bit form while bitsandbytes quantizes it."""
+    the final norm, the head, a vision tower: the DeepSpeed engine partitions them later), the one layer being
+    quantized whole, and the largest weight in its loaded 16-bit form while bitsandbytes quantizes it."""
 
     share: float  # the rank's partition of every decoder layer (4-bit linear weights, the rest in floats)
-    outside: float  # the parameters outside the decoder layers, whole, in floats
+    outside: float  # the parameters outside the decoder layers, whole (a vision tower's linear weights in 4-bit)
     layer: float  # the largest decoder layer, whole, while its last weight is set
     largest: int  # elements of the largest linear weight (quantized one at a time)
 
