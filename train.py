@@ -19,7 +19,14 @@ import os
 import sys
 import time
 
-from sftrecipes import lifecycle
+if __name__ == "__main__" and os.environ.get("SFTRECIPES_FORK_SERVER"):  # the test suite, the sweep: this process
+    from sftrecipes import forkserver  # is a fork of one that has imported torch & co. already (sftrecipes/forkserver.py)
+
+    code = forkserver.run_in_fork(os.environ["SFTRECIPES_FORK_SERVER"], sys.argv)
+    if code is not None:  # (None: no server answered; this process runs it)
+        sys.exit(code)
+
+from sftrecipes import lifecycle  # noqa: E402
 
 if __name__ == "__main__":  # first thing: a SIGTERM/SIGUSR1 while this process starts waits for RunLife (no sudden death)
     lifecycle.hold_signals()

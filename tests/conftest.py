@@ -41,6 +41,56 @@ def _repo_cwd(monkeypatch):
     monkeypatch.chdir(ROOT)
 
 
+# Training processes start as forks of one server that has imported torch, transformers, TRL, peft and DeepSpeed
+# once (sftrecipes/forkserver.py): each rank of each run would otherwise spend ~8 s importing them, and the launcher
+# ~4 s. What a run computes, writes and logs is its own; what differs is the process: its parent, its libraries
+# imported before it started. Tests about processes themselves (signals, kills, a frozen rank, SLURM) or about a
+# rank's memory from its first byte are marked `real_processes` and start every process as users do.
+FORK_SERVER_ENV = "SFTRECIPES_FORK_SERVER"
+_fork_server: dict = {}
+
+
+def _start_fork_server(tmp: Path) -> str:
+    sock = str(tmp / "forkserver.sock")
+    log = open(tmp / "forkserver.log", "w")  # noqa: SIM115 - open while the server lives
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env.pop(FORK_SERVER_ENV, None)
+    proc = subprocess.Popen([sys.executable, "-m", "sftrecipes.forkserver", sock], cwd=ROOT, env=env, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
+    line = proc.stdout.readline()  # {"ready": pid} once it has imported everything (~10 s)
+    assert '"ready"' in line, f"the fork server did not start: {line!r}; see {tmp / 'forkserver.log'}"
+    _fork_server.update(proc=proc, sock=sock, log=log)
+    return sock
+
+
+@pytest.fixture(autouse=True)
+def _forked_processes(request, monkeypatch, tmp_path_factory):
+    if request.node.get_closest_marker("real_processes"):
+        monkeypatch.delenv(FORK_SERVER_ENV, raising=False)
+        return
+    if os.environ.get("SFT_REAL_PROCESSES") == "1":  # the whole suite as users start processes (slower)
+        return
+    sock = _fork_server.get("sock") or _start_fork_server(tmp_path_factory.mktemp("forkserver"))
+    monkeypatch.setenv(FORK_SERVER_ENV, sock)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    proc = _fork_server.get("proc")
+    if proc is not None:
+        proc.stdin.close()  # the server ends when its stdin closes
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def launcher_argv(argv: list[str]) -> list[str]:
+    """`python ARGV` for a launcher (`-m accelerate.commands.launch ...`): as a fork of the fork server when the test
+    uses it, so that the launcher's own import of torch is skipped too."""
+    sock = os.environ.get(FORK_SERVER_ENV)
+    return ["-m", "sftrecipes.forkserver", "--run", sock, *argv] if sock else list(argv)
+
+
 def run_cli(args: list[str], timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
@@ -119,8 +169,9 @@ def accelerate_launch(recipe: str, out, script: str, extra=(), accelerate_config
     if accelerate_config is None:
         accelerate_config = out.parent / (out.name + "-accelerate.yaml")
         accelerate_config.write_text(yaml.safe_dump(acc_cfg(r)))
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accelerate_config), "--num_machines", "1",
-           "--num_processes", "2", "--machine_rank", "0", "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port()), script, *args]
+    cmd = [sys.executable, *launcher_argv(["-m", "accelerate.commands.launch", "--config_file", str(accelerate_config),
+           "--num_machines", "1", "--num_processes", "2", "--machine_rank", "0", "--main_process_ip", "127.0.0.1",
+           "--main_process_port", str(free_port()), script, *args])]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, **launcher_env(r)})
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     return res
@@ -155,9 +206,9 @@ def accelerate_command(argv: list[str], out: Path) -> tuple[list[str], dict]:
     cfg = out.parent / f"{out.name}.accelerate.yaml"
     cfg.write_text(yaml.safe_dump(accelerate_config(recipe)))
     world = recipe.launch.world_size
-    return ([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg), "--num_machines", "1",
+    return ([sys.executable, *launcher_argv(["-m", "accelerate.commands.launch", "--config_file", str(cfg), "--num_machines", "1",
              "--num_processes", str(world), "--machine_rank", "0", "--main_process_ip", "127.0.0.1",
-             "--main_process_port", str(free_port()), "train.py", *argv, "--output_dir", str(out)], launcher_env(recipe))
+             "--main_process_port", str(free_port()), "train.py", *argv, "--output_dir", str(out)])], launcher_env(recipe))
 
 
 def accelerate_run(argv: list[str], out: Path, timeout: int = 600) -> dict:

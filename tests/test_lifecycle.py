@@ -22,6 +22,8 @@ from sftrecipes import heartbeats, procs, runlock
 from sftrecipes.recipe import load_recipe
 from test_resume import processes_of, ranks_of
 
+pytestmark = pytest.mark.real_processes  # locks, signals, a frozen rank: the processes themselves
+
 
 def lock_record(out: Path, **fields) -> None:
     out.mkdir(parents=True, exist_ok=True)

@@ -32,6 +32,8 @@ from safetensors.torch import load_file
 
 from conftest import ROOT
 
+pytestmark = pytest.mark.real_processes  # kills, signals and the processes left after them
+
 CASES = {  # recipe + flags, the preemption signal
     "single": (["recipes/tiny/lora.yaml", "--lora_dropout", "0.1"], signal.SIGTERM),
     "ddp": (["recipes/tiny/ddp.yaml"], signal.SIGUSR1),

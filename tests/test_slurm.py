@@ -29,6 +29,8 @@ from conftest import ROOT, bindable, free_port
 from sftrecipes.emit import job_port_span
 from sftrecipes.recipe import load_recipe
 
+pytestmark = pytest.mark.real_processes  # SLURM starts and kills the processes
+
 SCRIPT = ROOT / "scripts" / "slurm_tiny-multinode.sh"
 RECIPE = ROOT / "recipes" / "tiny" / "multinode.yaml"  # the recipe SCRIPT was emitted from
 # a short deterministic run that saves often (fp32, linear decay: resuming must restore optimizer and scheduler)

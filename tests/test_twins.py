@@ -229,6 +229,7 @@ def test_multinode_launcher_two_machines(tiny_model, tmp_path):
     assert b["param_elements_local"] * 2 == b["param_elements_full"]
 
 
+@pytest.mark.real_processes  # each rank's memory held against the plan from its first byte (libraries imported by loading included)
 def test_ram_efficient_loading_only_rank0_reads(tmp_path):
     """FSDP2 with fsdp_cpu_ram_efficient_loading: rank 0 reads the weights, rank 1 starts without them and receives
     its shard by broadcast. The medium model (25.7M params) is stored in bf16 and trained in fp32, so a rank that
