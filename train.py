@@ -34,6 +34,7 @@ if __name__ == "__main__":  # first thing: a SIGTERM/SIGUSR1 while this process 
 from sftrecipes.checkpoints import TrainingStopped  # noqa: E402
 from sftrecipes.errors import RecipeError
 from sftrecipes.options_doc import help_text  # noqa: E402
+from sftrecipes.prepcache import PreparationFailed  # noqa: E402
 from sftrecipes.recipe import load_recipe  # noqa: E402
 
 log = logging.getLogger("sftrecipes")
@@ -80,10 +81,11 @@ def run(recipe, life=None):
     if args.trust_remote_code:
         log.warning("trust_remote_code: on — the model's own Python code from %s will run", recipe.model.model_name_or_path)
 
-    # 2. tokenizer (chat template, special tokens) and data: the main process prepares, the others reuse its cache
+    # 2. tokenizer (chat template, special tokens) and data: prepared once per set of inputs that shape the rows
+    #    (sftrecipes/prepcache.py); one process prepares, the others wait on its files: no collective, so no
+    #    ddp_timeout, however long it takes
     tokenizer, end_of_turn, added_tokens = load_tokenizer(recipe)
-    with args.main_process_first(desc="dataset preparation"):
-        train_ds, eval_ds, prompt, data_counts = data.load_datasets(recipe, tokenizer, end_of_turn)
+    train_ds, eval_ds, prompt, data_counts = data.prepared_datasets(recipe, tokenizer, end_of_turn)
 
     # 3. model: dtype, attention, 4/8-bit loading; LoRA is applied by the trainer from peft_config
     memory = probes.PhaseMemory()  # each phase's peak RSS on this rank, the kernel's high-water mark reset at its start
@@ -164,7 +166,8 @@ def run(recipe, life=None):
             "attention": model.config._attn_implementation,
             "sample": {"prompt": prompt, "reply": sample.get("reply"), "stopped_on": sample.get("stopped_on"),
                        "new_tokens": sample.get("new_tokens")},
-            "data": data_counts,  # per split: read, truncated, dropped after the cut, fully masked, kept (data.py)
+            "data": data_counts,  # per split: read, truncated, dropped after the cut, fully masked, kept (data.py);
+            # preparation: built, waited or reused, seconds, rows, rows/s, the cache entry (prepcache.py)
             "push_later": push_later,
         }
         with open(f"{args.output_dir}/run_summary.json", "w") as f:
@@ -229,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         lifecycle.note_refusal(str(e))  # under launch: it exits 2 too when every rank refused
         return 2
+    except PreparationFailed as e:  # the process preparing the data failed or went silent: one line, every rank
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except TrainingStopped as e:
         if not e.every_rank or os.environ.get("RANK", "0") == "0":  # a verdict of every rank: said once
             print(f"error: {e}", file=sys.stderr)

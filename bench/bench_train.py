@@ -50,9 +50,10 @@ Findings (unpacked, batch 4, checkpointing on, LoRA, where the issue measured tr
   (80-step counts less 40-step ones) ~110 more Python calls per step (25,540 against 25,430, +0.4%). The callbacks'
   main-thread CPU time over 150 steps: ~0.03 s in step events, ~0.05 s at train begin, ~0.45 s at train end (the
   plot and table; inside the trainer's train_runtime, outside this benchmark's steady-state steps). None of this
-  makes a 21% gap; one thing that can: train.py pins torch to `cpu_threads` (1) threads on the cpu target, while a
-  bare script started without OMP_NUM_THREADS uses torch's default (2 on this machine) — faster on an idle machine,
-  far slower on a loaded one. This benchmark gives both OMP_NUM_THREADS=1.
+  makes a 21% gap; one thing that could: train.py then pinned torch to 1 thread on the cpu target, while a bare
+  script started without OMP_NUM_THREADS uses torch's default (2 on this machine) — faster on an idle machine, far
+  slower on a loaded one. (`cpu_threads` now defaults to the cores over the ranks of a node.) This benchmark gives
+  both one thread: OMP_NUM_THREADS=1, and `--launch.cpu_threads 1` for train.py.
 - What the callbacks did per step that a GPU pays for was host syncs: ThroughputCallback's forward hook read each
   micro-batch's mask sums (`.tolist()`) and, on padding-free batches, read the device once per trailing pad slot
   (`int(ids[n - 1])` in a loop: up to 255 reads a batch with the GPU default pad_to_multiple_of 256) and the sample
@@ -101,7 +102,9 @@ def command(which: str, row: Row, steps: int, out: Path) -> list[str]:
     flags = ["--max_steps", str(steps), "--packing", str(row.packing).lower(), "--per_device_train_batch_size",
              str(row.batch), "--gradient_checkpointing", str(row.checkpointing).lower(), "--attn_implementation", ATTENTION[row.packing]]
     if which == "train.py":
-        return run + ["train.py", RECIPES[row.method], "--output_dir", str(out), "--sample_max_new_tokens", "0", *flags]
+        # one torch thread, as OMP_NUM_THREADS=1 gives the bare script (unpinned, train.py would take every core)
+        return run + ["train.py", RECIPES[row.method], "--output_dir", str(out), "--sample_max_new_tokens", "0",
+                      "--launch.cpu_threads", "1", *flags]
     return run + ["bench/bare_trl.py", str(out), *flags, "--use_peft_lora", str(row.method == "LoRA").lower(),
                   "--learning_rate", str(LEARNING_RATE[row.method])]
 

@@ -55,6 +55,10 @@ fi
 export MAIN_PROCESS_IP="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
 export MAIN_PROCESS_PORT="${MAIN_PROCESS_PORT:-$(( 29500 + SLURM_JOB_ID % 1000 ))}"
 if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then set -- "$@" --resume_from_checkpoint auto; fi
+# The data, tokenized once for the job here on the batch host into data_cache_dir (python -m sftrecipes prepare:
+# no GPU, no process group) before any rank starts; the ranks read it. A requeued job finds it prepared.
+PY="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}"
+"$PY" -m sftrecipes prepare "$RECIPE" "$@"
 PREEMPTED=0
 trap 'PREEMPTED=1; echo "slurm: USR1 (time limit near): every node saves and stops" >&2; scancel --signal=TERM "$SLURM_JOB_ID" || true' USR1
 srun --nodes=2 --ntasks-per-node=1 --whole --kill-on-bad-exit=1 bash -c 'MACHINE_RANK="$SLURM_NODEID" exec scripts/run_llama2-70b-fsdp.sh "$@"' _ "$@" &

@@ -13,7 +13,7 @@
 #   sbatch /path/to/scripts/slurm_tiny-multinode.sh [--key value ...]   (SFTRECIPES_REPO=/path/to/repo sbatch ... also)
 # From any directory; the log is %x-%j.out (<job name>-<job id>.out) in the directory sbatch ran in, appended
 # across requeues. Extra flags override the recipe; their paths are relative to the repository root.
-# Resources: 1 rank(s) x launch.cpu_threads 1 CPU(s) per node; --mem is the memory planner's CPU RAM peak per node
+# Resources: 1 rank(s) x 1 CPU (launch.cpu_threads unset: each rank uses the CPUs SLURM gives it); --mem is the memory planner's CPU RAM peak per node
 # (python -m sftrecipes plan recipes/tiny/multinode.yaml).
 # One `python -m sftrecipes launch` per node (scripts/run_<name>.sh): machine rank = SLURM_NODEID, main address
 # = the allocation's first host; launch meets the other nodes in a rendezvous keyed by SLURM_JOB_ID (its id) on a
@@ -50,6 +50,10 @@ fi
 export MAIN_PROCESS_IP="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
 export MAIN_PROCESS_PORT="${MAIN_PROCESS_PORT:-$(( 29620 + SLURM_JOB_ID % 1000 ))}"
 if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then set -- "$@" --resume_from_checkpoint auto; fi
+# The data, tokenized once for the job here on the batch host into data_cache_dir (python -m sftrecipes prepare:
+# no GPU, no process group) before any rank starts; the ranks read it. A requeued job finds it prepared.
+PY="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}"
+"$PY" -m sftrecipes prepare "$RECIPE" "$@"
 PREEMPTED=0
 trap 'PREEMPTED=1; echo "slurm: USR1 (time limit near): every node saves and stops" >&2; scancel --signal=TERM "$SLURM_JOB_ID" || true' USR1
 srun --nodes=2 --ntasks-per-node=1 --whole --kill-on-bad-exit=1 bash -c 'MACHINE_RANK="$SLURM_NODEID" exec scripts/run_tiny-multinode.sh "$@"' _ "$@" &

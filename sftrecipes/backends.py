@@ -3,7 +3,7 @@ training arguments (SFTConfig) and as an accelerate/DeepSpeed/FSDP config with t
 
 The hardware target is the one place that knows what a machine without a GPU needs: `use_cpu` (so a GPU
 command line with `--bf16 True` runs instead of failing with "Your setup doesn't support bf16/gpu"), the
-gloo process-group backend, DeepSpeed's CPU accelerator and one thread per rank.
+gloo process-group backend, DeepSpeed's CPU accelerator and the threads of each rank (cpu_threads).
 """
 
 from __future__ import annotations
@@ -28,9 +28,22 @@ def hardware(recipe: Recipe) -> str:
 
 
 def cpu_env(recipe: Recipe) -> dict[str, str]:
-    """Environment a CPU rank needs; launchers export the same values."""
-    threads = str(recipe.launch.cpu_threads)
-    return {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    """Environment a CPU rank needs; launchers export the same values. Threads only when launch.cpu_threads pins them
+    (else each process counts its cores: cpu_threads)."""
+    env = {"DS_ACCELERATOR": "cpu"}
+    if recipe.launch.cpu_threads:
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(recipe.launch.cpu_threads)
+    return env
+
+
+def cpu_threads(recipe: Recipe) -> tuple[int, str]:
+    """(torch threads for this process on the cpu target, why): launch.cpu_threads, else the cores this process may
+    use (its affinity) divided by the processes on its node (LOCAL_WORLD_SIZE, which torch's agent sets), at least 1."""
+    if recipe.launch.cpu_threads:
+        return recipe.launch.cpu_threads, "launch.cpu_threads"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    return max(1, cores // local), f"{cores} usable core(s) / {local} process(es) on this node; launch.cpu_threads pins it"
 
 
 def apply_process_env(recipe: Recipe, target: str) -> None:
@@ -53,9 +66,13 @@ def apply_process_env(recipe: Recipe, target: str) -> None:
         return
     for k, v in cpu_env(recipe).items():
         os.environ.setdefault(k, v)
+    threads, why = cpu_threads(recipe)  # (over the OMP_NUM_THREADS=1 torch's agent gives ranks when none is set)
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(threads)
     import torch  # noqa: PLC0415 - torch: launch/emit import this module and stay torch-free
 
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    torch.set_num_threads(threads)
+    if os.environ.get("RANK", "0") == "0":
+        log.info("cpu_threads: %d torch thread(s) per process (%s)", threads, why)
     if recipe.launch.backend == "fsdp":
         compat.enable_fsdp_on_cpu()
     if recipe.launch.backend == "deepspeed" and recipe.launch.zero_stage == 3 and recipe.model.use_peft_lora:
@@ -102,8 +119,18 @@ def training_kwargs(recipe: Recipe, target: str) -> dict:
 def training_args(recipe: Recipe, target: str):
     from trl import SFTConfig  # noqa: PLC0415 - trl: launch/emit import this module and stay torch-free
 
+    kw = training_kwargs(recipe, target)
+    if target == "cpu" and kw.get("ddp_backend") == "gloo":
+        # transformers hands ddp_timeout to the process group it creates everywhere but on the CPU, where gloo would
+        # wait torch's default 30 minutes: the group is made here first, bound as NCCL's is on GPUs; the arguments'
+        # own PartialState then finds it made
+        from datetime import timedelta  # noqa: PLC0415
+
+        from accelerate import PartialState  # noqa: PLC0415 - torch: as above
+
+        PartialState(cpu=True, backend="gloo", timeout=timedelta(seconds=int(kw.get("ddp_timeout", 1800))))
     try:
-        return SFTConfig(**training_kwargs(recipe, target))
+        return SFTConfig(**kw)
     except RecipeError:  # the project's own refusals (a ValueError too) are already one line naming the key
         raise
     except ValueError as e:  # transformers' own cross-checks (e.g. load_best_model_at_end without matching strategies)

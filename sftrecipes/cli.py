@@ -4,6 +4,7 @@ parses its own ARGS; everything but training (train.py) starts here.
     python -m sftrecipes tiny [--data] [--size tiny|medium] [--family F] [--out DIR]   offline tiny model / dataset
     python -m sftrecipes merge ADAPTER OUT [--base DIR] [--dtype D] [--verify]  streaming LoRA merge
     python -m sftrecipes launch RECIPE [--key value ...] [--dry-run] [--force]   start any recipe on its processes
+    python -m sftrecipes prepare RECIPE [--key value ...] [--dry-run]      tokenize its data into the cache, no GPU
     python -m sftrecipes cp RECIPE|NAME DEST [--force]                     copy a recipe (e.g. tiny/ddp) to edit and launch
     python -m sftrecipes emit [RECIPE ...] [--check]                       configs/, scripts/, docs/generated/setups/
     python -m sftrecipes plan RECIPE [--key value ...]                     memory plan: breakdown, verdict, what would fit
@@ -14,7 +15,7 @@ parses its own ARGS; everything but training (train.py) starts here.
     python -m sftrecipes schema [--refresh | --docs]                       check/refresh the TRL and peft option snapshots, docs
 
 Outside the repository root, call it as `python PATH/TO/sftrecipes VERB ...` (or with PYTHONPATH=PATH/TO).
-Errors a user can fix print one line and exit 2. The verbs that take a recipe (launch, plan, preflight, env) take it
+Errors a user can fix print one line and exit 2. The verbs that take a recipe (launch, prepare, plan, preflight, env) take it
 as train.py does: recipe file(s), then --key value overrides (`python train.py --help` lists the keys).
 """
 
@@ -126,6 +127,34 @@ def _launch(argv: list[str]) -> int:
     return 0 if args is None else launch.main(args)
 
 
+def _prepare(argv: list[str]) -> int:
+    """The recipe's data prepared into its cache entry (prepcache.py) in this one process: no torch.distributed, no
+    GPU (a login node, a CPU job, the batch step of a SLURM script). launch's --dry-run and --force are accepted, so a
+    script passes the same flags to both: --dry-run names the cache without preparing, --force changes nothing here."""
+    args = _recipe_args("prepare", argv)
+    if args is None:
+        return 0
+    dry = "--dry-run" in args
+    recipe = load_recipe([a for a in args if a not in ("--dry-run", "--force")])
+    from . import prepcache  # noqa: PLC0415 - torch-free, but --help and the other verbs need none of it
+
+    if dry:
+        print(f"prepare: would prepare the data of {recipe.sources[-1] if recipe.sources else 'the flags'} into {prepcache.cache_root(recipe)} "
+              "(--dry-run: nothing prepared)")
+        return 0
+    from .data import prepared_datasets  # noqa: PLC0415 - tokenizers, datasets, TRL's packing: torch
+    from .tokenizer import load_tokenizer  # noqa: PLC0415 - transformers: torch
+
+    tokenizer, eot, _ = load_tokenizer(recipe)
+    *_, counts = prepared_datasets(recipe, tokenizer, eot)
+    p = counts["preparation"]
+    splits = ", ".join(f"{s} {counts[s]['read']} read, {counts[s]['kept']} kept" for s in ("train", "eval") if s in counts)
+    how = {"built": "built", "waited": "built by another process (waited)", "reused": "reused"}[p["how"]]
+    print(f"prepare: {p['path']}: {how}; {p['rows']} rows ({splits}); prepared in {p['build_seconds']:.2f}s at "
+          f"{p['rows_per_s']:.0f} rows/s; this command's data step {p['seconds']:.2f}s")
+    return 0
+
+
 def _plan(argv: list[str]) -> int:
     args = _recipe_args("plan", argv)
     return 0 if args is None else plan.main(args)
@@ -184,6 +213,8 @@ VERBS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "merge": (_merge, "merge a LoRA adapter into its base, streaming"),
     "launch": (_launch, "start RECIPE on the processes its launch section names (--dry-run: print the command; "
                         "--force: past a memory plan that does not fit)"),
+    "prepare": (_prepare, "tokenize RECIPE's data into its cache (data_cache_dir) in one process, without GPUs or "
+                          "torch.distributed; launch and train.py then read it (--dry-run: say where)"),
     "cp": (_cp, "copy a recipe (file, or name under recipes/ such as tiny/ddp) to edit and launch anywhere"),
     "emit": (_emit, "render configs/, scripts/ and docs/generated/setups/ from recipes (--check: compare only)"),
     "plan": (_plan, "memory per GPU and per node for RECIPE: breakdown, verdict, strategies (exit 2: does not fit)"),

@@ -4,6 +4,10 @@ Sources are a hub id, a local folder, a save_to_disk folder or a json/jsonl/parq
 draws each entry's rows under the seed. Each split's format is read (formats.py) and its samples made into tokens and
 labels (tokenization.py). Which sources and splits a recipe names, and the data keys checked before anything
 loads, are sources.py's (torch-free, read by recipe validation).
+
+Entry points: `prepared_datasets` (train.py, `prepare`): the prepared data from its cache entry (prepcache.py), built
+there once by one process while the others wait on its files; `load_datasets`: the same rows prepared here and now,
+without the cache.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from pathlib import Path
 import datasets
 import numpy as np
 
+from . import prepcache
 from .errors import RecipeError
 from .formats import SHAREGPT_ROLES, check_template, detect_format, is_conversational, sample_prompt
 from .recipe import Recipe
@@ -122,9 +127,27 @@ def _describe_format(recipe: Recipe, src: Source, fmt: str, row: dict | None) ->
     return what
 
 
+def prepared_datasets(recipe: Recipe, tokenizer, eot: str):
+    """(train, eval or None, sample prompt, counts) as load_datasets makes them, through the cache (prepcache.obtain):
+    read from the entry of the inputs that shape the rows, or prepared into it by one process while the others wait
+    on its files (no collective). counts["preparation"]: how this process got them (built, waited, reused), the
+    seconds, rows and rows/s of the preparation, the entry; train.py writes them into run_summary.json."""
+    got = prepcache.obtain(recipe, tokenizer, eot, lambda: build_datasets(recipe, tokenizer, eot))
+    check_eval_split(recipe, got.eval is not None)  # eval_strategy is not in the key: checked at every use
+    return got.train, got.eval, got.prompt, {**got.counts, "preparation": got.info}
+
+
 def load_datasets(recipe: Recipe, tokenizer, eot: str):
-    """(train, eval or None, sample prompt, counts), tokenized. counts: per split (read, truncated, dropped, fully
-    masked, kept, packing) and the mixture's draws; train.py writes them into run_summary.json."""
+    """(train, eval or None, sample prompt, counts), tokenized here (no cache). counts: per split (read, truncated,
+    dropped, fully masked, kept, packing) and the mixture's draws."""
+    train, evals, prompt, counts = build_datasets(recipe, tokenizer, eot)
+    check_eval_split(recipe, evals is not None)
+    return train, evals, prompt, counts
+
+
+def build_datasets(recipe: Recipe, tokenizer, eot: str):
+    """load_datasets' work, which only the inputs of the cache key shape (prepkey.key_inputs): everything but the
+    eval split's check against eval_strategy."""
     pad = recipe.trl.get("pad_token")
     if pad and pad not in tokenizer.get_vocab():  # TRL would refuse it after the model load
         raise RecipeError(f"pad_token: '{pad}' is not in the tokenizer's vocabulary; pick a token it has, or remove pad_token")
@@ -167,7 +190,6 @@ def load_datasets(recipe: Recipe, tokenizer, eot: str):
     if completion_only_set and "prompt_completion" not in train_formats:
         raise RecipeError(f"completion_only_loss: applies to prompt/completion data, but the data is {', '.join(train_formats)}; "
                           "remove it (for conversations, assistant_only_loss: true trains on the assistant turns only)")
-    check_eval_split(recipe, bool(eval_parts))
     train_tok = datasets.concatenate_datasets(train_parts) if len(train_parts) > 1 else train_parts[0]
     if mixture:
         train_tok = train_tok.shuffle(seed=seed)

@@ -113,15 +113,16 @@ def slurm_script(recipe: Recipe, rel: str, name: str) -> str:
     """sbatch script: one `launch` per node (scripts/run_<name>.sh) under srun, with the cluster hygiene of the
     anchors put together (alignment-handbook's launch.slurm, torchtune's multi-node script): submittable from any
     directory, a rendezvous keyed by the job id on a port derived from it, a failed node ends the job, whole nodes
-    (GPU) or exact CPUs (cpu target), memory from the planner, logs appended per job, and preemption that saves and
-    requeues the job, which resumes from its last complete checkpoint."""
+    (GPU) or exact CPUs (cpu target), memory from the planner, logs appended per job, the data prepared once per job
+    before the ranks start (`prepare`), and preemption that saves and requeues the job, which resumes from its last
+    complete checkpoint."""
 
     L = recipe.launch
     mem_gb = max(1, math.ceil(plan_recipe(recipe, _alternatives=False).cpu_total_gb))
     span = job_port_span(recipe)
     sb = [f"--job-name={_q(name)}", f"--nodes={L.num_machines}", "--ntasks-per-node=1"]
     if L.hardware == "cpu":
-        sb.append(f"--cpus-per-task={L.gpus_per_node * L.cpu_threads}")
+        sb.append(f"--cpus-per-task={L.gpus_per_node * (L.cpu_threads or 1)}")
     else:
         sb += ["--exclusive", f"--gres=gpu:{L.gpus_per_node}"]
     lead = slurm_signal_lead(recipe)
@@ -130,7 +131,8 @@ def slurm_script(recipe: Recipe, rel: str, name: str) -> str:
     if L.slurm_partition:
         sb.append(f"--partition={_q(L.slurm_partition)}")
     where = ("whole nodes (--exclusive) with their GPUs" if L.hardware != "cpu" else
-             f"{L.gpus_per_node} rank(s) x launch.cpu_threads {L.cpu_threads} CPU(s) per node")
+             f"{L.gpus_per_node} rank(s) x " + (f"launch.cpu_threads {L.cpu_threads} CPU(s) per node" if L.cpu_threads else
+                                                "1 CPU (launch.cpu_threads unset: each rank uses the CPUs SLURM gives it)"))
     lines = [
         "#!/usr/bin/env bash",
         *(f"#SBATCH {s}" for s in sb),
@@ -186,6 +188,10 @@ def slurm_script(recipe: Recipe, rel: str, name: str) -> str:
         'export MAIN_PROCESS_IP="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
         f'export MAIN_PROCESS_PORT="${{MAIN_PROCESS_PORT:-$(( {L.main_process_port} + SLURM_JOB_ID % {span} ))}}"',
         'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then set -- "$@" --resume_from_checkpoint auto; fi',
+        "# The data, tokenized once for the job here on the batch host into data_cache_dir (python -m sftrecipes prepare:",
+        "# no GPU, no process group) before any rank starts; the ranks read it. A requeued job finds it prepared.",
+        'PY="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}"',
+        '"$PY" -m sftrecipes prepare "$RECIPE" "$@"',
         "PREEMPTED=0",
         "trap 'PREEMPTED=1; echo \"slurm: USR1 (time limit near): every node saves and stops\" >&2; "
         "scancel --signal=TERM \"$SLURM_JOB_ID\" || true' USR1",

@@ -149,6 +149,15 @@ class DataOptions:
         "ends with the end-of-turn token or EOS (compared on token ids, trailing whitespace aside). Plain "
         "prompt/completion samples always end with EOS, as in TRL.",
     )
+    data_cache_dir: str | None = opt(
+        None,
+        "Where prepared (tokenized, cut, counted) data is kept, one folder per set of inputs that shape the rows (the "
+        "data's content, splits, mixture, tokenizer and template, the keys that cut, mask and count): a run whose "
+        "learning rate or output_dir changed reads it instead of tokenizing again (`python -m sftrecipes prepare` fills "
+        "it before a job). One process prepares, the others wait on its files. None: <HF datasets cache>/sftrecipes-"
+        "prepared (HF_DATASETS_CACHE). For runs on several nodes put it on a shared filesystem: then one process of the "
+        "whole job prepares; on node-local disks each node prepares its own copy.",
+    )
 
 
 # The keys of one `datasets:` entry (validated in validation.py, applied in data.py).
@@ -192,7 +201,9 @@ class RunOptions:
         "Multi-process runs: every rank rewrites <output_dir>/.sftrecipes/heartbeat/rank-N.json from a thread every "
         "heartbeat_timeout/10 s (0.5 to 5 s); a rank whose file has not changed for this many seconds (stopped, dead, "
         "its host cut off) ends the run with exit 1 and a line naming its rank, host and pid, within heartbeat_timeout + "
-        "2 beats instead of the collective timeout (ddp_timeout). 0 turns it off.",
+        "2 beats instead of the collective timeout (ddp_timeout). 0 turns it off. Also the bound on the data preparation: "
+        "processes waiting for another to prepare the data (data_cache_dir) fail with one line when its heartbeat has "
+        "not changed for this long (120 s when 0).",
     )
     force_lock: bool = opt(
         False,
@@ -222,7 +233,12 @@ class LaunchOptions:
         "backend, DS_ACCELERATOR=cpu and cpu_threads threads per rank.",
         choices=("auto", "gpu", "cpu"),
     )
-    cpu_threads: int = opt(1, "cpu target only: torch threads per process.")
+    cpu_threads: int | None = opt(
+        None,
+        "cpu target only: torch threads per process. None: the cores this process may use (its CPU affinity: what "
+        "SLURM or taskset gave it) divided by the processes on its node, at least 1 — a single process uses the whole "
+        "machine, 2 ranks on 2 cores one each. Set it to pin them.",
+    )
     main_process_port: int = opt(
         29500, "Rendezvous port of machine rank 0. `launch` uses it when the recipe sets it and on multi-node runs; "
         "a single-node run left at the default takes a free port (MAIN_PROCESS_PORT overrides both)."
@@ -277,7 +293,8 @@ NESTED: dict[str, type] = {"launch": LaunchOptions}
 TRL_DEFAULTS: dict[str, tuple[Any, str]] = {
     "ddp_timeout": (900, "sftrecipes' default: 15 minutes, not transformers' 30, so that a rank stuck outside a "
                     "collective ends the run sooner (a stopped or dead rank: heartbeat_timeout). Raise it when rank 0 "
-                    "alone prepares a large dataset or reads a 70B checkpoint from slow storage for longer."),
+                    "alone reads a 70B checkpoint from slow storage for longer. Data preparation is not bound by it: the other "
+                    "processes wait on the preparer's files (data_cache_dir), in no collective."),
 }
 
 # Keys renamed upstream or spelled differently by the PEFT guide / older TRL. They are accepted and mapped;

@@ -212,7 +212,7 @@ def validate(r: Recipe) -> None:
         raise RecipeError("enable_jit_checkpoint: the run handles SIGTERM/SIGUSR1 itself (every rank stops after the same "
                           "step and saves a complete checkpoint; docs/reliability.md); remove the key")
     for key in ("num_machines", "gpus_per_node", "cpu_threads"):
-        if getattr(L, key) < 1:
+        if getattr(L, key) is not None and getattr(L, key) < 1:
             raise RecipeError(f"launch.{key}: must be >= 1, got {getattr(L, key)}")
     for key in ("gpu_memory_gb", "cpu_ram_gb"):
         if getattr(L, key) is not None and getattr(L, key) <= 0:

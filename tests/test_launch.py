@@ -140,7 +140,7 @@ def test_dry_run_of_an_outside_copy_from_its_folder(tmp_path, module):
     assert port != 29500 and bindable(port)  # not the recipe's default: a port free on this host
     assert argv[-4:] == [str(ROOT / "train.py"), "my-ddp.yaml", "--learning_rate", "1e-3"]
     assert opt(argv, "--config_file") == "outputs/tiny-ddp/accelerate_config.yaml"  # the copy's output_dir, from here
-    assert env == {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    assert env == {"DS_ACCELERATOR": "cpu"}  # threads: each rank counts its cores (backends.cpu_threads)
     assert sorted(tmp_path.rglob("*")) == before
 
 
@@ -186,7 +186,7 @@ def test_every_verb_takes_an_outside_recipe(tmp_path):
     """Each verb that reads a recipe, given one outside the repository: a result or one line, never a traceback.
     emit cannot name files after it and says what to do instead."""
     assert sft(["cp", "tiny/zero3", "z3.yaml"], cwd=tmp_path).returncode == 0
-    for verb in (["plan"], ["env"], ["preflight"], ["launch", "--dry-run"]):
+    for verb in (["plan"], ["env"], ["preflight"], ["launch", "--dry-run"], ["prepare", "--dry-run"]):
         res = sft([verb[0], "z3.yaml", *verb[1:]], cwd=tmp_path)
         assert res.returncode == 0 and "Traceback" not in res.stderr, (verb, res.stderr[-2000:])
     assert "VERDICT" in sft(["preflight", "z3.yaml"], cwd=tmp_path).stdout

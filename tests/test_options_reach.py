@@ -265,6 +265,13 @@ def obs_splits(tiny_model, tmp_path):
     assert data.load_raw(recipe("--splits", "train"))[1] is None and len(data.load_raw(recipe())[1]) == 40
 
 
+def obs_data_cache_dir(tiny_model, tmp_path):
+    r = recipe("--chat_template_format", "chatml", "--splits", "train", "--data_cache_dir", tmp_path / "prepared")
+    tok, eot, _ = load_tokenizer(r)
+    entry = data.prepared_datasets(r, tok, eot)[3]["preparation"]["path"]  # (tests/test_prepcache.py: the cache itself)
+    assert os.path.dirname(entry) == str(tmp_path / "prepared") and os.path.isfile(os.path.join(entry, "complete"))
+
+
 def obs_add_special_tokens(tiny_model, tmp_path):
     tok, ds = tokenized(recipe("--chat_template_format", "chatml", "--add_special_tokens", "True"))
     assert ds[0]["input_ids"][0] == tok.bos_token_id
@@ -282,7 +289,23 @@ def obs_launch_hardware(tiny_model, tmp_path):
 
 
 def obs_launch_cpu_threads(tiny_model, tmp_path):
+    """Pinned: the launcher's environment and the rank's torch threads; unset: the cores this process may use over
+    the processes on its node (2 ranks on this 2-core machine: one each)."""
+    import torch
+
     assert backends.cpu_env(recipe("--launch.cpu_threads", 3))["OMP_NUM_THREADS"] == "3"
+    assert "OMP_NUM_THREADS" not in backends.cpu_env(recipe())
+    before, env = torch.get_num_threads(), dict(os.environ)
+    cores = len(os.sched_getaffinity(0))
+    try:
+        for flags, local, want in ((["--launch.cpu_threads", 3], "1", 3), ([], "1", cores), ([], "2", max(1, cores // 2))):
+            os.environ["LOCAL_WORLD_SIZE"] = local
+            backends.apply_process_env(recipe(*flags), "cpu")
+            assert torch.get_num_threads() == want and os.environ["OMP_NUM_THREADS"] == str(want), (flags, local, want)
+    finally:
+        torch.set_num_threads(before)
+        os.environ.clear()
+        os.environ.update(env)
 
 
 def obs_launch_num_machines(tiny_model, tmp_path):

@@ -291,6 +291,7 @@ TORCH_FREE = {  # the script as a user runs it (train.py, or the package folder 
     "emit_check": ["sftrecipes", "emit", "--check"],
     "launch_help": ["sftrecipes", "launch", "--help"],
     "preflight_cpu": ["sftrecipes", "preflight", "recipes/tiny/zero3.yaml"],  # (a GPU recipe counts GPUs with torch)
+    "prepare_dry_run": ["sftrecipes", "prepare", "recipes/tiny/ddp.yaml", "--dry-run"],  # (the SLURM scripts' --dry-run)
     # a folder merge/export cannot use: its one line (exit 2) from the files alone
     "merge_not_an_adapter": ["sftrecipes", "merge", ".assets/tiny-llama", "/nonexistent/merged"],
     "export_missing_folder": ["sftrecipes", "export", "/nonexistent/run", "/nonexistent/dest"],
