@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export PYTHONDONTWRITEBYTECODE ?= 1
 
-.PHONY: venv assets demo lint test data schema docs emit plan bench bench-overhead bench-export bench-loading sweep sweep-two-ranks clean sft-70b-lora sft-70b-qlora sft-offload sft-70b-fsdp sft-70b-qlora-fsdp sft-ddp sft-llama3-70b-lora sft-qwen3-32b-qlora sft-qwen3-moe-lora sft-llama3-70b-qlora sft-llama3-405b-qlora
+.PHONY: venv assets demo lint test data schema docs emit plan bench bench-overhead bench-data bench-export bench-loading sweep sweep-two-ranks clean sft-70b-lora sft-70b-qlora sft-offload sft-70b-fsdp sft-70b-qlora-fsdp sft-ddp sft-llama3-70b-lora sft-qwen3-32b-qlora sft-qwen3-moe-lora sft-llama3-70b-qlora sft-llama3-405b-qlora
 
 $(STAMP): requirements.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -72,6 +72,9 @@ bench: $(STAMP)             ## training throughput grid (checkpointing x batch x
 
 bench-overhead: $(STAMP)    ## what train.py adds per step over bare TRL, by counts: make bench-overhead [ARGS="--row 10 --steps 40"]
 	$(BIN)/python bench/overhead_profile.py $(ARGS)
+
+bench-data: $(STAMP)        ## data preparation rows/s: data.load_datasets vs TRL's SFTTrainer preparation, 50k and 200k synthetic chat rows, tokens compared (~20 min); writes docs/benchmarks.md
+	$(BIN)/python bench/bench_data.py $(ARGS)
 
 bench-loading: $(STAMP)     ## each rank's memory per phase (loading, wrapping, first steps) for every twin backend, 252M model, 2 ranks (~30 min); writes docs/loading.md
 	$(BIN)/python bench/bench_loading.py $(ARGS)

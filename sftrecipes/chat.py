@@ -25,11 +25,15 @@ to it: one more rendering per kind of field), the row's tools (the same text wit
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import jinja2
+from transformers import PreTrainedTokenizerBase
+from transformers.utils.chat_template_utils import render_jinja_template
 
 from .errors import RecipeError
+from .tokenizer import render_plain_turns
 
 # bits of a row's `_unrendered` mask: which of its fields the template left out of the text
 NOT_RENDERED = {"tool_calls": 1, "reasoning_content": 2, "tool turns": 4, "tools": 8}
@@ -37,6 +41,8 @@ NOT_RENDERED = {"tool_calls": 1, "reasoning_content": 2, "tool turns": 4, "tools
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 # what a template can raise on a row it cannot render (a RecipeError is ours and passes through)
 TEMPLATE_ERRORS = (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError)
+# apply_chat_template's own arguments: a row's template arguments named so take the tokenizer's road (Chat.apply)
+APPLY_ARGUMENTS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {"kwargs"}
 
 
 def _parsed(value, key: str, at: str, fix_hint: str):
@@ -93,10 +99,16 @@ def arrow_structs(features) -> tuple[bool, bool]:
 
 class Chat:
     """One row's conversation as its template gets it: `messages` normalizes, `apply` renders (a template error is a
-    RecipeError naming the row), `not_rendered` tells which fields the template left out."""
+    RecipeError naming the row), `not_rendered` tells which fields the template left out.
 
-    def __init__(self, tokenizer, recipe, row: dict, where: str, structs: tuple[bool, bool] = (False, False)):
-        self.tok, self.where, self.struct_args = tokenizer, where, structs[0]
+    fast (a split's preparation): the same text by a shorter road — plain turns under the project's templates in
+    Python (tokenizer.render_plain_turns), other conversations by the compiled template without
+    apply_chat_template's per-call work (render_jinja_template, which it calls); rows from a dataset only (plain
+    dicts, lists and strings, as Arrow gives them)."""
+
+    def __init__(self, tokenizer, recipe, row: dict, where: str, structs: tuple[bool, bool] = (False, False),
+                 fast: bool = False):
+        self.tok, self.where, self.struct_args, self.fast = tokenizer, where, structs[0], fast
         self.key = template_key(recipe)
         self.tools = self._tools(row.get("tools"), structs[1])
         kwargs = _parsed(row.get("chat_template_kwargs"), "chat_template_kwargs", f"{where}: the column",
@@ -151,9 +163,11 @@ class Chat:
 
     def apply(self, msgs: list[dict], tools="row", **kw) -> str:
         """The template's text of msgs (with this row's tools), or one line naming the row and what it holds."""
+        tools = self.tools if tools == "row" else tools
         try:
-            return self.tok.apply_chat_template(msgs, tools=self.tools if tools == "row" else tools, tokenize=False,
-                                                **{**self.kwargs, **kw})
+            if self.fast and msgs and not APPLY_ARGUMENTS.intersection(self.kwargs):
+                return self._render(msgs, tools, **kw)
+            return self.tok.apply_chat_template(msgs, tools=tools, tokenize=False, **{**self.kwargs, **kw})
         except RecipeError:
             raise
         except TEMPLATE_ERRORS as e:
@@ -161,13 +175,31 @@ class Chat:
             raise RecipeError(f"{self.key}: the chat template fails on {self.where} ({type(e).__name__}: {said}){_holds(msgs, self.tools)}; "
                               f"{fix(self.key)}") from None
 
+    def _render(self, msgs: list[dict], tools, add_generation_prompt: bool = False) -> str:
+        """apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=..., **row arguments) for
+        messages Chat.messages made from a dataset's row (dicts without null keys: apply's normalization changes
+        nothing), without its per-call work; plain turns under the project's templates without jinja."""
+        if tools is None and not self.kwargs:
+            text = render_plain_turns(self.tok, msgs, add_generation_prompt)
+            if text is not None:
+                return text
+        template = self.tok.get_chat_template(None, tools)
+        rendered, _ = render_jinja_template(conversations=[msgs], tools=tools, chat_template=template,
+                                            add_generation_prompt=add_generation_prompt,
+                                            **{**self.tok.special_tokens_map, **self.kwargs})
+        return rendered[0]
+
     def not_rendered(self, msgs: list[dict], text: str) -> int:
         """The NOT_RENDERED bits of the fields the template left out of `text`. Each kind of field is rendered once more
         with a mark appended to every instance (a call's name, a message's reasoning, a tool turn's content): an
         instance whose mark is not in that text was not written. The row's tools: the same text without them. A
         marked conversation the template cannot render counts as rendered."""
         lost = 0
-        for field in ("tool_calls", "reasoning_content", "tool turns"):
+        keys = set().union(*msgs)  # what no message holds has no instance to mark (the usual row: role and content)
+        for field, held in (("tool_calls", "tool_calls" in keys), ("reasoning_content", not keys.isdisjoint(REASONING_KEYS)),
+                            ("tool turns", any(m["role"] == "tool" for m in msgs))):
+            if not held:
+                continue
             marked, marks = _marked(msgs, field)
             if marks:
                 try:

@@ -31,7 +31,8 @@ TRL_DATA_KEYS: dict[str, tuple[str, str]] = {
     "truncation_mode": ("pipeline", "which end the cut here keeps; TRL's cut then changes nothing"),
     "eos_token": ("pipeline", "tokenizer.load_tokenizer makes it the tokenizer's eos, the token text samples end with; "
                   "TRL sets the same eos again and mirrors it into the model's config"),
-    "dataset_num_proc": ("pipeline", "processes of this package's map over the rows, and of TRL's packing"),
+    "dataset_num_proc": ("pipeline", "processes of this package's map over the rows (unset: one per 4,000 rows, at most "
+                                        "the usable cores: tokenization.workers), and of TRL's packing"),
     "dataset_kwargs": ("refused", "its only key, skip_prepare_dataset, would skip TRL's packing and shuffle_dataset, "
                        "and the data is formatted here whatever it says"),
     "packing": ("trainer", "TRL packs the prepared rows (each kept whole by bfd/bfd_split: none exceeds max_length)"),

@@ -12,13 +12,21 @@ Conversations go through chat.Chat: tool calls, tool turns, `content: null`, rea
 template; a template that fails on a row is one line naming the row; the fields it leaves out are counted per split
 and reported on the data line. Under `assistant_only_loss` an assistant turn is trained whole (its reasoning, text
 and tool calls, with its end of turn); tool turns are not.
+
+A split is prepared in batches (`_prepare_batch`, in worker processes sized to the cores: `workers`): each row
+rendered (chat.Chat's fast road), the batch tokenized in one call of the fast tokenizer, labels computed from its
+offsets with numpy; the tokens, labels and status are `tokenize_example`'s / `_prepare_row`'s, the per-row reference
+(tests/test_prep_fast.py compares them on every format and tiny family). A batch that fails is prepared again row by
+row by the reference, so an error is the reference's, naming the same row.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
+import pyarrow as pa
 from trl.data_utils import pack_dataset
 
 from .chat import NOT_RENDERED, Chat, arrow_structs, describe_not_rendered, template_key
@@ -30,6 +38,10 @@ log = logging.getLogger("sftrecipes")
 
 # what became of one sample (the `_status` column while a split is prepared)
 KEPT, FULLY_MASKED, CUT_AWAY, CUT_KEPT = 0, 1, 2, 3
+# worker processes when dataset_num_proc is unset: one per ROWS_PER_WORKER rows (below that, starting one costs more
+# than it saves: bench/bench_data.py), at most the usable cores and MAX_WORKERS
+ROWS_PER_WORKER, MAX_WORKERS = 4000, 16
+BATCH_ROWS = 1000  # rows per batch of the map: one tokenizer call
 
 
 def _assistant_spans(chat: Chat, messages: list[dict], text: str) -> list[tuple[int, int]]:
@@ -50,16 +62,16 @@ def _assistant_spans(chat: Chat, messages: list[dict], text: str) -> list[tuple[
 
 
 def render(example: dict, fmt: str, tokenizer, recipe: Recipe, where: str = "the example",
-           structs: tuple[bool, bool] = (False, False)) -> tuple[str, list[list[tuple[int, int]]], bool, int]:
+           structs: tuple[bool, bool] = (False, False), fast: bool = False) -> tuple[str, list[list[tuple[int, int]]], bool, int]:
     """(text, span sets, ends with EOS, NOT_RENDERED bits). A token is trained when it overlaps a span of every set
     (no set: every token). Plain prompt/completion text always ends with EOS, as TRL writes it. where: the row, for
-    errors; structs: chat.arrow_structs of its split."""
+    errors; structs: chat.arrow_structs of its split; fast: chat.Chat's fast road (rows of a dataset)."""
     aol = bool(recipe.trl_value("assistant_only_loss"))
     completion_only = recipe.trl_value("completion_only_loss") is not False  # TRL: None and True mean completion only
     if is_conversational(fmt, example):
         check_template(recipe, fmt, "a row", example)
     if fmt in CONVERSATIONAL:
-        chat = Chat(tokenizer, recipe, example, where, structs)
+        chat = Chat(tokenizer, recipe, example, where, structs, fast)
         msgs = chat.messages(example["messages"] if fmt == "messages" else from_sharegpt(example["conversations"], where))
         text = chat.apply(msgs)
         return text, ([_assistant_spans(chat, msgs, text)] if aol else []), False, chat.not_rendered(msgs, text)
@@ -70,7 +82,7 @@ def render(example: dict, fmt: str, tokenizer, recipe: Recipe, where: str = "the
         if not isinstance(prompt, list):
             text = prompt + completion
             return text, ([[(len(prompt), len(text))]] if completion_only else []), True, 0
-        chat = Chat(tokenizer, recipe, example, where, structs)
+        chat = Chat(tokenizer, recipe, example, where, structs, fast)
         msgs = chat.messages(prompt + completion)
         text = chat.apply(msgs)
         sets = []
@@ -161,6 +173,113 @@ def _prepare_row(example: dict, index: int, tokenizer, recipe: Recipe, eot: str,
     return {**row, "input_ids": ids, "labels": labels, "_status": CUT_KEPT if _trainable(labels) else CUT_AWAY}
 
 
+def _trained(offsets, span_sets: list, end: int) -> np.ndarray:
+    """tokenize_example's rule for every token at once: a token is trained when it overlaps a span of every set; a
+    zero-width one (a special token the tokenizer added, the appended EOS) when it lies inside one, or at the very
+    end where a span ends."""
+    off = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    a, b = off[:, :1], off[:, 1:]
+    zero = a[:, 0] == b[:, 0]
+    mask = np.ones(len(off), dtype=bool)
+    for spans in span_sets:
+        if not spans:
+            return np.zeros(len(off), dtype=bool)
+        s, e = np.asarray(spans, dtype=np.int64).reshape(-1, 2).T
+        overlaps = ((a < e) & (b > s)).any(axis=1)
+        inside = (((s <= a) & (a < e)) | ((a == e) & (e == end))).any(axis=1)
+        mask &= np.where(zero, inside, overlaps)
+    return mask
+
+
+def _fast_batch(batch: dict, indices: list[int], tokenizer, recipe: Recipe, eot: str, fmt: str, ends: tuple, source: str,
+                rows: list[int] | None, structs: tuple[bool, bool]) -> dict:
+    """_prepare_row's columns for a batch of rows: rendered row by row, tokenized in one call, labels with numpy."""
+    columns = {c: batch[c] for c in batch}
+    texts, span_sets, force_eos, unrendered = [], [], [], []
+    for i, index in enumerate(indices):
+        where = f"row {rows[index] if rows is not None else index} of {source}"
+        text, sets, force, lost = render({c: v[i] for c, v in columns.items()}, fmt, tokenizer, recipe, where, structs, fast=True)
+        texts.append(text)
+        span_sets.append(sets)
+        force_eos.append(force)
+        unrendered.append(lost)
+    special, eos, bos = recipe.data.add_special_tokens, tokenizer.eos_token_id, tokenizer.bos_token_id
+    append = [(recipe.data.append_concat_token or force) and eos is not None for force in force_eos]
+    need_offsets = any(append) or any(span_sets)
+    enc = tokenizer(texts, add_special_tokens=special, return_offsets_mapping=need_offsets, return_attention_mask=False,
+                    return_token_type_ids=False)
+    all_ids, all_offsets = enc["input_ids"], enc["offset_mapping"] if need_offsets else None
+    seqs, eot_text = ends
+    max_length = recipe.trl_value("max_length")
+    cut = slice(None, max_length) if recipe.trl_value("truncation_mode") == "keep_start" else slice(-max_length, None) if max_length else None
+    out_ids, out_labels, out_bos, out_status = [], [], [], []
+    for i, text in enumerate(texts):
+        ids = all_ids[i]
+        offsets = all_offsets[i] if need_offsets else None
+        bos_removed = bool(special and bos is not None and ids[:2] == [bos, bos])
+        if bos_removed:
+            ids = ids[1:]
+            offsets = offsets[1:] if need_offsets else None
+        if append[i] and not _ends_with_end(ids, offsets, text, seqs, eot_text):
+            ids.append(eos)
+            offsets.append((len(text), len(text)))
+        if span_sets[i]:
+            mask = _trained(offsets, span_sets[i], len(text))
+            labels = np.where(mask, ids, -100).tolist()
+        else:  # every token trained
+            mask, labels = None, ids
+        trainable = bool(mask[1:].any()) if mask is not None else len(ids) > 1
+        if not trainable:
+            status = FULLY_MASKED
+        elif max_length is None or len(ids) <= max_length:
+            status = KEPT
+        else:
+            ids, labels = ids[cut], labels[cut]
+            kept = bool(mask[cut][1:].any()) if mask is not None else len(ids) > 1
+            status = CUT_KEPT if kept else CUT_AWAY
+        out_ids.append(ids)
+        out_labels.append(labels)
+        out_bos.append(bos_removed)
+        out_status.append(status)
+    return _table(recipe, texts, out_ids, out_labels, out_bos, unrendered, out_status)
+
+
+def _table(recipe: Recipe, texts, ids, labels, bos_removed, unrendered, status) -> pa.Table:
+    """A batch's columns as an Arrow table, typed as datasets types _prepare_row's (input_ids int32: its writer's
+    choice for that column name; its inference of Python lists is the slow part of a batch)."""
+    return pa.table({recipe.trl_value("dataset_text_field"): pa.array(texts, pa.string()),
+                     "input_ids": pa.array(ids, pa.list_(pa.int32())), "labels": pa.array(labels, pa.list_(pa.int64())),
+                     "_bos_removed": pa.array(bos_removed, pa.bool_()),
+                     "_unrendered": pa.array(unrendered, pa.int64()), "_status": pa.array(status, pa.int64())})
+
+
+def _prepare_batch(batch: dict, indices: list[int], tokenizer, recipe: Recipe, eot: str, fmt: str, ends: tuple, source: str,
+                   rows: list[int] | None, structs: tuple[bool, bool]) -> dict:
+    """A batch of rows made into _prepare_row's columns (mapped over a split, batched). A batch that fails is prepared
+    again row by row by _prepare_row, whose error (a RecipeError naming the row) is the one raised."""
+    try:
+        return _fast_batch(batch, indices, tokenizer, recipe, eot, fmt, ends, source, rows, structs)
+    except Exception as fast_error:  # the reference below raises what this batch's rows raise
+        columns = list(batch)
+        out = [_prepare_row({c: batch[c][i] for c in columns}, index, tokenizer, recipe, eot, fmt, ends, source, rows, structs)
+               for i, index in enumerate(indices)]
+        log.warning("data: rows %d-%d of %s: the batched preparation failed (%s: %s) where the row-by-row one did not; "
+                    "they were prepared row by row", indices[0], indices[-1], source, type(fast_error).__name__, fast_error)
+        return _table(recipe, *([row[k] for row in out] for k in (recipe.trl_value("dataset_text_field"), "input_ids", "labels",
+                                                                      "_bos_removed", "_unrendered", "_status")))
+
+
+def workers(recipe: Recipe, n_rows: int) -> int | None:
+    """Processes that prepare a split of n_rows: dataset_num_proc when set, else one per ROWS_PER_WORKER rows, at most
+    the usable cores (and MAX_WORKERS); None: this process (datasets starts a pool for any number, 1 included)."""
+    asked = recipe.trl_value("dataset_num_proc")
+    if asked is not None:
+        return asked
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    n = min(cores, MAX_WORKERS, n_rows // ROWS_PER_WORKER)
+    return n if n > 1 else None
+
+
 def tokenize_split(recipe: Recipe, tokenizer, eot: str, dataset, name: str, fmt: str, source: str | None = None,
                    rows: list[int] | None = None):
     """Format, tokenize and cut one split; rows keep a `_status` (KEPT, FULLY_MASKED, CUT_AWAY, CUT_KEPT),
@@ -175,12 +294,14 @@ def tokenize_split(recipe: Recipe, tokenizer, eot: str, dataset, name: str, fmt:
                  "call, null where a call has none): null arguments are dropped; store arguments as JSON strings to keep "
                  "explicit nulls", source or name)
     return dataset.map(
-        _prepare_row,
+        _prepare_batch,
         with_indices=True,
+        batched=True,
+        batch_size=BATCH_ROWS,
         fn_kwargs={"tokenizer": tokenizer, "recipe": recipe, "eot": eot, "fmt": fmt, "ends": end_ids(tokenizer, eot),
                    "source": source or name, "rows": rows, "structs": structs},
         remove_columns=dataset.column_names,
-        num_proc=recipe.trl_value("dataset_num_proc"),
+        num_proc=workers(recipe, len(dataset)),
         desc=f"Formatting and tokenizing {name}",
     )
 
@@ -209,10 +330,11 @@ def _packed_rows(recipe: Recipe, dataset, is_eval: bool) -> dict | None:
 def finish_split(recipe: Recipe, dataset, name: str, formats: dict[str, int], is_eval: bool = False):
     """Count what the cut and the masks did, drop samples with nothing to train, log ONE line. Returns
     (dataset with text/input_ids/labels, counts)."""
-    status = np.asarray(dataset.with_format("numpy")["_status"], dtype=np.int64)
+    marks = dataset.select_columns(["_status", "_bos_removed", "_unrendered"]).with_format("numpy")[:]  # one read, not one a row
+    status = np.asarray(marks["_status"], dtype=np.int64)
     n = np.bincount(status, minlength=4)
-    bos_removed = int(np.asarray(dataset.with_format("numpy")["_bos_removed"], dtype=bool).sum())
-    unrendered = np.asarray(dataset.with_format("numpy")["_unrendered"], dtype=np.int64)
+    bos_removed = int(np.asarray(marks["_bos_removed"], dtype=bool).sum())
+    unrendered = np.asarray(marks["_unrendered"], dtype=np.int64)
     counts = {
         "read": int(len(status)), "formats": formats, "truncated": int(n[CUT_AWAY] + n[CUT_KEPT]),
         "dropped_after_cut": int(n[CUT_AWAY]), "fully_masked": int(n[FULLY_MASKED]),
@@ -235,7 +357,9 @@ def finish_split(recipe: Recipe, dataset, name: str, formats: dict[str, int], is
             f"max_length: no {name} sample keeps a trainable token after the cut at {counts['max_length']} "
             f"({counts['truncation_mode']}); raise max_length or set truncation_mode: keep_end"
         )
-    dataset = dataset.filter(lambda s: s in (KEPT, CUT_KEPT), input_columns="_status", desc=f"Dropping untrainable {name} samples")
+    kept = np.isin(status, (KEPT, CUT_KEPT))
+    if not kept.all():  # the rows filter(status in (KEPT, CUT_KEPT)) keeps, without a pass over the rows
+        dataset = dataset.select(np.flatnonzero(kept))
     dataset = dataset.remove_columns(["_status", "_bos_removed", "_unrendered"])
     packed = _packed_rows(recipe, dataset, is_eval)
     if packed is not None:

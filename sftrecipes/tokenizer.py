@@ -59,6 +59,36 @@ TEMPLATES = {
     "chatml": (CHATML_TEMPLATE, ["<|im_start|>", "<|im_end|>"], "<|im_end|>"),
     "zephyr": (ZEPHYR_TEMPLATE, ["<|user|>", "<|assistant|>", "<|system|>"], None),
 }
+# The same templates for plain turns, in Python: (opening, with {role}; closing, with {eos_token}; generation prompt).
+# Data preparation renders plain conversations with them instead of jinja (render_plain_turns); the text is the
+# template's (tests/test_prep_fast.py compares them).
+PLAIN_TURNS = {CHATML_TEMPLATE: ("<|im_start|>{role}\n", "<|im_end|>\n", "<|im_start|>assistant\n"),
+               ZEPHYR_TEMPLATE: ("<|{role}|>\n", "{eos_token}\n", "<|assistant|>\n")}
+
+
+def render_plain_turns(tok, messages: list[dict], add_generation_prompt: bool = False) -> str | None:
+    """The text the project's template (chatml, zephyr) renders for a conversation of plain turns (each message a
+    text role and text content, nothing else; no tools, no template arguments), without jinja. None when the
+    tokenizer's template is another, or a message is not a plain turn: the caller renders with the template."""
+    template = tok.chat_template
+    pieces = PLAIN_TURNS.get(template) if isinstance(template, str) else None
+    if pieces is None or not messages:
+        return None
+    eos = tok.eos_token
+    if not isinstance(eos, str):
+        return None
+    start, end, generation = pieces
+    before, after = start.split("{role}")
+    end = end.replace("{eos_token}", eos)
+    out = []
+    for m in messages:
+        role, content = m.get("role"), m.get("content")
+        if type(role) is not str or type(content) is not str or len(m) != 2:  # exactly role and content
+            return None
+        out.append(before + role + after + content + end)
+    if add_generation_prompt:
+        out.append(generation)
+    return "".join(out)
 
 
 PAD_CANDIDATES = ("<pad>", "<|finetune_right_pad_id|>", "<|pad|>")  # existing pad-like tokens (Llama-3.1 ships the 2nd)

@@ -635,13 +635,13 @@ def test_eos_token_ends_text_samples(tiny_model, tmp_path):
 def test_dataset_num_proc_maps_in_that_many_processes(tiny_model, tmp_path, monkeypatch):
     seen = tmp_path / "pids"
     seen.mkdir()
-    real = tokenization._prepare_row
+    real = tokenization._prepare_batch
 
-    def spy(example, *a, **kw):
+    def spy(batch, *a, **kw):
         (seen / str(os.getpid())).touch()
-        return real(example, *a, **kw)
+        return real(batch, *a, **kw)
 
-    monkeypatch.setattr(tokenization, "_prepare_row", spy)
+    monkeypatch.setattr(tokenization, "_prepare_batch", spy)
     for n in (1, 2):
         for p in seen.iterdir():
             p.unlink()
