@@ -45,12 +45,16 @@ def _repo_cwd(monkeypatch):
 # once (sftrecipes/forkserver.py): each rank of each run would otherwise spend ~8 s importing them, and the launcher
 # ~4 s. What a run computes, writes and logs is its own; what differs is the process: its parent, its libraries
 # imported before it started. Tests about processes themselves (signals, kills, a frozen rank, SLURM) or about a
-# rank's memory from its first byte are marked `real_processes` and start every process as users do.
+# rank's memory from its first byte are marked `real_processes` and start every process as users do. The variable is
+# set or cleared before each test's set-up, so the module and session fixtures made for it (shared runs) see the same.
 FORK_SERVER_ENV = "SFTRECIPES_FORK_SERVER"
 _fork_server: dict = {}
 
 
-def _start_fork_server(tmp: Path) -> str:
+def _start_fork_server() -> str:
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix="sftrecipes-forkserver-"))
     sock = str(tmp / "forkserver.sock")
     log = open(tmp / "forkserver.log", "w")  # noqa: SIM115 - open while the server lives
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -59,19 +63,16 @@ def _start_fork_server(tmp: Path) -> str:
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
     line = proc.stdout.readline()  # {"ready": pid} once it has imported everything (~10 s)
     assert '"ready"' in line, f"the fork server did not start: {line!r}; see {tmp / 'forkserver.log'}"
-    _fork_server.update(proc=proc, sock=sock, log=log)
+    _fork_server.update(proc=proc, sock=sock, log=log, tmp=tmp)
     return sock
 
 
-@pytest.fixture(autouse=True)
-def _forked_processes(request, monkeypatch, tmp_path_factory):
-    if request.node.get_closest_marker("real_processes"):
-        monkeypatch.delenv(FORK_SERVER_ENV, raising=False)
-        return
-    if os.environ.get("SFT_REAL_PROCESSES") == "1":  # the whole suite as users start processes (slower)
-        return
-    sock = _fork_server.get("sock") or _start_fork_server(tmp_path_factory.mktemp("forkserver"))
-    monkeypatch.setenv(FORK_SERVER_ENV, sock)
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("real_processes") or os.environ.get("SFT_REAL_PROCESSES") == "1":
+        os.environ.pop(FORK_SERVER_ENV, None)  # (SFT_REAL_PROCESSES=1: the whole suite as users start processes)
+    else:
+        os.environ[FORK_SERVER_ENV] = _fork_server.get("sock") or _start_fork_server()
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -82,6 +83,9 @@ def pytest_sessionfinish(session, exitstatus):
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+        import shutil
+
+        shutil.rmtree(_fork_server["tmp"], ignore_errors=True)
 
 
 def launcher_argv(argv: list[str]) -> list[str]:
