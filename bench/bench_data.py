@@ -243,13 +243,9 @@ Before this change (git HEAD faa6c2b, measured once on the 50,000 multi-turn row
 
 def write_section(text: str, path: Path = DOCS) -> None:
     """Replace only the text between the data-bench markers (append the section when absent); keep the rest."""
-    old = path.read_text() if path.exists() else "# Benchmarks\n"
-    if START in old and END in old:
-        head, rest = old.split(START, 1)
-        new = head + text + rest.split(END, 1)[1]
-    else:
-        new = old.rstrip("\n") + "\n\n" + text + "\n"
-    path.write_text(new)
+    import bench_train  # noqa: PLC0415 - the one section writer of the bench scripts (bench/ is on sys.path)
+
+    bench_train.write_section(text, path, START, END)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -201,12 +201,13 @@ def report(results: dict[Row, dict[str, list[dict]]], args, argv: list[str], sec
     return "\n".join(lines)
 
 
-def write_section(text: str, path: Path = DOCS) -> None:
-    """Replace only the text between the train-bench markers (append the section when absent); keep the rest."""
+def write_section(text: str, path: Path = DOCS, start: str = START, end: str = END) -> None:
+    """Replace only the text between a benchmark's markers (this one's by default; bench_data.py passes its own;
+    the section is appended when absent); keep the rest."""
     old = path.read_text() if path.exists() else "# Benchmarks\n"
-    if START in old and END in old:
-        head, rest = old.split(START, 1)
-        new = head + text + rest.split(END, 1)[1]
+    if start in old and end in old:
+        head, rest = old.split(start, 1)
+        new = head + text + rest.split(end, 1)[1]
     else:
         new = old.rstrip("\n") + "\n\n" + text + "\n"
     path.write_text(new)
