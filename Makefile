@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export PYTHONDONTWRITEBYTECODE ?= 1
 
-.PHONY: venv assets demo lint test data schema docs emit plan bench bench-overhead bench-data bench-export bench-loading sweep sweep-two-ranks clean sft-70b-lora sft-70b-qlora sft-offload sft-70b-fsdp sft-70b-qlora-fsdp sft-ddp sft-llama3-70b-lora sft-qwen3-32b-qlora sft-qwen3-moe-lora sft-llama3-70b-qlora sft-llama3-405b-qlora
+.PHONY: venv assets demo lint test data schema docs emit plan bench bench-overhead bench-data bench-export bench-loading sweep sweep-two-ranks clean sft-70b-lora sft-70b-qlora sft-offload sft-70b-fsdp sft-70b-qlora-fsdp sft-ddp sft-llama3-70b-lora sft-qwen3-32b-qlora sft-qwen3-moe-lora sft-llama3-70b-qlora sft-llama3-405b-qlora dpo-llama3-70b-lora dpo-qwen3-32b-qlora
 
 $(STAMP): requirements.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,8 +30,9 @@ lint: $(STAMP)              ## ruff (rules in pyproject.toml)
 test: lint                  ## the linter, then the test suite (CPU target; GPU-marked tests skipped)
 	$(BIN)/python -m pytest -q --durations=25 tests
 
-data: $(STAMP)              ## rewrite data/tiny_chat (checked in; tests compare)
+data: $(STAMP)              ## rewrite data/tiny_chat, data/tiny_dpo, data/tiny_kto (checked in; tests compare)
 	$(BIN)/python -m sftrecipes tiny --data
+	$(BIN)/python data/make_preference_data.py
 
 schema: $(STAMP)            ## refresh sftrecipes/{trl,peft}_options.json after upgrading TRL/transformers/peft
 	$(BIN)/python -m sftrecipes schema --refresh
@@ -66,6 +67,10 @@ sft-qwen3-32b-qlora: $(STAMP) ## Qwen3-32B QLoRA, FSDP2, 2 x 24 GB
 	scripts/run_qwen3-32b-qlora-fsdp.sh $(ARGS)
 sft-qwen3-moe-lora: $(STAMP) ## Qwen3-30B-A3B (MoE) LoRA, DeepSpeed ZeRO-3, 4 x 80 GB
 	scripts/run_qwen3-30b-a3b-lora.sh $(ARGS)
+dpo-llama3-70b-lora: $(STAMP) ## Llama-3.1-70B-Instruct DPO with LoRA, DeepSpeed ZeRO-3, 8 x 80 GB
+	scripts/run_llama3.1-70b-dpo-lora.sh $(ARGS)
+dpo-qwen3-32b-qlora: $(STAMP) ## Qwen3-32B DPO with QLoRA, FSDP2, 2 x 24 GB
+	scripts/run_qwen3-32b-dpo-qlora-fsdp.sh $(ARGS)
 
 bench: $(STAMP)             ## training throughput grid (checkpointing x batch x packing x LoRA/full): train.py vs bare TRL, tiny model (~13 min); writes docs/benchmarks.md
 	$(BIN)/python bench/bench_train.py $(ARGS)

@@ -1,12 +1,12 @@
 #!/usr/bin/env python
-"""Supervised fine-tuning of a causal LM with TRL's SFTTrainer, driven by a recipe.
+"""Fine-tuning of a causal LM with TRL, driven by a recipe: SFTTrainer, or DPOTrainer / KTOTrainer (`method`).
 
     python train.py recipes/tiny/lora.yaml                      # a recipe
     python train.py recipes/tiny/lora.yaml --lora_r 16          # ... with CLI overrides (CLI wins)
     python train.py --model_name_or_path ... --use_peft_lora True ...   # the PEFT SFT guide's flags, verbatim
     python train.py --help                                      # every option, its default and help
 
-Flow: parse -> hardware target -> tokenizer -> datasets -> model -> SFTTrainer -> train (resume) -> save + check.
+Flow: parse -> hardware target -> tokenizer -> datasets -> model -> the method's trainer -> train (resume) -> save + check.
 Around it (sftrecipes/lifecycle.py, runlock.py, heartbeats.py): the output_dir lock, preemption signals (SIGTERM/SIGUSR1: save, exit 75), death
 with the launcher, heartbeats. The logic lives in the `sftrecipes` package; this file only wires it up.
 """
@@ -45,11 +45,9 @@ def run(recipe, life=None):
     process's lifecycle.RunLife (main() enters it: lock, signals, heartbeats); callers without one get a plain run."""
     # torch and the training modules load here, not at the top: `--help` and a recipe that fails validation answer
     # (exit 2) before torch is imported
-    from trl import SFTTrainer  # noqa: PLC0415 - torch: --help and validation stay torch-free
-
     from sftrecipes import (  # noqa: PLC0415 - as above
-        backends, checkpoints, data, finalsave, folders, hub, lora, metrics, model as models, nonfinite, precision, preflight,
-        probes,
+        backends, checkpoints, data, finalsave, folders, hub, lora, methods, metrics, model as models, nonfinite, precision,
+        preference, preflight, probes,
     )
     from sftrecipes.plan.pitfalls import pitfalls  # noqa: PLC0415 - as above
     from sftrecipes.tokenizer import load_tokenizer  # noqa: PLC0415 - as above
@@ -74,6 +72,8 @@ def run(recipe, life=None):
         for line in (unpacked, unckpt):
             if line:
                 log.warning("%s", line)
+        for key, why in recipe.ignored.items():  # what a base written for another method set
+            log.info("recipe: %s: %s", key, why)
         for line in pitfalls(recipe):  # the global batch first, then any warning
             (log.warning if line.startswith("WARNING") else log.info)("%s", line)
     for alias, key in recipe.renamed.items():
@@ -85,7 +85,10 @@ def run(recipe, life=None):
     #    (sftrecipes/prepcache.py); one process prepares, the others wait on its files: no collective, so no
     #    ddp_timeout, however long it takes
     tokenizer, end_of_turn, added_tokens = load_tokenizer(recipe)
-    train_ds, eval_ds, prompt, data_counts = data.prepared_datasets(recipe, tokenizer, end_of_turn)
+    if recipe.method == "sft":
+        train_ds, eval_ds, prompt, data_counts = data.prepared_datasets(recipe, tokenizer, end_of_turn)
+    else:  # pairs (dpo) or labelled completions (kto) in TRL's shapes, tokenized by its trainer (preference.py)
+        train_ds, eval_ds, prompt, data_counts = preference.preference_datasets(recipe, tokenizer)
 
     # 3. model: dtype, attention, 4/8-bit loading; LoRA is applied by the trainer from peft_config
     memory = probes.PhaseMemory()  # each phase's peak RSS on this rank, the kernel's high-water mark reset at its start
@@ -94,7 +97,7 @@ def run(recipe, life=None):
     models.no_aux_loss_without_experts(model, args)  # a dense model whose config still declares router logits
     models.zero3_leaves(model, recipe, args.process_index == 0)  # modules whose submodule calls the data decides: one fetch each
     memory.start("wrapping")  # to train()'s first callback: peft, accelerate's prepare (sharding, partitioning, broadcast)
-    trainer = SFTTrainer(
+    trainer = methods.trainer_class(recipe)(  # SFTTrainer, DPOTrainer or KTOTrainer
         model=model,
         args=args,
         train_dataset=train_ds,
@@ -104,9 +107,13 @@ def run(recipe, life=None):
         callbacks=[memory, dtypes := precision.precision_probe(recipe),
                    throughput := metrics.ThroughputCallback(peak_tflops=recipe.launch.peak_tflops),
                    guard := nonfinite.nonfinite_guard(recipe.run.nan_patience), life.callback()],
+        **methods.trainer_kwargs(recipe, lambda **kw: models.load_model(recipe, tokenizer, target, **kw)),  # dpo/kto: ref_model
     )
+    if recipe.method != "sft":
+        data_counts = methods.tokenized_counts(recipe, trainer, data_counts)  # what TRL's tokenizing cut, logged
     dtypes.trainer = trainer
-    lora.module_dropout(trainer.model, recipe)  # lora_dropout on the modules of an adapter that also adapts parameters
+    if recipe.method == "sft" or not recipe.trl_value("disable_dropout"):  # (dpo/kto turn every dropout off by default)
+        lora.module_dropout(trainer.model, recipe)  # lora_dropout on the modules of an adapter that also adapts parameters
     if recipe.model.use_peft_lora and args.process_index == 0:
         log.info("%s", lora.describe_adapter(trainer.model, recipe))  # what LoRA adapted: modules, experts, router
     backends.size_deepspeed_buckets(trainer)  # reduce / prefetch buckets by the hidden size, as the planner counts
@@ -157,7 +164,7 @@ def run(recipe, life=None):
             "saved_tensors": n_tensors,
             "output_dir": args.output_dir,
             "adapter": recipe.model.use_peft_lora,
-            "packed": bool(trainer.args.packing or trainer.args.padding_free),  # False where packing fell back (logged)
+            "packed": bool(getattr(trainer.args, "packing", False) or getattr(trainer.args, "padding_free", False)),  # False: fell back (logged)
             "resumed_from": resume,
             "backend": backend,
             "memory": memory_phases,  # per rank: baseline, then each phase's start/peak/end RSS and growth (MB)
@@ -168,6 +175,8 @@ def run(recipe, life=None):
                        "new_tokens": sample.get("new_tokens")},
             "data": data_counts,  # per split: read, truncated, dropped after the cut, fully masked, kept (data.py);
             # preparation: built, waited or reused, seconds, rows, rows/s, the cache entry (prepcache.py)
+            "method": recipe.method,
+            "preference": methods.preference_log(trainer.state.log_history),  # dpo/kto: rewards, margins, accuracies
             "push_later": push_later,
         }
         with open(f"{args.output_dir}/run_summary.json", "w") as f:

@@ -186,24 +186,28 @@ def _demo(argv: list[str]) -> int:
 
 def _schema(argv: list[str]) -> int:
     p = _parser("schema")
-    p.add_argument("--refresh", action="store_true", help="rewrite trl_options.json and peft_options.json (and the option table)")
+    p.add_argument("--refresh", action="store_true", help="rewrite trl_options.json, trl_methods.json and peft_options.json (and the option table)")
     p.add_argument("--docs", action="store_true", help=f"rewrite {OPTIONS_DOC.relative_to(paths.ROOT)}")
     ns = p.parse_args(argv)
     if ns.refresh:
         snapshots.write_trl_snapshot()
+        snapshots.write_methods_snapshot()
         snapshots.write_peft_snapshot()
-        print(f"wrote {snapshots.TRL_SNAPSHOT} and {snapshots.PEFT_SNAPSHOT}")
+        print(f"wrote {snapshots.TRL_SNAPSHOT}, {snapshots.METHODS_SNAPSHOT} and {snapshots.PEFT_SNAPSHOT}")
     if ns.docs or ns.refresh:
         OPTIONS_DOC.parent.mkdir(parents=True, exist_ok=True)
         OPTIONS_DOC.write_text(options_markdown())
         print(f"wrote {OPTIONS_DOC.relative_to(paths.ROOT)}")
         return 0
-    for name, live, stored in (("trl_options.json", snapshots.trl_snapshot, snapshots.load_trl_snapshot),
-                               ("peft_options.json", snapshots.peft_snapshot, snapshots.load_peft_snapshot)):
-        if live() != stored()["options"]:
+    methods = snapshots.load_methods_snapshot
+    for name, live, stored in (("trl_options.json", snapshots.trl_snapshot, lambda: snapshots.load_trl_snapshot()["options"]),
+                               ("trl_methods.json", snapshots.methods_snapshot,
+                                lambda: {m: rows for m, rows in methods().items() if m != "trl_version"}),
+                               ("peft_options.json", snapshots.peft_snapshot, lambda: snapshots.load_peft_snapshot()["options"])):
+        if live() != stored():
             print(f"error: sftrecipes/{name} differs from the installed library; run: python -m sftrecipes schema --refresh", file=sys.stderr)
             return 1
-    print("trl_options.json and peft_options.json match the installed TRL and peft")
+    print("trl_options.json, trl_methods.json and peft_options.json match the installed TRL and peft")
     return 0
 
 

@@ -135,6 +135,14 @@ def coerce(opt: Option, value: Any, src: str) -> Any:
         if isinstance(value, (list, tuple)) and all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value):
             return [str(v) for v in value]
         raise bad("a list of strings (or one comma-separated string)")
+    if kind == "list[float]":  # (DPOConfig's loss_weights)
+        items = [v for v in (s.strip() for s in value.split(","))] if isinstance(value, str) else value
+        try:
+            if not isinstance(items, (list, tuple)) or any(isinstance(v, bool) for v in items):
+                raise ValueError
+            return [float(v) for v in items]
+        except (TypeError, ValueError):
+            raise bad("a list of numbers, e.g. [1.0, 0.5]") from None
     if kind == "mappings":  # a list of mappings (`datasets:`); on the command line a JSON list
         if isinstance(value, str):
             try:

@@ -111,6 +111,23 @@ def draw(n_rows: int, src: Source, seed: int, index: int) -> list[int]:
     return np.concatenate([np.tile(np.arange(n_rows), whole), picked]).astype(np.int64).tolist()
 
 
+def draw_entry(raw, raw_eval, src: Source, seed: int, index: int):
+    """(the rows a mixture entry contributes, their indices in its split, the record counts["mixture"] keeps). Its eval
+    split is not drawn: the record says how many rows it has."""
+    idx = draw(len(raw), src, seed, index)
+    how = f"samples {src.samples}" if src.samples is not None else f"weight {src.weight}" if src.weight is not None else "all rows"
+    record = {"source": src.key, "path": src.path, "split": src.split, "rows": len(idx), "of": len(raw),
+              "drawn_by": how, "eval_split": src.eval_split if raw_eval is not None else None,
+              "eval_rows": len(raw_eval) if raw_eval is not None else 0}
+    return raw.select(idx), idx, record
+
+
+def log_mixture(seed: int, draws: list[dict]) -> None:
+    log.info("data: mixture under seed %d: %s", seed, "; ".join(
+        f"{d['source']} {d['path']} ({d['split']}) {d['rows']} of {d['of']} rows ({d['drawn_by']}), eval {d['eval_rows']} rows"
+        + (f" ({d['eval_split']})" if d["eval_split"] else "") for d in draws))
+
+
 def _describe_format(recipe: Recipe, src: Source, fmt: str, row: dict | None) -> str:
     template = recipe.model.chat_template_format
     conv = row is not None and is_conversational(fmt, row)
@@ -173,12 +190,8 @@ def build_datasets(recipe: Recipe, tokenizer, eot: str):
         elif prompt is None and len(raw):
             prompt = sample_prompt(fmt, raw[0], recipe)
         if mixture:
-            idx = draw(len(raw), src, seed, i)
-            how = f"samples {src.samples}" if src.samples is not None else f"weight {src.weight}" if src.weight is not None else "all rows"
-            draws.append({"source": src.key, "path": src.path, "split": src.split, "rows": len(idx), "of": len(raw),
-                          "drawn_by": how, "eval_split": src.eval_split if raw_eval is not None else None,
-                          "eval_rows": len(raw_eval) if raw_eval is not None else 0})
-            raw = raw.select(idx)
+            raw, idx, record = draw_entry(raw, raw_eval, src, seed, i)
+            draws.append(record)
         name = f"train split of {src.key}" if mixture else "train split"
         train_parts.append(tokenize_split(recipe, tokenizer, eot, raw, name, fmt, f"{src.key} {src.path} ({src.split})",
                                           idx if mixture else None))
@@ -193,9 +206,7 @@ def build_datasets(recipe: Recipe, tokenizer, eot: str):
     train_tok = datasets.concatenate_datasets(train_parts) if len(train_parts) > 1 else train_parts[0]
     if mixture:
         train_tok = train_tok.shuffle(seed=seed)
-        log.info("data: mixture under seed %d: %s", seed, "; ".join(
-            f"{d['source']} {d['path']} ({d['split']}) {d['rows']} of {d['of']} rows ({d['drawn_by']}), eval {d['eval_rows']} rows"
-            + (f" ({d['eval_split']})" if d["eval_split"] else "") for d in draws))
+        log_mixture(seed, draws)
     train, counts_train = finish_split(recipe, train_tok, "train split", train_formats)
     counts = {"train": counts_train}
     evals = None

@@ -1,9 +1,13 @@
-"""Data formats: the four shapes a split may have (messages, ShareGPT conversations, prompt/completion, text), told
-apart by their columns.
+"""Data formats: the shapes a split may have (SFT's messages, ShareGPT conversations, prompt/completion, text; the
+preference methods' paired and unpaired rows), told apart by their columns.
 
 `dataset_format: auto` reads the shape from the columns; an asked format is checked against them. Conversational data
 needs a chat template. ShareGPT turns (from/value) become role/content messages, keeping their other fields (tool
 calls, reasoning: chat.py).
+
+Preference methods (`method: dpo`, `kto`) read other shapes: `preference` (prompt/chosen/rejected, or chosen/rejected
+with the prompt implicit in their shared start) and `unpaired_preference` (prompt/completion/label);
+`detect_preference_format` tells them apart the same way (preference.py reads the rows).
 """
 
 from __future__ import annotations
@@ -12,6 +16,14 @@ from .errors import RecipeError
 from .recipe import Recipe
 
 FORMATS = ("messages", "conversations", "prompt_completion", "text")
+# The preference methods' formats, and the columns of each shape a method reads, in the order `auto` tries them.
+# dpo reads pairs; kto reads unpaired rows, and pairs too (each made a desirable and an undesirable row: preference.py)
+PREFERENCE_FORMATS = ("preference", "unpaired_preference")
+PREFERENCE_SHAPES: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
+    "dpo": (("preference", ("prompt", "chosen", "rejected")), ("preference", ("chosen", "rejected"))),
+    "kto": (("unpaired_preference", ("prompt", "completion", "label")), ("preference", ("prompt", "chosen", "rejected")),
+            ("preference", ("chosen", "rejected"))),
+}
 CONVERSATIONAL = ("messages", "conversations")
 # ShareGPT `from` values -> chat roles
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
@@ -23,6 +35,9 @@ SHAPES = ("messages (column 'messages': role/content turns), conversations (colu
 
 def detect_format(recipe: Recipe, columns: list[str], name: str, fmt: str = "auto", key: str = "dataset_format") -> str:
     """The format of a split from its columns (fmt 'auto'), or a check that the columns fit the asked format."""
+    if fmt in PREFERENCE_FORMATS:
+        raise RecipeError(f"{key}: {fmt} is data for the preference methods, but method is sft; set method: "
+                          f"{'kto' if fmt == 'unpaired_preference' else 'dpo'}, or {key}: auto for SFT data")
     field_ = recipe.trl_value("dataset_text_field")
     cols = set(columns)
     has = f"(has {', '.join(columns)})"
@@ -48,6 +63,8 @@ def detect_format(recipe: Recipe, columns: list[str], name: str, fmt: str = "aut
 
 
 def is_conversational(fmt: str, example: dict) -> bool:
+    if fmt in PREFERENCE_FORMATS:  # any of its text columns a list of messages (an implicit prompt has none)
+        return any(isinstance(example.get(c), list) for c in ("prompt", "chosen", "rejected", "completion"))
     return fmt in CONVERSATIONAL or (fmt == "prompt_completion" and isinstance(example.get("prompt"), list))
 
 
@@ -92,3 +109,36 @@ def sample_prompt(fmt: str, row: dict, recipe: Recipe):
         return row["prompt"]
     words = str(row[recipe.trl_value("dataset_text_field")]).split()
     return " ".join(words[: max(1, len(words) // 2)])
+
+
+def preference_shapes(method: str) -> str:
+    """The shapes `method` reads, as error lines list them."""
+    shapes = "; ".join("/".join(cols) + (" (the prompt: their shared start)" if "prompt" not in cols else "") + f" [{fmt}]"
+                       for fmt, cols in PREFERENCE_SHAPES[method])
+    return shapes + " — each text, or lists of role/content (or ShareGPT from/value) messages" + ("; label a bool" if method == "kto" else "")
+
+
+def detect_preference_format(method: str, columns: list[str], name: str, fmt: str = "auto", key: str = "dataset_format",
+                             columns_key: str = "dataset_format") -> tuple[str, tuple[str, ...]]:
+    """(format, the columns of its shape) of a split a preference method reads, from its columns (fmt 'auto'), or a
+    check that they fit the asked format. key: the format's key, columns_key: the key whose fix renames columns
+    (a datasets entry's columns)."""
+    cols = set(columns)
+    has = f"(has {', '.join(columns)})"
+    fix = f"rename its columns (a datasets entry's columns: {{your_column: {'chosen' if method == 'dpo' else 'completion'}}})"
+    if fmt in FORMATS:
+        raise RecipeError(f"{key}: {fmt} is a shape of method sft; method {method} reads {preference_shapes(method)}; "
+                          f"set {key}: auto or {PREFERENCE_SHAPES[method][0][0]}")
+    if method == "dpo" and fmt == "unpaired_preference":
+        raise RecipeError(f"{key}: unpaired_preference (prompt/completion/label) has no pairs, which method dpo compares; "
+                          "set method: kto, or give dpo prompt/chosen/rejected data (dataset_format: preference)")
+    for shape_fmt, shape in PREFERENCE_SHAPES[method]:
+        if fmt in ("auto", shape_fmt) and set(shape) <= cols:
+            return shape_fmt, shape
+    if fmt == "auto":
+        raise RecipeError(f"{columns_key}: {name} {has} is none of the shapes method {method} reads: "
+                          f"{preference_shapes(method)}; {fix}")
+    needs = [shape for shape_fmt, shape in PREFERENCE_SHAPES[method] if shape_fmt == fmt][-1]  # its fewest columns
+    missing = [c for c in needs if c not in cols]
+    raise RecipeError(f"{columns_key}: {fmt} needs the column '{missing[0]}', but {name} {has}; rename it (a datasets "
+                      f"entry's columns: {{your_column: {missing[0]}}}) or set {key}: auto")

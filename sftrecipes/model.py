@@ -486,8 +486,9 @@ def zero3_leaves(model, recipe: Recipe, main: bool = True) -> list[str]:
     return sorted({v.split(" (")[0] for v in marked.values()})
 
 
-def load_model(recipe: Recipe, tokenizer, hardware: str):
-    """The model as the recipe describes it (weights from the hub id or local folder)."""
+def load_model(recipe: Recipe, tokenizer, hardware: str, every_rank_reads: bool = False):
+    """The model as the recipe describes it (weights from the hub id or local folder). every_rank_reads: no rank
+    loads on the meta device, RAM-efficient loading or not (a model nothing broadcasts into: methods.py's reference)."""
     m = recipe.model
     kwargs = dict(recipe.trl_value("model_init_kwargs") or {})  # recipe validation took out what the recipe owns
     impl, why = choose_attention(recipe, hardware)
@@ -501,7 +502,7 @@ def load_model(recipe: Recipe, tokenizer, hardware: str):
     qc = quantization_config(recipe)
     if qc is not None:
         kwargs["quantization_config"] = qc
-    rank = ram_efficient_rank(recipe, quantized=qc is not None)
+    rank = None if every_rank_reads else ram_efficient_rank(recipe, quantized=qc is not None)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and dist.get_rank() == 0:
         log.info("loading the weights: %s", weight_reading(recipe, quantized=qc is not None)[1])  # as the plan says
     if rank:  # not rank 0: build on the meta device, read nothing; FSDP receives rank 0's weights when it wraps

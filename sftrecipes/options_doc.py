@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
-from .schema import ALIASES, NULL_IS_A_VALUE, all_options
+from .schema import ALIASES, CONFIGS, METHODS, NULL_IS_A_VALUE, all_options
 from .snapshots import Option
 
 
 GROUP_TITLES = {"model": "Model, LoRA, quantization", "peft": "peft `LoraConfig` (LoRA only: with use_peft_lora; defaults as peft sets them)",
                 "data": "Data", "run": "Run", "launch": "Launch (`launch:` section)",
-                "trl": "TRL `SFTConfig` / transformers `TrainingArguments` (defaults as TRL sets them)"}
+                "trl": "TRL `SFTConfig`, `DPOConfig`, `KTOConfig` / transformers `TrainingArguments` (defaults as TRL sets them)"}
+
+
+def per_method(o: Option) -> str:
+    """How the config classes of other methods define a TRL key differently (kind, default, choices), or ''."""
+    notes = []
+    for method in METHODS[1:]:
+        other = all_options(method).get(o.name)
+        if o.owner == "trl" and other is not None and (o.methods is None or method in o.methods) and \
+                (other.kind, other.default, other.choices) != (o.kind, o.default, o.choices):
+            choices = f", one of {', '.join(map(str, other.choices))}" if other.choices else ""
+            notes.append(f"{CONFIGS[method]} (method {method}): {other.kind}, default {other.default!r}{choices}")
+    return f" {'; '.join(notes)}." if notes else ""
 
 
 def grouped_options() -> list[tuple[str, list[Option]]]:
@@ -32,7 +44,7 @@ def help_text() -> str:
              "Every key below is a YAML key and a --flag. Launch keys go under `launch:` (flag --launch.KEY).",
              null_rule(), ""]
     for title, options in grouped_options():
-        lines += [f"{title.replace('`', '')}:"] + [f"  --{o.name}  {o.describe()}" for o in options] + [""]
+        lines += [f"{title.replace('`', '')}:"] + [f"  --{o.name}  {o.describe()}{per_method(o)}" for o in options] + [""]
     lines.append("Aliases: " + ", ".join(f"{a} -> {c}" for a, c in ALIASES.items()))
     return "\n".join(lines)
 
@@ -40,14 +52,16 @@ def help_text() -> str:
 def options_markdown() -> str:
     """docs/generated/options.md: the option table, generated from the schema (tests fail when the file is stale)."""
     out = ["# Recipe options", "",
-           "Generated from `sftrecipes/schema.py` and TRL's `SFTConfig` by `make docs`; do not edit by hand.",
+           "Generated from `sftrecipes/schema.py` and TRL's `SFTConfig`, `DPOConfig` and `KTOConfig` by `make docs`; do not "
+           "edit by hand. A key marked (method ... only) belongs to those methods' config classes.",
            "Every key is a YAML key and a `--flag`; launch keys live under `launch:` (flag `--launch.KEY`).",
            null_rule("`"), ""]
     for title, options in grouped_options():
         out += [f"## {title}", "", "| key | type | default | help |", "|---|---|---|---|"]
         for o in options:
             choices = f" One of: {', '.join(f'`{c}`' for c in o.choices)}." if o.choices else ""
-            help_ = (o.help + choices).replace("|", "\\|")
+            only = f"(method {', '.join(o.methods)} only) " if o.methods else ""
+            help_ = (only + o.help + choices + per_method(o)).replace("|", "\\|")
             kind = o.kind.replace("|", "\\|")
             out.append(f"| `{o.name}` | {kind} | `{o.default!r}` | {help_} |")
         out.append("")

@@ -20,7 +20,7 @@ import yaml
 from .coerce import FALSE, TRUE, coerce, is_null, suggest
 from .errors import RecipeError
 from .paths import RECIPES, ROOT
-from .schema import ALIASES, NESTED, NULL_IS_A_VALUE, DataOptions, LaunchOptions, ModelOptions, RunOptions, all_options
+from .schema import ALIASES, CONFIGS, METHODS, NESTED, NULL_IS_A_VALUE, DataOptions, LaunchOptions, ModelOptions, RunOptions, all_options
 from .snapshots import Option
 from .validation import adopt_model_init_kwargs, looks_local, validate
 
@@ -41,12 +41,18 @@ class Recipe:
     explicit: set[str] = field(default_factory=set)  # every key the user set (flat names, launch.<x>)
     sources: list[str] = field(default_factory=list)  # recipe files, base first
     renamed: dict[str, str] = field(default_factory=dict)  # alias used -> canonical key
+    ignored: dict[str, str] = field(default_factory=dict)  # key a base set for another method -> why it is not used
+
+    @property
+    def method(self) -> str:
+        """What the run trains (schema.METHODS): sft, dpo or kto."""
+        return self.run.method
 
     def trl_value(self, name: str) -> Any:
-        """The value SFTConfig will see: the recipe's, or TRL's default."""
+        """The value the method's TRL config (SFTConfig, DPOConfig, KTOConfig) will see: the recipe's, or its default."""
         if name in self.trl:
             return self.trl[name]
-        return all_options()[name].default
+        return all_options(self.method)[name].default
 
     @property
     def gradient_checkpointing(self) -> bool:
@@ -76,7 +82,7 @@ class Recipe:
             elif name in self.peft:
                 out[key] = self.peft[name]
             else:
-                owner = all_options()[name].owner
+                owner = all_options(self.method)[name].owner
                 out[key] = getattr(getattr(self, owner), name)
         return out
 
@@ -181,9 +187,20 @@ NULL_WORDS = {"null", "none"}  # a bool flag takes them as its value (`--use_nes
 
 
 
-def parse_argv(argv: list[str]) -> tuple[list[str], dict[str, tuple[Any, str]]]:
-    """Split a command line into recipe files and `--key value` pairs (values still strings)."""
-    options = all_options()
+def _any_kinds() -> dict[str, Option]:
+    """Every key, taking a list where the config class of any method does."""
+    table = dict(all_options())
+    for method in METHODS:
+        for name, o in all_options(method).items():
+            if o.kind in ("list", "list|str", "list[float]") and table[name].kind != o.kind:
+                table[name] = o
+    return table
+
+
+def parse_argv(argv: list[str], method: str = "sft") -> tuple[list[str], dict[str, tuple[Any, str]]]:
+    """Split a command line into recipe files and `--key value` pairs (values still strings); a flag takes as many
+    words as its kind under `method` (DPOConfig's loss_type is a list); "any": a list where any method takes one."""
+    options = all_options(method) if method != "any" else _any_kinds()
     files: list[str] = []
     flags: dict[str, tuple[Any, str]] = {}
     i = 0
@@ -208,7 +225,7 @@ def parse_argv(argv: list[str]) -> tuple[list[str], dict[str, tuple[Any, str]]]:
         kind = opt.kind
         if eq:
             raw: Any = value
-        elif kind in ("list", "list|str"):
+        elif kind in ("list", "list|str", "list[float]"):
             raw = []
             while i < len(argv) and not argv[i].startswith("--"):
                 raw.append(argv[i])
@@ -236,16 +253,16 @@ def unsets(opt: Option, raw: Any, src: str) -> bool:
 
 def load_recipe(argv: list[str] | None = None, files: list[str] | None = None, overrides: dict | None = None) -> Recipe:
     """Recipe from recipe files and/or a command line. CLI flags override files; later files override earlier."""
-    options = all_options()
     argv = list(argv or [])
-    cli_files, flags = parse_argv(argv)
-    paths = list(files or []) + cli_files
-    merged: dict[str, Any] = {}
-    sources: list[str] = []
-    for p in paths:
-        data, chain = load_yaml_chain(p)
-        merged = deep_merge(merged, data)
-        sources += chain
+    # the method decides how many words a flag takes (DPOConfig's loss_type is a list, SFTConfig's a string) and it
+    # may be set in a file: a first split takes a list wherever any method does, finds the files, reads the method
+    cli_files, flags = parse_argv(argv, "any")
+    merged, sources = _read_files(list(files or []) + cli_files)
+    method = _method(merged, flags, overrides or {})
+    again, flags = parse_argv(argv, method)
+    if again != cli_files:  # a list-taking word was a file for this method
+        merged, sources = _read_files(list(files or []) + again)
+    options = all_options(method)
     for k, v in (overrides or {}).items():
         merged = deep_merge(merged, _tag({k: v}, "overrides"))
     # CLI: `--launch.gpus_per_node 2` lands in the nested section
@@ -264,6 +281,8 @@ def load_recipe(argv: list[str] | None = None, files: list[str] | None = None, o
 
     values: dict[str, Any] = {}
     renamed: dict[str, str] = {}
+    ignored: dict[str, str] = {}
+    bases = set(sources) - {str(p) for p in list(files or []) + again}  # files read only as some recipe's base:
     flat_names = [n for n in options if "." not in n] + list(ALIASES)
     for key, entry in merged.items():
         if key in NESTED:
@@ -286,6 +305,12 @@ def load_recipe(argv: list[str] | None = None, files: list[str] | None = None, o
         canonical = key
         if unsets(options[canonical], raw, src):
             continue  # as if never set: the default (and not explicit)
+        if options[key].methods and method not in options[key].methods and str(src) in bases:
+            # a base written for another method (packing in a tiny SFT recipe a DPO recipe extends): not this run's;
+            # the same key in the recipe named, or on the command line, is refused (validation)
+            ignored[key] = (f"{_word(raw)} from {Path(src).name} is a key of {CONFIGS[options[key].methods[0]]}; "
+                            f"method {method} has none: not used")
+            continue
         if alias:
             renamed[alias] = canonical
         values[canonical] = coerce(options[canonical], raw, src)
@@ -293,11 +318,41 @@ def load_recipe(argv: list[str] | None = None, files: list[str] | None = None, o
             raise RecipeError(f"warmup_ratio: {values[canonical]} is not a ratio in [0, 1) ({src}); for a step count use warmup_steps")
 
     adopt_model_init_kwargs(values, renamed)
-    return _build(values, sources, renamed)
+    return _build(values, sources, renamed, ignored)
 
 
-def _build(values: dict[str, Any], sources: list[str], renamed: dict[str, str]) -> Recipe:
-    options = all_options()
+def _read_files(paths: list[str]) -> tuple[dict, list[str]]:
+    """The recipe files merged in order (each with its base: chain), and every file read."""
+    merged: dict[str, Any] = {}
+    sources: list[str] = []
+    for p in paths:
+        data, chain = load_yaml_chain(p)
+        merged = deep_merge(merged, data)
+        sources += chain
+    return merged, sources
+
+
+def _method(merged: dict, flags: dict, overrides: dict) -> str:
+    """The recipe's `method` (CLI flag, then overrides, then files), read first: it decides which TRL config class
+    defines the other keys."""
+    option = all_options()["method"]
+    if "method" in flags:
+        raw, src = flags["method"]
+    elif "method" in overrides:
+        raw, src = overrides["method"], "overrides"
+    elif "method" in merged:
+        raw, src = merged["method"]
+    else:
+        return option.default
+    return option.default if is_null(option, raw, src) else coerce(option, raw, src)
+
+
+def _word(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) or value is None else str(value)
+
+
+def _build(values: dict[str, Any], sources: list[str], renamed: dict[str, str], ignored: dict[str, str] | None = None) -> Recipe:
+    options = all_options(values.get("method", "sft"))
     kw: dict[str, dict[str, Any]] = {"model": {}, "data": {}, "run": {}, "launch": {}}
     trl: dict[str, Any] = {}
     peft: dict[str, Any] = {}
@@ -319,6 +374,7 @@ def _build(values: dict[str, Any], sources: list[str], renamed: dict[str, str]) 
         explicit=set(values),
         sources=sources,
         renamed=renamed,
+        ignored=ignored or {},
     )
     validate(recipe)
     return recipe

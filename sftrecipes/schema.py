@@ -8,12 +8,17 @@ those in :data:`PEFT_NOT_EXPOSED`, each with the reason). ``all_options()`` is t
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .snapshots import Option, load_peft_snapshot, load_trl_snapshot, options_of
+from .snapshots import METHOD_CONFIGS, Option, load_methods_snapshot, load_peft_snapshot, load_trl_snapshot, options_of
 
 DTYPES = ("bfloat16", "float16", "float32")
+# What a recipe trains with (its `method` key): the TRL trainer and the config class whose fields are its TRL keys
+METHODS = ("sft", "dpo", "kto")
+TRAINERS = {"sft": "SFTTrainer", "dpo": "DPOTrainer", "kto": "KTOTrainer"}
+CONFIGS = {"sft": "SFTConfig", **METHOD_CONFIGS}
 
 
 def opt(default: Any, help: str, choices: tuple | None = None, aliases: tuple = (), kind: str | None = None) -> Any:
@@ -131,8 +136,11 @@ class DataOptions:
         "'conversations' (ShareGPT from/value turns) -> conversations; 'prompt' + 'completion' (TRL's "
         "prompt-completion, plain strings or lists of messages) -> prompt_completion; otherwise the "
         "dataset_text_field column -> text (with chat_template_format: none, a dataset_text_field set in the recipe wins). "
-        "Conversational data needs a chat_template_format; text data (text, plain prompt/completion) does not use it.",
-        choices=("auto", "messages", "conversations", "prompt_completion", "text"),
+        "Conversational data needs a chat_template_format; text data (text, plain prompt/completion) does not use it. "
+        "method dpo/kto: preference ('prompt' + 'chosen' + 'rejected', or 'chosen' + 'rejected' whose shared start is "
+        "the prompt; text or lists of messages; kto makes each pair a desirable and an undesirable row) or "
+        "unpaired_preference (kto: 'prompt' + 'completion' + 'label'); auto reads them from the columns.",
+        choices=("auto", "messages", "conversations", "prompt_completion", "text", "preference", "unpaired_preference"),
     )
     splits: str = opt(
         "train,test", "Comma-separated splits to load; the one named like 'train' trains, one like 'test' evaluates. "
@@ -179,6 +187,16 @@ DATASET_ENTRY_KEYS: dict[str, str] = {
 @dataclass
 class RunOptions:
     """How the run behaves around training (train.py)."""
+
+    method: str = opt(
+        "sft",
+        "What the run trains: sft (supervised fine-tuning, TRL's SFTTrainer), dpo (preference pairs, TRL's DPOTrainer: "
+        "every loss_type it offers), kto (unpaired desirable/undesirable completions, TRL's KTOTrainer). The TRL keys "
+        "are then those of its config class (SFTConfig, DPOConfig, KTOConfig; a key of another method's class is "
+        "refused), and the data is read in that method's shapes (dataset_format). With LoRA the reference model of dpo "
+        "and kto is the base with the adapter disabled (no second copy).",
+        choices=METHODS,
+    )
 
     sample_max_new_tokens: int = opt(
         32,
@@ -374,33 +392,56 @@ PEFT_NOTES: dict[str, str] = {
 }
 
 
-_ALL: dict[str, Option] | None = None
+_ALL: dict[str, dict[str, Option]] = {}
 
 
-def all_options() -> dict[str, Option]:
-    """name -> Option for every flat key (project + TRL). Launch keys are under 'launch.<name>'."""
-    global _ALL
-    if _ALL is None:
-        table: dict[str, Option] = {}
-        for row in load_trl_snapshot()["options"]:
-            default, help_ = TRL_DEFAULTS.get(row["name"], (row["default"], None))
-            table[row["name"]] = Option(row["name"], row["kind"], default, " ".join(filter(None, [row["help"], help_])),
-                                        tuple(row["choices"]) if row["choices"] else None, row["nullable"], "trl")
-        for row in load_peft_snapshot()["options"]:
-            if row["name"] in PEFT_NOT_EXPOSED:
-                continue
-            if row["name"] in table:
-                raise RuntimeError(f"option {row['name']} declared by both TRL and peft's LoraConfig")
-            help_ = " ".join(filter(None, [row["help"], PEFT_NOTES.get(row["name"])]))
-            table[row["name"]] = Option(row["name"], row["kind"], row["default"], help_,
-                                        tuple(row["choices"]) if row["choices"] else None, row["nullable"], "peft")
-        for owner, cls in SECTIONS.items():
-            for o in options_of(cls, owner):
-                if o.name in table:
-                    raise RuntimeError(f"option {o.name} declared by both TRL and {cls.__name__}")
-                table[o.name] = o
-        for section, cls in NESTED.items():
-            for o in options_of(cls, section):
-                table[f"{section}.{o.name}"] = dataclasses.replace(o, name=f"{section}.{o.name}")
-        _ALL = table
-    return _ALL
+def dpo_loss_types() -> tuple[str, ...]:
+    """The loss types DPOConfig's loss_type (a list without declared choices) takes, as its help lists them
+    ("Possible values are: `'sigmoid'`, ..."); tests/test_methods.py holds them against the branches of DPOTrainer's loss."""
+    help_ = all_options("dpo")["loss_type"].help
+    listed = help_.split("Possible values are:", 1)[1].split(". ", 1)[0]
+    return tuple(re.findall(r"`'(\w+)'`", listed))
+
+
+def trl_rows(method: str) -> list[dict]:
+    """The stored fields of a method's TRL config class (CONFIGS)."""
+    return load_trl_snapshot()["options"] if method == "sft" else load_methods_snapshot()[method]
+
+
+def all_options(method: str = "sft") -> dict[str, Option]:
+    """name -> Option for every flat key (project + TRL). Launch keys are under 'launch.<name>'. TRL keys are defined
+    as `method`'s config class defines them (DPOConfig's loss_type is a list, SFTConfig's a string); the keys of the
+    other methods' classes are in the table too, their `methods` naming where they belong (validation refuses them)."""
+    if method not in _ALL:
+        _ALL[method] = _build_table(method)
+    return _ALL[method]
+
+
+def _build_table(method: str) -> dict[str, Option]:
+    table: dict[str, Option] = {}
+    by_method = {m: {row["name"]: row for row in trl_rows(m)} for m in METHODS}
+    names = list(by_method[method]) + [n for m in METHODS for n in by_method[m] if n not in by_method[method]]
+    for name in dict.fromkeys(names):
+        owners = tuple(m for m in METHODS if name in by_method[m])
+        row = by_method[method].get(name) or by_method[owners[0]][name]
+        default, help_ = TRL_DEFAULTS.get(row["name"], (row["default"], None))
+        table[row["name"]] = Option(row["name"], row["kind"], default, " ".join(filter(None, [row["help"], help_])),
+                                    tuple(row["choices"]) if row["choices"] else None, row["nullable"], "trl",
+                                    None if len(owners) == len(METHODS) else owners)
+    for row in load_peft_snapshot()["options"]:
+        if row["name"] in PEFT_NOT_EXPOSED:
+            continue
+        if row["name"] in table:
+            raise RuntimeError(f"option {row['name']} declared by both TRL and peft's LoraConfig")
+        help_ = " ".join(filter(None, [row["help"], PEFT_NOTES.get(row["name"])]))
+        table[row["name"]] = Option(row["name"], row["kind"], row["default"], help_,
+                                    tuple(row["choices"]) if row["choices"] else None, row["nullable"], "peft")
+    for owner, cls in SECTIONS.items():
+        for o in options_of(cls, owner):
+            if o.name in table:
+                raise RuntimeError(f"option {o.name} declared by both TRL and {cls.__name__}")
+            table[o.name] = o
+    for section, cls in NESTED.items():
+        for o in options_of(cls, section):
+            table[f"{section}.{o.name}"] = dataclasses.replace(o, name=f"{section}.{o.name}")
+    return table

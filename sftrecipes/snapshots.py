@@ -1,6 +1,7 @@
 """Options read from config dataclasses: a field becomes an Option (kind, default, help, choices), and TRL's
-``SFTConfig`` and peft's ``LoraConfig`` read that way are kept as JSON snapshots (``trl_options.json``,
-``peft_options.json``) so that a recipe is validated and ``--help`` printed before torch is imported.
+``SFTConfig``, the preference trainers' ``DPOConfig`` / ``KTOConfig`` and peft's ``LoraConfig`` read that way are kept
+as JSON snapshots (``trl_options.json``, ``trl_methods.json``, ``peft_options.json``) so that a recipe is validated and
+``--help`` printed before torch is imported.
 ``tests/test_schema_and_assets.py`` fails when a snapshot differs from the installed package; ``python -m sftrecipes
 schema --refresh`` rewrites them."""
 
@@ -16,22 +17,27 @@ from pathlib import Path
 from typing import Any
 
 TRL_SNAPSHOT = Path(__file__).with_name("trl_options.json")
+METHODS_SNAPSHOT = Path(__file__).with_name("trl_methods.json")
+# method -> TRL's config class of its trainer, besides sft's SFTConfig (trl_options.json): read into trl_methods.json
+METHOD_CONFIGS = {"dpo": "DPOConfig", "kto": "KTOConfig"}
 PEFT_SNAPSHOT = Path(__file__).with_name("peft_options.json")
 
 
 @dataclass(frozen=True)
 class Option:
     name: str
-    kind: str  # bool | int | float | str | dict | list | mappings | int|str | str|bool | object
+    kind: str  # bool | int | float | str | dict | list | list[float] | mappings | int|str | str|bool | object
     default: Any
     help: str
     choices: tuple | None = None
     nullable: bool = False
     owner: str = "trl"  # trl | model | data | launch
+    methods: tuple | None = None  # TRL keys: the methods (schema.METHODS) whose config class has the key; None: all
 
     def describe(self) -> str:
         extra = f" one of {', '.join(map(str, self.choices))}." if self.choices else ""
-        return f"{self.help}{extra} [{self.kind}, default {self.default!r}]"
+        only = f"(method {', '.join(self.methods)} only) " if self.methods else ""
+        return f"{only}{self.help}{extra} [{self.kind}, default {self.default!r}]"
 
 
 def _kind(tp: Any) -> tuple[str, bool, tuple | None]:
@@ -51,13 +57,15 @@ def _kind(tp: Any) -> tuple[str, bool, tuple | None]:
             names.add(_kind(m)[0])
         if names == {"dict", "str"}:
             return "dict", nullable, None
+        if names == {"list[float]"}:
+            return "list[float]", nullable, None
         if names <= {"list", "str"}:
             return ("list" if "list" in names else "str"), nullable, None
         if len(names) == 1:
             return names.pop(), nullable, None
         return "|".join(sorted(names)), nullable, None
     if origin in (list, tuple):
-        return "list", False, None
+        return ("list[float]" if typing.get_args(tp)[:1] == (float,) else "list"), False, None
     if origin is dict or tp is dict:
         return "dict", False, None
     if tp in (bool, int, float, str):
@@ -122,6 +130,22 @@ def write_trl_snapshot(path: Path = TRL_SNAPSHOT) -> None:
 
 
 def load_trl_snapshot(path: Path = TRL_SNAPSHOT) -> dict:
+    return json.loads(path.read_text())
+
+
+def methods_snapshot() -> dict[str, list[dict]]:
+    """Each preference method's config class (METHOD_CONFIGS) read from the installed TRL, every field of it."""
+    import trl  # noqa: PLC0415 - trl: recipe validation reads the snapshot, torch-free
+
+    return {method: _snapshot_rows(options_of(getattr(trl, cls), "trl")) for method, cls in METHOD_CONFIGS.items()}
+
+
+def write_methods_snapshot(path: Path = METHODS_SNAPSHOT) -> None:
+    version = __import__("trl").__version__
+    path.write_text(json.dumps({"trl_version": version, **methods_snapshot()}, indent=1, sort_keys=True) + "\n")
+
+
+def load_methods_snapshot(path: Path = METHODS_SNAPSHOT) -> dict:
     return json.loads(path.read_text())
 
 

@@ -54,6 +54,8 @@ CONSUMED_BY_PIPELINE = ("assistant_only_loss", "completion_only_loss", "chat_tem
 
 def check_trl_data_keys(recipe: Recipe) -> None:
     """The TRL data-preparation keys TRL_DATA_KEYS refuses, or refuses in a combination: one line, before anything runs."""
+    if recipe.method != "sft":  # SFTTrainer's data keys; the preference trainers prepare their data their own way
+        return
     kwargs = recipe.trl.get("dataset_kwargs")
     if kwargs:
         raise RecipeError(f"dataset_kwargs: {kwargs} is not used: the data is formatted and tokenized by sftrecipes "

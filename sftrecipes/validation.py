@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from .coerce import coerce
 from .errors import RecipeError
-from .schema import DATASET_ENTRY_KEYS, all_options
+from .schema import CONFIGS, DATASET_ENTRY_KEYS, TRAINERS, all_options, dpo_loss_types
 from .shape import config_path, model_shape
 from .sources import check_eval_split, check_trl_data_keys
 
@@ -65,17 +65,17 @@ def setting(r: Recipe, key: str) -> Any:
     section, _, name = key.rpartition(".")
     if section:
         return getattr(getattr(r, section), name)
-    owner = all_options()[name].owner
+    owner = all_options(r.method)[name].owner
     if owner in ("trl", "peft"):
         held = r.trl if owner == "trl" else r.peft
-        return held[name] if name in held else all_options()[name].default
+        return held[name] if name in held else all_options(r.method)[name].default
     return getattr(getattr(r, owner), name)
 
 
 def changed(r: Recipe, keys: list[str]) -> list[str]:
     """Those of `keys` the recipe sets to something other than their default. A rule that a key only applies in some
     setting refuses these only: a default written out (use_nested_quant: false without 4-bit) has no effect to lose."""
-    options = all_options()
+    options = all_options(r.method)
     return [k for k in keys if k in r.explicit and setting(r, k) != options[k].default]
 
 
@@ -100,6 +100,7 @@ def validate(r: Recipe) -> None:
         raise RecipeError("dataset_name: required; set a hub dataset id, a local folder or a json/jsonl/parquet file (or datasets: a list for a mixture)")
     if d.datasets:
         _validate_datasets(d.datasets)
+    _validate_method(r)
 
     # quantization
     if m.use_4bit_quantization and m.use_8bit_quantization:
@@ -218,6 +219,28 @@ def validate(r: Recipe) -> None:
         if getattr(L, key) is not None and getattr(L, key) <= 0:
             raise RecipeError(f"launch.{key}: must be > 0 GB, got {getattr(L, key)}")
     _validate_launch(r)
+
+
+def _validate_method(r: Recipe) -> None:
+    """The TRL keys a recipe sets belong to its method's config class: a key of another method's class would be
+    dropped or refused deep inside the trainer. DPO's loss types: checked here, not at the first step's loss."""
+    if r.method == "dpo" and "loss_type" in r.trl:
+        known = dpo_loss_types()
+        wrong = [t for t in r.trl["loss_type"] if t not in known]
+        if wrong:
+            raise RecipeError(f"loss_type: '{wrong[0]}' is not a loss DPOTrainer has; use one or more of {', '.join(known)}")
+    sft_data = changed(r, ["add_special_tokens", "append_concat_token"]) if r.method != "sft" else []
+    if sft_data:
+        raise RecipeError(f"{sft_data[0]}: shapes SFT samples only; method {r.method}'s {TRAINERS[r.method]} tokenizes "
+                          f"preference data itself (its chat template, eos): remove {sft_data[0]}")
+    options = all_options(r.method)
+    for key in sorted(r.explicit):
+        o = options.get(key)
+        if o is not None and o.methods and r.method not in o.methods:
+            raise RecipeError(
+                f"{key}: a key of {CONFIGS[o.methods[0]]} (method {', '.join(o.methods)}); method {r.method} trains with "
+                f"{TRAINERS[r.method]}, whose {CONFIGS[r.method]} has no {key}: remove it, or set method: {o.methods[0]}"
+            )
 
 
 def _validate_datasets(entries: list[dict]) -> None:

@@ -22,10 +22,11 @@ from test_lifecycle import fake_agent_preemption
 from transformers import AutoModelForCausalLM, TrainerControl, TrainerState
 
 import train
-from sftrecipes import backends, data, emit, heartbeats, model as models, nonfinite, plan, preflight, runlock, tokenization
+from sftrecipes import backends, data, emit, heartbeats, methods, model as models, nonfinite, plan, preflight, runlock, tokenization
 from sftrecipes.errors import RecipeError
 from sftrecipes.lora import lora_config
 from sftrecipes.recipe import load_recipe
+from sftrecipes.schema import CONFIGS
 from sftrecipes.schema import all_options
 from sftrecipes.tiny import ensure_family
 from sftrecipes.tokenizer import load_tokenizer
@@ -81,16 +82,25 @@ REFUSED = {"enable_jit_checkpoint": "the run handles SIGTERM/SIGUSR1 itself (lif
 # Refused on the cpu target or without the package by preflight.in_run (test_train.py::test_liger_is_refused_without_a_gpu_or_its_package):
 # probed on the gpu target.
 GPU_ONLY = {"use_liger_kernel"}
-TRL_KEYS = sorted(n for n, o in all_options().items()
-                  if o.owner == "trl" and n not in PIPELINE and n not in REFUSED and o.kind != "object")
+# (method, key): every SFTConfig key under sft; under dpo and kto the keys of their config class that SFTConfig lacks
+# or defines differently (the keys all three share reach it alike)
+TRL_KEYS = sorted([("sft", n) for n, o in all_options().items() if o.owner == "trl" and not o.methods
+                   and n not in PIPELINE and n not in REFUSED and o.kind != "object"]
+                  + [(m, n) for m in ("dpo", "kto") for n, o in all_options(m).items() if o.owner == "trl"
+                     and ((o.methods and m in o.methods) or (o.kind, o.default) != (all_options()[n].kind, all_options()[n].default))])
+SPECIAL_BY_METHOD = {("dpo", "loss_type"): (["ipo", "hinge"], {}, None),  # a list of DPOTrainer's loss types
+                     ("dpo", "loss_weights"): ([0.5], {}, None),
+                     ("dpo", "padding_free"): (True, {}, None)}  # (SFT's needs packing, a key DPOConfig lacks)
 
 
-@pytest.mark.parametrize("key", TRL_KEYS)
-def test_trl_option_reaches_training_args(tiny_model, key):
-    o = all_options()[key]
-    value, extras, check = SPECIAL.get(key, (probe_value(o), {}, None))
+@pytest.mark.parametrize("method,key", TRL_KEYS)
+def test_trl_option_reaches_training_args(tiny_model, method, key):
+    o = all_options(method)[key]
+    value, extras, check = SPECIAL_BY_METHOD.get((method, key)) or SPECIAL.get(key, (probe_value(o), {}, None))
     argv = [a for a in BASE if key != "output_dir" or a not in ("--output_dir", "outputs/reach")]
-    args = backends.training_args(load_recipe(argv, overrides={key: value, **extras}), "gpu" if key in GPU_ONLY else "cpu")
+    r = load_recipe(argv, overrides={"method": method, key: value, **extras})
+    args = backends.training_args(r, "gpu" if key in GPU_ONLY else "cpu")
+    assert type(args).__name__ == CONFIGS[method]
     if check is not None:
         assert check(args), key
     else:
@@ -114,6 +124,15 @@ def tokenized(r):
     tok, eot, _ = load_tokenizer(r)
     train, _ = data.load_raw(r)
     return tok, tokenization.prepare(r, tok, eot, train.select(range(min(3, len(train)))), "train")
+
+
+def obs_method(tiny_model, tmp_path):
+    """The trainer and its config class; that each method trains: tests/test_preference_train.py."""
+    import trl
+
+    for method, trainer in (("sft", trl.SFTTrainer), ("dpo", trl.DPOTrainer), ("kto", trl.KTOTrainer)):
+        r = recipe("--method", method)
+        assert methods.trainer_class(r) is trainer and type(backends.training_args(r, "cpu")).__name__ == CONFIGS[method]
 
 
 def obs_model_name(tiny_model, tmp_path):

@@ -388,7 +388,8 @@ def test_calibration_plan_vs_measured_peak_on_cpu(tmp_path, family, lora, ckpt):
 
 
 @pytest.mark.parametrize("rel", ["recipes/llama3.1-70b/lora.yaml", "recipes/qwen3-32b/qlora-fsdp.yaml", "recipes/qwen3-30b-a3b/lora.yaml",
-                                 "recipes/llama3.1-70b/qlora.yaml", "recipes/llama3.1-405b/qlora.yaml"])
+                                 "recipes/llama3.1-70b/qlora.yaml", "recipes/llama3.1-405b/qlora.yaml",
+                                 "recipes/llama3.1-70b/dpo-lora.yaml", "recipes/qwen3-32b/dpo-qlora-fsdp.yaml"])
 def test_recipes_for_todays_models_plan_offline_and_fit(rel, capsys):
     """Each recipe for a current model gets its verdict offline (config.json shipped in model_configs/), and fits the
     hardware it names: the planner is what chose it."""

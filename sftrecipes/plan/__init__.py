@@ -5,9 +5,9 @@ and the pitfalls, printed (torch-free).
 
 The model's shape comes from config.json through sftrecipes/shape.py (a local folder, or sftrecipes/model_configs/
 for hub ids) and every byte is arithmetic on that shape and the recipe (docs/planner.md), in this package's
-modules: sharding.py (ranks and bytes per parameter), activations.py (what backward keeps), estimate.py (one training
-step of one configuration, per GPU and per node), strategies.py (the other configurations, ranked); pitfalls.py
-adds the configuration traps.
+modules: sharding.py (ranks and bytes per parameter), activations.py (what backward keeps), reference.py (a preference
+run's reference model), estimate.py (one training step of one configuration, per GPU and per node), strategies.py (the
+other configurations, ranked); pitfalls.py adds the configuration traps.
 """
 
 from __future__ import annotations
@@ -56,8 +56,10 @@ def format_plan(plan: Plan, warnings: list[str] | None = None) -> str:
     w = 44
     line = lambda i: f"  {i.name:<{w}} {i.gb:8.2f} GB  {i.note}"  # noqa: E731
     active = f" ({plan.active_params / 1e9:.2f}B active per token)" if plan.active_params not in (0, plan.params) else ""
-    out = [f"{plan.model}: {plan.params / 1e9:.2f}B params{active}, {plan.trainable / 1e6:.2f}M trainable; {plan.backend} on "
-           f"{plan.nodes} node(s) x {plan.gpus_per_node} GPU(s) = {plan.world}; global batch {plan.global_batch}",
+    method = "" if plan.method == "sft" else f"{plan.method}, "
+    unit = {"dpo": " pairs", "kto": " completions"}.get(plan.method, "")
+    out = [f"{plan.model}: {method}{plan.params / 1e9:.2f}B params{active}, {plan.trainable / 1e6:.2f}M trainable; {plan.backend} on "
+           f"{plan.nodes} node(s) x {plan.gpus_per_node} GPU(s) = {plan.world}; global batch {plan.global_batch}{unit}",
            "", "Per GPU — model states (always resident):"]
     out += [line(i) for i in plan.states]
     out += [f"  {'= model states':<{w}} {plan.model_states_gb:8.2f} GB", "", f"Per GPU — also live at the peak ({plan.peak_phase}):"]
@@ -83,7 +85,7 @@ def format_plan(plan: Plan, warnings: list[str] | None = None) -> str:
                    f"{plan.gpu_limit_gb:g} GB per GPU")
     if plan.cpu_fits is not None:
         verdict += f"; CPU RAM {plan.cpu_total_gb:.0f} of {plan.cpu_limit_gb:g} GB per node {'fits' if plan.cpu_fits else 'DOES NOT FIT'}"
-    out += ["", verdict]
+    out += ["", verdict] + ([f"  {plan.reference}"] if plan.reference else [])
     if plan.alternatives:
         out += ["", "Strategies (fitting first; same model before * (changes what is trained); then by network + PCIe time "
                 f"per step at {NVLINK / 1e9:.0f} GB/s in a node, {INFINIBAND / 1e9:.0f} GB/s across nodes, {PCIE / 1e9:.0f} GB/s PCIe):",

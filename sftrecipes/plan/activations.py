@@ -4,7 +4,10 @@ tensors each decoder layer and TRL's LM head save, and the temporaries their bac
 The counts follow the tensors saved by transformers 5's decoder layers (a sparse MoE block: its router and the k routed
 copies of each token), PEFT's LoRA layer (and its fold of W + s*BA on fused expert tensors) and TRL's chunked LM head
 (so there are no [tokens, vocab] logits); docs/planner.md explains each term and tests/test_plan.py calibrates them
-against the live-tensor peak of real CPU steps.
+against the live-tensor peak of real CPU steps. The preference methods run the same fused head (DPOTrainer and
+KTOTrainer install it as SFTTrainer does), on their own batches: DPO's chosen and rejected sequences concatenated,
+KTO's completions (`sequences`); their forwards without grad (the reference, KTO's KL batch) hold one layer's tensors
+at a time (`no_grad_forward`), tests/test_plan_methods.py calibrates them.
 """
 
 from __future__ import annotations
@@ -28,8 +31,21 @@ def planned_attention(recipe: Recipe, shape: Shape, gpu: bool) -> str:
     if want == "flash_attention_2" and not gpu or want in ("auto", "sft_varlen"):
         if not shape.sdpa:
             return "eager"
-        return "sft_varlen" if want == "sft_varlen" or shape.packs(recipe) else "sdpa"
+        return "sft_varlen" if want == "sft_varlen" or packs(recipe, shape) else "sdpa"
     return "flash_attention_2" if want == "flex_attention" else want
+
+
+def packs(recipe: Recipe, shape: Shape) -> bool:
+    """Whether the batches reach the model packed (shape.packs): SFT's only. DPOTrainer 1.16 turns padding_free off
+    ("temporarily unavailable"), KTOTrainer has none: preference batches are padded rows."""
+    return recipe.method == "sft" and shape.packs(recipe)
+
+
+def sequences(recipe: Recipe) -> int:
+    """Sequences per micro-batch whose activations are kept for backward: DPO concatenates each pair's chosen and
+    rejected sequences into one forward (2 x per_device_train_batch_size, each prompt + completion, padded to the
+    longest of the batch, at most max_length); KTO runs its completions with grad (its KL batch without); SFT its rows."""
+    return recipe.trl_value("per_device_train_batch_size") * (2 if recipe.method == "dpo" else 1)
 
 
 def layer_lora_params(adapted: tuple, r: int) -> int:
@@ -53,11 +69,12 @@ class Activations:
     head_saved: float  # final norm + the hidden states TRL's LM head saves
     head_backward: float  # the LM head's backward: fp32 grads, its tile buffer (+ lm_head's grad when trained)
     head_rows: int  # tokens per tile of TRL's LM head
+    no_grad: float = 0.0  # one forward of the same batch without grad (a reference forward): what it holds at once
 
 
 def activations(recipe: Recipe, shape: Shape, s: Setup, adapted: tuple) -> Activations:
     """The activation bytes of one micro-batch of the recipe (`adapted`: the LoRA targets of each decoder layer)."""
-    b, seq = recipe.trl_value("per_device_train_batch_size"), recipe.trl_value("max_length") or shape.max_positions
+    b, seq = sequences(recipe), recipe.trl_value("max_length") or shape.max_positions
     tokens = b * seq
     attn = planned_attention(recipe, shape, s.gpu)
     a = s.act_bytes
@@ -74,8 +91,10 @@ def activations(recipe: Recipe, shape: Shape, s: Setup, adapted: tuple) -> Activ
     saved_all = shape.layers * tokens * a * h if ckpt else sum(acts)  # checkpointing keeps each layer's input only
     saved_first = tokens * a * h if ckpt else acts[0]
     shared = tokens * (2 * a * shape.head_dim + 16)  # RoPE cos/sin, input ids + labels (int64)
-    if attn == "sdpa" and shape.packs(recipe):
-        shared += b * seq * seq  # block-diagonal boolean mask of the packed rows
+    if recipe.method != "sft":
+        shared += tokens * 16  # the preference collators' attention and completion masks (int64)
+    if attn == "sdpa" and (packs(recipe, shape) or _padded(recipe)):
+        shared += b * seq * seq  # boolean mask: block-diagonal for packed rows, causal + padding for padded ones
     # final norm + the hidden states TRL's fused LM head saves (a copy: the shifted slice)
     head_saved = tokens * ((4 * h + a * h + (0 if s.lora else a * h)) + a * h)
     head_trainable = not s.lora
@@ -89,7 +108,33 @@ def activations(recipe: Recipe, shape: Shape, s: Setup, adapted: tuple) -> Activ
     if s.quant_bits < 16:  # one weight de-quantized to 16-bit for its matmul
         deq = max(w.numel for L_ in shape.decoder for w in L_.weights if w.kind == "linear") * 2
         wss = [x + deq for x in wss]
-    return Activations(b, seq, tokens, attn, acts, wss, saved_all, saved_first, shared, head_saved, head_bwd, rows)
+    no_grad = no_grad_forward(shape, s, acts, tokens, rows)
+    return Activations(b, seq, tokens, attn, acts, wss, saved_all, saved_first, shared, head_saved, head_bwd, rows, no_grad)
+
+
+def _padded(recipe: Recipe) -> bool:
+    """Preference batches are padded rows (each pair to the longer of chosen and rejected, prompts of different
+    lengths flushed left), so transformers passes sdpa a causal + padding mask, which keeps it off its GQA path. (SFT's
+    unpacked rows are planned unpadded, as calibrated; a padded SFT batch would add the same.)"""
+    return recipe.method != "sft"
+
+
+def no_grad_forward(shape: Shape, s: Setup, per_layer: list[float], tokens: int, rows: int) -> float:
+    """Bytes one forward without grad holds at once (TRL's reference forward; KTO's KL batch): nothing is kept for
+    backward, so one decoder layer's temporaries at a time beside the layer's input, then the fused LM head's forward.
+    A dense layer peaks in its MLP (the input, the residual after attention, the normed input; silu(gate), up and their
+    product: gate is freed once silu has it) or in attention (q and k after RoPE, v, k and v repeated to every head where
+    a mask keeps sdpa off its GQA path, the output and its fp32 logsumexp); a sparse MoE layer is bounded by what it
+    saves with grad. The head: the final norm's output, the hidden states it scores (a gathered copy), its tile buffer,
+    its fp32 per-token statistics, and off Triton (CPU) ~4 fp32 temporaries of the tile's width."""
+    a, h = s.act_bytes, shape.hidden
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    attn = a * (2 * h + 2 * q + 2 * kv + 2 * (q - kv) + q) + 4 * shape.heads
+    mlp = a * (3 * h + 3 * shape.intermediate)
+    layer = max(per_layer) if any(layer.experts for layer in shape.decoder) else tokens * max(attn, mlp)
+    head = tokens * (2 * a * h + 10 * 4) + rows * TRL_VOCAB_TILE * a
+    head += 0 if s.gpu else rows * min(shape.vocab, TRL_VOCAB_TILE) * 4 * 4
+    return max(layer, tokens * a * h + head)
 
 
 def _norm_width(shape: Shape, w: Weight) -> int:
@@ -124,7 +169,7 @@ def _layer_activation_bytes(shape: Shape, layer: Layer, adapted: tuple, s: Setup
     norms = sum((4 + a + (a if full else 0)) * _norm_width(shape, w) for w in layer.weights if w.kind == "norm")
     # q and k after RoPE, v, the attention output + fp32 logsumexp (flash/sdpa kernels), o_proj's contiguous input
     attn_b = a * (q + 2 * kv) + a * q + 4 * nh + a * q
-    if attn == "eager" or (attn == "sdpa" and shape.packs(recipe)):
+    if attn == "eager" or (attn == "sdpa" and (packs(recipe, shape) or _padded(recipe))):
         attn_b += a * 2 * (q - kv)  # a mask keeps sdpa off its GQA path: k and v repeated to every head
     if attn == "sft_varlen" and not (s.gpu and a == 2):  # per-sample sdpa (CPU, fp32): kv repeated to every head
         attn_b += a * (2 * (q - kv) + q)  # and gathered into padded groups, whose output is a copy too
@@ -138,7 +183,9 @@ def _layer_activation_bytes(shape: Shape, layer: Layer, adapted: tuple, s: Setup
         # PEFT: result + lora_B(lora_A(dropout(x))): dropout makes a copy (+ a 1-byte mask) per adapted module; fp32
         # adapters under autocast (no DeepSpeed/FSDP bf16 cast) save their own 16-bit copy of the input
         cast = recipe.launch.backend in ("none", "ddp") and a == 2
-        per_in = (a if (m.lora_dropout > 0 or cast) else 0) + (1 if m.lora_dropout > 0 else 0)
+        # (DPOTrainer / KTOTrainer's disable_dropout sets every nn.Dropout to p=0, which returns its input: no copy)
+        drop = m.lora_dropout > 0 and not (recipe.method != "sft" and recipe.trl_value("disable_dropout"))
+        per_in = (a if (drop or cast) else 0) + (1 if drop else 0)
         for w, _ in adapted:
             if w.kind == "linear":
                 lora += per_in * w.fan_in + a * m.lora_r

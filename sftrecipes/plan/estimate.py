@@ -5,11 +5,12 @@ what each GPU holds at each phase, what each node's CPU RAM holds, and the verdi
 
 1. model states per rank: weights (by dtype; 4-bit with its quant constants), gradients and Adam states of the
    trainable parameters, each divided by the ranks that shard it (DDP none; ZeRO-1 states; ZeRO-2 +grads;
-   ZeRO-3/FSDP everything) -- `_model_states`;
+   ZeRO-3/FSDP everything), and a preference run's reference copy (reference.py) -- `_model_states`;
 2. what else is live at each phase of a step -- `_live_phases`: activations (activations.py), ZeRO-3/FSDP gathered
    layers (+ prefetch), gradient buckets, gradients not yet produced, optimizer temporaries. The peak is the largest
-   of the start of backward, the backward of the last and of the first layer (grads grow while activations shrink,
-   linearly, so the ends are the extremes) and the optimizer step;
+   of the reference forward (dpo, kto: after the policy's forward, its activations held), the start of backward, the
+   backward of the last and of the first layer (grads grow while activations shrink, linearly, so the ends are the
+   extremes) and the optimizer step;
 3. the peak phase plus an allowance for the CUDA context and allocator fragmentation on GPUs -- `_peak`;
 4. CPU RAM per node: processes, loading, offloaded states, a FULL_STATE_DICT save -- `_cpu_ram`;
 5. the network volume per GPU per optimizer step -- `_communication`.
@@ -25,6 +26,7 @@ from ..backends import PARTITIONED, RANK0_READS, weight_reading
 from ..recipe import Recipe
 from ..shape import Shape, checkpointing_off, model_shape
 from .ranks import RankLoading, rank_loading
+from .reference import ADAPTER, COPY, Reference, describe, forwards, reference
 from .sharding import GB, Setup, partitioned_4bit_load, quant_bytes_per_param, setup, trainable_bytes
 
 if TYPE_CHECKING:
@@ -80,6 +82,9 @@ class Plan:
     live: dict[str, list[Item]] = field(default_factory=dict)  # per phase: what is live besides the model states
     # the cpu target (device and host are one process): each group of ranks' RSS growth while loading (ranks.py)
     rank_loading: list[RankLoading] = field(default_factory=list)
+    method: str = "sft"  # what the run trains (recipe.method)
+    reference: str = ""  # a preference run's reference and what it holds per GPU, in words (reference.describe)
+    reference_kind: str = ""  # reference.Reference.kind
 
     @property
     def model_states_gb(self) -> float:
@@ -96,7 +101,7 @@ def estimate(recipe: Recipe) -> Plan:
     cpu, cpu_total = _cpu_ram(recipe, shape, s, st)  # 4
     ga = recipe.trl_value("gradient_accumulation_steps")
     comm, comm_gb = _communication(recipe, shape, s, st.trainable * (2 if s.mixed16 else st.g_b),  # 5
-                                   shape.params * st.gather_b, ga)
+                                   shape.params * st.gather_b, ga, st.ref)
     total = phases[peak_phase] + allowance
     if L.gpu_memory_gb is None:
         notes.append("launch.gpu_memory_gb is not set: this is the requirement only (set it, e.g. 80, for a verdict)")
@@ -105,6 +110,8 @@ def estimate(recipe: Recipe) -> Plan:
         notes.append(f"packing: the run pads its rows instead ({shape.unpacked}); planned unpacked")
     if why := checkpointing_off(recipe, shape):
         notes.append(f"gradient_checkpointing: the run goes without: {why}; planned so")
+    if st.ref.kind == COPY and not s.gpu:
+        notes.append("the per-rank loading table is the policy's; the reference copy then loads the same way")
     if shape.moe:
         notes += _moe_notes(shape, s, st.adapted, st.float_b, recipe.model.lora_target_modules)
     return Plan(
@@ -117,7 +124,8 @@ def estimate(recipe: Recipe) -> Plan:
         global_batch=recipe.trl_value("per_device_train_batch_size") * ga * s.world, notes=notes,
         weights_shard_gb=(st.frozen + st.trainable * st.p_b) / s.shard_w / GB, active_params=shape.active_params,
         live={k: _items(v) for k, v in live.items()},
-        rank_loading=[] if s.gpu else rank_loading(recipe, shape, s, st.float_b))
+        rank_loading=[] if s.gpu else rank_loading(recipe, shape, s, st.float_b),
+        method=recipe.method, reference=describe(recipe, st.ref), reference_kind=st.ref.kind)
 
 
 def _outside_notes(shape: Shape, st: ModelStates, lora: bool) -> list[str]:
@@ -168,6 +176,7 @@ class ModelStates:
     gather_b: float  # bytes per parameter of a gathered (ZeRO-3/FSDP) layer
     grads_total: float  # bytes of one rank's gradients (0 when FSDP offloads them)
     outside: tuple = ()  # LoRA's trainable parameters outside the decoder layers, by module ((name, count), ...)
+    ref: Reference = Reference("")  # a preference run's reference model (reference.py)
 
 
 def lora_layout(recipe: Recipe, shape: Shape) -> tuple[tuple, int, tuple]:
@@ -224,7 +233,20 @@ def _model_states(recipe: Recipe, shape: Shape, s: Setup) -> ModelStates:
     if s.lora and s.mixed16 and L.backend == "fsdp":
         gather_b = (frozen + trainable * 2) / shape.params
     grads_total = trainable * g_b / s.shard_g if not fsdp_offloads_grads else 0.0
-    return ModelStates(items, adapted, trainable, frozen, float_b, p_b, g_b, o_b, optim, gather_b, grads_total, outside)
+    ref = reference(recipe, shape, s, float_b)
+    if ref.kind:  # its own line, after the weights: a frozen copy (no grads, no optimizer states), or why there is none
+        items.insert(1 + s.lora, _reference_item(ref, shape))
+    return ModelStates(items, adapted, trainable, frozen, float_b, p_b, g_b, o_b, optim, gather_b, grads_total, outside, ref)
+
+
+def _reference_item(ref: Reference, shape: Shape) -> Item:
+    if ref.kind == ADAPTER:
+        return Item("reference model", 0.0, "none: the base with the adapter disabled (LoRA)")
+    if ref.kind != COPY:
+        return Item("reference model", 0.0, "none during training: log-probs computed in a pass before step 1")
+    return Item("reference model (frozen copy)", ref.per_gpu / GB,
+                f"{shape.params / 1e9:.2f}B params x {ref.bytes_per_param} B" + (f" /{ref.ranks}" if ref.ranks > 1 else ", whole")
+                + ", no grads or optimizer states" + (" -> on CPU (offload)" if ref.offloaded else ""))
 
 
 # ----------------------------------------------------------------------------------------------- 2. live at each phase
@@ -265,7 +287,14 @@ def _live_phases(recipe: Recipe, shape: Shape, s: Setup, st: ModelStates, act: A
     one_layer = ("one layer in backward", in_layer, ("recomputed: " if ckpt else "grad temporaries; ") + layer_note
                  + (f"; or its weight grads, {g_layer / GB:.2f} GB, if larger" if not s.lora else ""))
     gath = ("gathered params (ZeRO-3/FSDP)", gathered, "current layer + prefetch")
-    return {
+    kept = _reference_kept(recipe, shape, s, st.ref)  # FSDP SHARD_GRAD_OP: the copy stays gathered after its forward
+    phases = {} if st.ref.kind not in (ADAPTER, COPY) else {"reference forward (no grad)": [
+        ("activations", act.shared + act.saved_all, acts_note),
+        ("LM head (TRL chunked log-probs)", act.head_saved, "the policy's: hidden states saved for its backward"),
+        ("reference forward (no grad)", act.no_grad,
+         f"{act.batch} x {act.seq} tokens, one layer at a time + the LM head's {act.head_rows} x {TRL_VOCAB_TILE} tile"),
+        *([] if kept else _reference_gathers(recipe, shape, s, st, gathered, head_gather)), not_yet(0), buckets]}
+    phases.update({
         "start of backward (LM head)": [
             ("activations", act.shared + act.saved_all, acts_note),
             ("LM head (TRL chunked log-probs)", act.head_saved + act.head_backward,
@@ -282,7 +311,36 @@ def _live_phases(recipe: Recipe, shape: Shape, s: Setup, st: ModelStates, act: A
                            ("fp32 gradient partition (DeepSpeed step)", fp32_step,
                             "4 B/param" + (f" /{s.shard_o}" if s.shard_o > 1 else "")
                             + (f", one sub-group of <= {DS_SUB_GROUP_SIZE / 1e9:g}B elements at a time" if L.zero_stage == 3 else ""))],
-    }
+    })
+    if kept:
+        for items in phases.values():
+            items.append(("reference copy kept gathered", kept, "SHARD_GRAD_OP: not resharded after its forward (no backward)"))
+    return phases
+
+
+def _reference_gathers(recipe: Recipe, shape: Shape, s: Setup, st: ModelStates, gathered: float, head_gather: float) -> list:
+    """ZeRO-3/FSDP during the reference forward: with LoRA the policy's own layers gathered again (the base is the
+    reference); a copy gathers its own layer + prefetch (TRL's prepare_deepspeed sizes its prefetch bucket 0.9 h^2,
+    as the policy's) and lm_head for its head, in its dtype (FSDP: the mixed-precision param_dtype)."""
+    if not s.gathers:
+        return []
+    if st.ref.kind == ADAPTER:
+        return [("gathered params (ZeRO-3/FSDP)", gathered, "the policy's layers again, adapter disabled"),
+                ("gathered lm_head", head_gather, "")]
+    b = 2 if (s.mixed16 and recipe.launch.backend == "fsdp") else st.ref.bytes_per_param
+    layer = max(L_.params for L_ in shape.decoder)
+    prefetch = min(layer, 0.9 * shape.hidden * shape.hidden) if recipe.launch.backend == "deepspeed" else layer
+    return [("gathered reference params", (layer + prefetch) * b, "the copy's current layer + prefetch"),
+            ("gathered reference lm_head", (shape.head_params or shape.embed_params) * b, "")]
+
+
+def _reference_kept(recipe: Recipe, shape: Shape, s: Setup, ref: Reference) -> float:
+    """FSDP SHARD_GRAD_OP keeps a module unsharded from its forward to its backward; the reference copy has no
+    backward, so after its first forward it stays whole (in the mixed-precision param_dtype)."""
+    L = recipe.launch
+    if ref.kind != COPY or L.backend != "fsdp" or L.fsdp_sharding_strategy != "SHARD_GRAD_OP":
+        return 0.0
+    return shape.params * (2 if s.mixed16 else ref.bytes_per_param)
 
 
 def _gathered(recipe: Recipe, shape: Shape, s: Setup, st: ModelStates) -> tuple[float, float]:
@@ -373,6 +431,13 @@ def _peak(recipe: Recipe, shape: Shape, s: Setup, st: ModelStates, live: dict, n
         engine, fix = ("ZeRO-3", "; zero3_init: true partitions them") if L.backend == "deepspeed" else ("FSDP", "")
         notes.append(f"QLoRA + {engine}: 4-bit weights are not partitioned while loading; each GPU holds the whole "
                      f"4-bit model ({load_gb:.1f} GB) until {engine} shards it{fix}")
+    if st.ref.precompute_load:
+        # FSDP + precompute_ref_log_probs: before training (the policy still on the host, unprepared), TRL loads a
+        # reference copy itself for the pass, whole on the GPU (device_map "auto") until prepare_fsdp shards it
+        name = "loading (reference for the precompute pass, whole)"
+        phases[name] = st.ref.precompute_load / GB
+        live[name] = [("TRL's reference copy before FSDP shards it (replaces the states above)",
+                       st.ref.precompute_load - resident, "freed before step 1")]
     peak_phase = max(phases, key=phases.get)
     churn = phases[peak_phase] - resident / GB if not peak_phase.startswith("loading") else 0.0
     allowance = (CUDA_CONTEXT_GB + FRAGMENTATION * max(churn, 0.0)) if s.gpu else 0.0
@@ -396,11 +461,20 @@ def _cpu_ram(recipe: Recipe, shape: Shape, s: Setup, st: ModelStates) -> tuple[l
                         why if mode == PARTITIONED else f"{why}, shard by shard into quantized GPU tensors"))
     else:
         cpu.append(Item("loading", gpn * full_model / GB, f"{why} ({full_model / GB:.0f} GB in {load_float_b}-byte floats)"))
+    if st.ref.kind == COPY:
+        # the copy loads as the policy did, right after it (methods.trainer_kwargs, before the trainer exists): the
+        # policy is still in host RAM then unless zero3_init partitioned it onto the GPUs as it loaded
+        if mode == PARTITIONED:
+            cpu[-1].note += "; the reference copy loads the same way after it"
+        else:
+            cpu[-1] = Item("loading (policy + reference copy)", 2 * cpu[-1].gb,
+                           cpu[-1].note + "; then the reference copy the same way, the policy still in host RAM")
     off = 0.0
     if s.offload_opt:
         off += st.trainable * (12 if s.deepspeed16 else st.o_b + (0 if L.backend == "fsdp" else 4)) / s.shard_o
     if s.offload_params:
         off += (st.frozen + st.trainable * st.p_b) / s.shard_w + (st.trainable * st.g_b / s.shard_g if L.backend == "fsdp" else 0)
+        off += st.ref.per_rank if st.ref.kind == COPY else 0.0  # the reference's engine / FSDP keeps the offload
     if off:
         cpu.append(Item("offloaded states", gpn * off / GB, "per rank x ranks on the node (pinned)"))
     if L.backend == "fsdp" and L.fsdp_state_dict_type == "FULL_STATE_DICT":
@@ -419,8 +493,10 @@ def full_state_dict_bytes(recipe: Recipe, shape: Shape, s: Setup) -> float:
 # ----------------------------------------------------------------------------------------------- 5. communication
 
 
-def _communication(recipe: Recipe, shape: Shape, s: Setup, T_grad: float, T_all: float, ga: int):
-    """Bytes each GPU sends per optimizer step: ring all-reduce 2T(N-1)/N, all-gather / reduce-scatter T(N-1)/N each."""
+def _communication(recipe: Recipe, shape: Shape, s: Setup, T_grad: float, T_all: float, ga: int, ref: Reference):
+    """Bytes each GPU sends per optimizer step: ring all-reduce 2T(N-1)/N, all-gather / reduce-scatter T(N-1)/N each.
+    A preference run's forwards without grad gather again (reference.forwards): the policy's (LoRA's reference, KTO's
+    KL batch) and a sharded reference copy's."""
     L, N = recipe.launch, s.world
     f = (N - 1) / N if N > 1 else 0.0
     items: list[Item] = []
@@ -432,10 +508,18 @@ def _communication(recipe: Recipe, shape: Shape, s: Setup, T_grad: float, T_all:
         items.append(Item("updated-param all-gather", T_grad * f / GB, "trainable params after the step"))
     elif s.gathers:
         # forward + backward (a checkpointed layer is recomputed inside its backward gather)
-        gathers = 1 if (L.backend == "fsdp" and L.fsdp_sharding_strategy == "SHARD_GRAD_OP") else 2
+        grad_op = L.backend == "fsdp" and L.fsdp_sharding_strategy == "SHARD_GRAD_OP"
+        gathers = 1 if grad_op else 2
+        policy_fwd, ref_fwd = forwards(recipe, ref)
+        gathers += policy_fwd
         items.append(Item("param all-gather", ga * gathers * T_all * f / GB,
-                          f"{gathers}x per micro-batch, per layer {T_all / shape.layers * f / 1e6:.0f} MB"))
+                          f"{gathers}x per micro-batch, per layer {T_all / shape.layers * f / 1e6:.0f} MB"
+                          + (f" ({policy_fwd} without grad)" if policy_fwd else "")))
         items.append(Item("grad reduce-scatter", ga * T_grad * f / GB, f"per micro-batch, per layer {T_grad / shape.layers * f / 1e6:.1f} MB"))
+        if ref_fwd and not grad_op:  # (SHARD_GRAD_OP keeps the copy gathered after its first forward)
+            b = 2 if (s.mixed16 and L.backend == "fsdp") else ref.bytes_per_param
+            items.append(Item("reference all-gather", ga * ref_fwd * shape.params * b * f / GB,
+                              f"{ref_fwd}x per micro-batch (the copy's forward)"))
     return items, sum(i.gb for i in items)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from ..errors import RecipeError
 from .estimate import PROCESS_CPU_GB, full_state_dict_bytes
 from ..recipe import Recipe, load_recipe
-from ..shape import load_dtype, mixed_dtype, model_shape
+from ..shape import DTYPE_BYTES, load_dtype, mixed_dtype, model_shape
 from .sharding import GB, setup
 
 
@@ -17,7 +17,8 @@ def pitfalls(recipe: Recipe) -> list[str]:
     world = L.world_size
     pdb, ga = recipe.trl_value("per_device_train_batch_size"), recipe.trl_value("gradient_accumulation_steps")
     lr = recipe.trl_value("learning_rate")
-    out = [f"global batch = {pdb} per device x {ga} accumulation x {world} ranks = {pdb * ga * world} sequences per step"]
+    unit = {"dpo": "pairs (chosen + rejected)", "kto": "completions"}.get(recipe.method, "sequences")
+    out = [f"global batch = {pdb} per device x {ga} accumulation x {world} ranks = {pdb * ga * world} {unit} per step"]
     for base_file in recipe.sources[:-1]:
         try:
             base = load_recipe([base_file])
@@ -52,6 +53,13 @@ def pitfalls(recipe: Recipe) -> list[str]:
             out.append(f"WARNING bnb_4bit_quant_storage_dtype {m.bnb_4bit_quant_storage_dtype} differs from the model/mixed-precision "
                        f"dtype ({dtype}, {compute}): {L.backend} flattens all weights of a unit into one dtype; "
                        f"set bnb_4bit_quant_storage_dtype: {compute}")
+    if (recipe.method != "sft" and L.backend == "fsdp" and not m.use_peft_lora
+            and recipe.trl_value("precompute_ref_log_probs")):
+        whole = model_shape(m.model_name_or_path).params * DTYPE_BYTES[load_dtype(recipe)] / GB
+        out.append(f"WARNING precompute_ref_log_probs under FSDP: the policy is not sharded until train(), so TRL 1.16 loads a "
+                   f"reference copy itself for the pass (its create_model_from_path: the policy's dtype, device_map "
+                   f"'auto'), about {whole:.0f} GB per GPU until it shards it; use DeepSpeed ZeRO-3 (the pass runs the "
+                   f"partitioned policy), or keep a sharded copy (precompute_ref_log_probs: false)")
     if L.backend == "fsdp" and L.fsdp_state_dict_type == "FULL_STATE_DICT":
         need = full_state_dict_bytes(recipe, model_shape(m.model_name_or_path), setup(recipe)) / GB
         if L.cpu_ram_gb is None or need + PROCESS_CPU_GB * L.gpus_per_node > L.cpu_ram_gb:

@@ -1,6 +1,7 @@
 """The strategies table: other ways to run the same model and batch (DDP, ZeRO stages, FSDP, offload, more GPUs, QLoRA,
-a shorter context), each estimated like the recipe itself and ranked by fit, then by the time its network and
-host<->device traffic takes at assumed bandwidths (torch-free).
+a shorter context; for a preference run's reference copy, precomputed log-probs or LoRA), each estimated like the
+recipe itself and ranked by fit, then by the time its network and host<->device traffic takes at assumed bandwidths
+(torch-free).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 
 from .estimate import Plan, estimate
 from ..recipe import Recipe
+from .reference import COPY
 from .sharding import GB, setup
 
 # bandwidths used only to rank strategies (bytes per second per GPU): NVLink ring, InfiniBand 200 Gb/s, PCIe
@@ -35,7 +37,8 @@ def _variant(recipe: Recipe, **changes) -> Recipe:
         section, _, name = k.rpartition(".")
         if section:
             setattr(getattr(r, section), name, v)
-        elif k in ("use_4bit_quantization", "use_nested_quant", "bnb_4bit_quant_storage_dtype", "bnb_4bit_compute_dtype"):
+        elif k in ("use_4bit_quantization", "use_nested_quant", "bnb_4bit_quant_storage_dtype", "bnb_4bit_compute_dtype",
+                   "use_peft_lora", "lora_r", "lora_alpha", "lora_target_modules"):
             setattr(r.model, k, v)
         else:
             r.trl[k] = v
@@ -63,6 +66,10 @@ def alternatives(recipe: Recipe, plan: Plan) -> list[Strategy]:
     if recipe.model.use_peft_lora and not recipe.model.use_4bit_quantization:
         cands.append(("QLoRA (4-bit nf4 base, nested quant)*", {"use_4bit_quantization": True, "use_nested_quant": True,
                       "bnb_4bit_quant_storage_dtype": "bfloat16", "bnb_4bit_compute_dtype": "bfloat16"}))
+    if plan.reference_kind == COPY:  # a preference run's frozen copy: computed once before training, or no copy at all
+        cands += [("precompute_ref_log_probs", {"precompute_ref_log_probs": True}),
+                  ("LoRA r16 (reference: adapter off)*", {"use_peft_lora": True, "lora_r": 16, "lora_alpha": 32,
+                                                          "lora_target_modules": "all-linear"})]
     seq = recipe.trl_value("max_length")
     if seq and seq >= 256:
         cands.append((f"max_length {seq // 2}*", {"max_length": seq // 2}))

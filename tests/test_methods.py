@@ -1,0 +1,87 @@
+"""The `method` key: each method's TRL keys read from its config class (stored, drift-tested), keys of another method
+refused where the recipe sets them and left out where a base written for another method set them, DPO's loss types
+read from TRL and checked before torch loads."""
+
+import inspect
+import re
+import textwrap
+
+import pytest
+
+from conftest import ROOT, run_cli
+from sftrecipes import schema, snapshots
+from sftrecipes.errors import RecipeError
+from sftrecipes.recipe import load_recipe
+
+TINY = ROOT / ".assets/tiny-llama"
+
+
+def recipe(tmp_path, text, name="r.yaml"):
+    p = tmp_path / name
+    p.write_text(f"model_name_or_path: {TINY}\ndataset_name: {ROOT / 'data/tiny_chat'}\noutput_dir: {tmp_path / 'out'}\n"
+                 + textwrap.dedent(text))
+    return p
+
+
+def test_methods_snapshot_matches_installed_trl():
+    import trl
+
+    stored = snapshots.load_methods_snapshot()
+    assert stored.pop("trl_version") == trl.__version__, "run: make schema"
+    assert stored == snapshots.methods_snapshot(), "sftrecipes/trl_methods.json is stale; run: make schema"
+
+
+def test_dpo_loss_types_are_the_branches_of_dpo_trainers_loss():
+    """The loss types read from DPOConfig's help are exactly those DPOTrainer's loss computes."""
+    from trl import DPOTrainer
+
+    branches = set(re.findall(r'loss_type == "(\w+)"', inspect.getsource(DPOTrainer)))
+    assert branches and set(schema.dpo_loss_types()) == branches
+
+
+def test_each_method_reads_its_config_class(tmp_path):
+    r = load_recipe([str(recipe(tmp_path, "method: dpo\nbeta: 0.25\n")), "--loss_type", "ipo", "hinge"])
+    assert (r.method, r.trl["beta"], r.trl["loss_type"]) == ("dpo", 0.25, ["ipo", "hinge"])
+    assert r.trl_value("learning_rate") == 1e-6  # DPOConfig's default, not SFTConfig's 2e-5
+    k = load_recipe([str(recipe(tmp_path, "desirable_weight: 1.5\n")), "--method", "kto", "--loss_type", "apo_zero_unpaired"])
+    assert (k.method, k.trl["desirable_weight"], k.trl["loss_type"]) == ("kto", 1.5, "apo_zero_unpaired")
+    s = load_recipe([str(recipe(tmp_path, "loss_type: dft\n"))])
+    assert (s.method, s.trl["loss_type"], s.trl_value("learning_rate")) == ("sft", "dft", 2e-5)
+
+
+@pytest.mark.parametrize("text,flags,message", [
+    ("beta: 0.2\n", [], "beta: a key of DPOConfig (method dpo, kto); method sft trains with SFTTrainer, whose SFTConfig "
+                        "has no beta: remove it, or set method: dpo"),
+    ("method: dpo\npacking: true\n", [], "packing: a key of SFTConfig (method sft); method dpo trains with DPOTrainer"),
+    ("method: kto\n", ["--packing", "true"], "packing: a key of SFTConfig (method sft); method kto"),
+    ("method: kto\n", ["--loss_type", "sigmoid"], "'sigmoid' is not one of kto, apo_zero_unpaired"),
+    ("method: dpo\nloss_type: [sigmoid, ipx]\n", [], "loss_type: 'ipx' is not a loss DPOTrainer has; use one or more of sigmoid,"),
+    ("method: orpo\n", [], "'orpo' is not one of sft, dpo, kto"),
+    ("method: dpo\nappend_concat_token: true\n", [], "append_concat_token: shapes SFT samples only; method dpo's "
+                                                       "DPOTrainer tokenizes preference data itself"),
+])
+def test_keys_of_another_method_are_refused(tmp_path, text, flags, message):
+    with pytest.raises(RecipeError, match=re.escape(message)):
+        load_recipe([str(recipe(tmp_path, text)), *flags])
+
+
+def test_a_base_written_for_sft_extends_to_dpo(tmp_path):
+    """A copy of a tiny SFT recipe with method: dpo: the SFT keys its base set are listed as not used, not refused;
+    the SFT keys keep working for the SFT recipe itself."""
+    base = recipe(tmp_path, "packing: true\ndataset_text_field: body\nlearning_rate: 0.01\n", "base.yaml")
+    child = tmp_path / "child.yaml"
+    child.write_text(f"base: {base.name}\nmethod: dpo\n")
+    r = load_recipe([str(child)])
+    assert set(r.ignored) == {"packing", "dataset_text_field"} and "packing" not in r.trl
+    assert r.ignored["packing"] == "true from base.yaml is a key of SFTConfig; method dpo has none: not used"
+    assert r.trl["learning_rate"] == 0.01  # a key both classes have is kept
+    assert load_recipe([str(base)]).trl["packing"] is True
+
+
+def test_help_marks_the_keys_of_one_method():
+    res = run_cli(["train.py", "--help"])
+    assert res.returncode == 0
+    beta = next(ln for ln in res.stdout.splitlines() if ln.startswith("  --beta "))
+    assert "(method dpo, kto only)" in beta
+    method = next(ln for ln in res.stdout.splitlines() if ln.startswith("  --method "))
+    assert "one of sft, dpo, kto" in method
