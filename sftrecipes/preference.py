@@ -32,18 +32,15 @@ from .data import draw_entry, load_source, log_mixture
 from .errors import RecipeError
 from .formats import check_template, detect_preference_format, from_sharegpt
 from .recipe import Recipe
+from .schema import TRAINERS
 from .sources import Source, check_eval_split, sources
 
 log = logging.getLogger("sftrecipes")
 
-TRAINERS = {"dpo": "DPOTrainer", "kto": "KTOTrainer"}
+PREFERENCE_METHODS = ("dpo", "kto")
 EXTRA_COLUMNS = ("tools", "chat_template_kwargs")  # TRL's tokenization passes them to the chat template
 MESSAGE_COLUMNS = ("prompt", "chosen", "rejected", "completion")
 SCAN_ROWS = 1000  # rows read at a time by the scan for empty and identical rows
-
-
-def method_of(recipe: Recipe) -> str:
-    return getattr(recipe.run, "method", "sft")
 
 
 @dataclass(frozen=True)
@@ -274,8 +271,8 @@ def preference_datasets(recipe: Recipe, tokenizer):
     mixture drawn under the seed, then shuffled) in the shape its TRL trainer reads. The sample prompt: the first eval
     row's prompt, else the first train row's (a string, or a list of messages). counts: per split (read, dropped as
     empty/identical/no_prompt, unpaired pairs, kept, rows per shape, each source's), the mixture's draws."""
-    method = method_of(recipe)
-    if method not in TRAINERS:
+    method = recipe.method
+    if method not in PREFERENCE_METHODS:
         raise ValueError(f"preference_datasets reads data for dpo or kto, and method is {method}: data.prepared_datasets")
     srcs = sources(recipe)
     mixture = bool(recipe.data.datasets)
@@ -333,7 +330,7 @@ def truncation_counts(trainer_dataset, max_length: int | None, truncation_mode: 
     keep_start only, KTO always), rows cut at max_length (DPO: chosen and rejected each; KTO keeps the start, it has
     no truncation_mode), under DPO keep_end the rows whose completion alone fills max_length (their prompt cut away
     entirely), token totals before and after the cut. `line`: all that in one log line; `warn`: something was lost."""
-    if method not in TRAINERS:
+    if method not in PREFERENCE_METHODS:
         raise ValueError(f"truncation_counts reads what DPOTrainer or KTOTrainer prepared, not method {method}")
     completions = ("chosen", "rejected") if method == "dpo" else ("completion",)
     table = trainer_dataset.select_columns(["prompt_ids", *(f"{c}_ids" for c in completions)]).with_format("arrow")[:]

@@ -116,6 +116,10 @@ def test_the_reference_copy_loads_as_the_policy_did(tmp_path):
     assert loading() == pytest.approx(loading(method="sft"))
     off = ("--launch.zero3_init", "false")
     assert loading(*off) == pytest.approx(2 * loading(*off, method="sft")) and loading(*off) > 0
+    # FSDP2's RAM-efficient loading: rank 0 alone reads the policy, each rank reads the copy (nothing broadcasts into it)
+    fsdp = {m: plan_recipe(recipe(tmp_path, "fsdp.yaml", f"method: {m}\n" + NO_LORA), _alternatives=False).cpu[1]
+            for m in ("sft", "dpo")}
+    assert fsdp["dpo"].gb == pytest.approx(fsdp["sft"].gb * (1 + 2)) and "read by each of the 2 ranks" in fsdp["dpo"].note
 
 
 def test_precomputed_reference_log_probs_hold_no_copy(tmp_path):

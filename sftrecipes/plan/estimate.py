@@ -466,6 +466,10 @@ def _cpu_ram(recipe: Recipe, shape: Shape, s: Setup, st: ModelStates) -> tuple[l
         # policy is still in host RAM then unless zero3_init partitioned it onto the GPUs as it loaded
         if mode == PARTITIONED:
             cpu[-1].note += "; the reference copy loads the same way after it"
+        elif mode == RANK0_READS:  # every rank reads the copy: nothing broadcasts into it (methods.trainer_kwargs)
+            cpu[-1] = Item("loading (policy + reference copy)", cpu[-1].gb + gpn * full_model / GB,
+                           cpu[-1].note + f"; then the reference copy, read by each of the {gpn} ranks (TRL shards it "
+                           "without rank 0's broadcast), the policy still in host RAM")
         else:
             cpu[-1] = Item("loading (policy + reference copy)", 2 * cpu[-1].gb,
                            cpu[-1].note + "; then the reference copy the same way, the policy still in host RAM")
