@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export PYTHONDONTWRITEBYTECODE ?= 1
 
-.PHONY: venv assets demo lint test data schema docs emit plan bench bench-overhead bench-data bench-export bench-loading sweep sweep-two-ranks clean sft-70b-lora sft-70b-qlora sft-offload sft-70b-fsdp sft-70b-qlora-fsdp sft-ddp sft-llama3-70b-lora sft-qwen3-32b-qlora sft-qwen3-moe-lora sft-llama3-70b-qlora sft-llama3-405b-qlora dpo-llama3-70b-lora dpo-qwen3-32b-qlora
+.PHONY: venv assets demo lint test data schema docs emit plan bench bench-dpo bench-overhead bench-data bench-export bench-loading sweep sweep-two-ranks clean sft-70b-lora sft-70b-qlora sft-offload sft-70b-fsdp sft-70b-qlora-fsdp sft-ddp sft-llama3-70b-lora sft-qwen3-32b-qlora sft-qwen3-moe-lora sft-llama3-70b-qlora sft-llama3-405b-qlora dpo-llama3-70b-lora dpo-qwen3-32b-qlora
 
 $(STAMP): requirements.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -74,6 +74,9 @@ dpo-qwen3-32b-qlora: $(STAMP) ## Qwen3-32B DPO with QLoRA, FSDP2, 2 x 24 GB
 
 bench: $(STAMP)             ## training throughput grid (checkpointing x batch x packing x LoRA/full): train.py vs bare TRL, tiny model (~13 min); writes docs/benchmarks.md
 	$(BIN)/python bench/bench_train.py $(ARGS)
+
+bench-dpo: $(STAMP)         ## DPO throughput: train.py recipes/tiny/dpo.yaml vs a bare TRL DPOTrainer script, 4 rows (~10 min); writes docs/benchmarks.md
+	$(BIN)/python bench/bench_train.py --dpo $(ARGS)
 
 bench-overhead: $(STAMP)    ## what train.py adds per step over bare TRL, by counts: make bench-overhead [ARGS="--row 10 --steps 40"]
 	$(BIN)/python bench/overhead_profile.py $(ARGS)

@@ -2,6 +2,7 @@
 """`make bench`: training throughput of this project's train.py against a bare TRL script, on the tiny model, over a grid.
 
     python bench/bench_train.py [--repeats 2] [--packed_steps 12] [--unpacked_steps 40] [--rows all] [--no-docs]
+    python bench/bench_train.py --dpo [...]     # the DPO rows: recipes/tiny/dpo.yaml against a bare DPOTrainer script
 
 The grid: gradient checkpointing off/on x batch 4/8 x packed/unpacked x LoRA/full fine-tune (16 rows). In each row
 (a) `train.py recipes/tiny/{lora,full}.yaml` and (b) `bench/bare_trl.py` (the same model, data and training settings
@@ -34,6 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "benchmarks.md"
 START, END = "<!-- train-bench:start -->", "<!-- train-bench:end -->"
+DPO_START, DPO_END = "<!-- dpo-bench:start -->", "<!-- dpo-bench:end -->"
+DPO_RECIPE, DPO_LEARNING_RATE = "recipes/tiny/dpo.yaml", 5e-3  # the recipe's own
 RECIPES = {"LoRA": "recipes/tiny/lora.yaml", "full": "recipes/tiny/full.yaml"}
 LEARNING_RATE = {"LoRA": 1e-2, "full": 1e-3}  # the recipes' own
 # passed to both scripts in every row: what train.py's attn_implementation auto picks on CPU (sft_varlen for packed
@@ -87,20 +90,30 @@ class Row:
     batch: int
     packing: bool
     method: str  # LoRA | full
+    trainer: str = "sft"  # sft | dpo
 
     @property
     def name(self) -> str:
-        return (f"ckpt {'on' if self.checkpointing else 'off'}, batch {self.batch}, "
+        return (f"{'DPO, ' if self.trainer == 'dpo' else ''}ckpt {'on' if self.checkpointing else 'off'}, batch {self.batch}, "
                 f"{'packed' if self.packing else 'unpacked'}, {self.method}")
 
 
 GRID = [Row(c, b, p, m) for c, b, p, m in itertools.product((False, True), (4, 8), (True, False), ("LoRA", "full"))]
+# DPO: pairs are padded rows (no packing), LoRA (the reference: the adapter disabled), batch in pairs
+DPO_GRID = [Row(c, b, False, "LoRA", "dpo") for c, b in itertools.product((False, True), (4, 8))]
 
 
 def command(which: str, row: Row, steps: int, out: Path) -> list[str]:
     run = [sys.executable, "-m", "sftrecipes.metrics"]
-    flags = ["--max_steps", str(steps), "--packing", str(row.packing).lower(), "--per_device_train_batch_size",
-             str(row.batch), "--gradient_checkpointing", str(row.checkpointing).lower(), "--attn_implementation", ATTENTION[row.packing]]
+    flags = ["--max_steps", str(steps), "--per_device_train_batch_size", str(row.batch), "--gradient_checkpointing",
+             str(row.checkpointing).lower(), "--attn_implementation", ATTENTION[row.packing]]
+    if row.trainer == "dpo":  # (DPOConfig has no packing key)
+        flags += ["--learning_rate", str(DPO_LEARNING_RATE)]
+        if which == "train.py":
+            return run + ["train.py", DPO_RECIPE, "--output_dir", str(out), "--sample_max_new_tokens", "0",
+                          "--launch.cpu_threads", "1", *flags]
+        return run + ["bench/bare_trl.py", str(out), *flags, "--method", "dpo", "--use_peft_lora", "true"]
+    flags += ["--packing", str(row.packing).lower()]
     if which == "train.py":
         # one torch thread, as OMP_NUM_THREADS=1 gives the bare script (unpinned, train.py would take every core)
         return run + ["train.py", RECIPES[row.method], "--output_dir", str(out), "--sample_max_new_tokens", "0",
@@ -110,7 +123,7 @@ def command(which: str, row: Row, steps: int, out: Path) -> list[str]:
 
 
 def one_run(which: str, row: Row, steps: int, workdir: Path, i: int) -> dict:
-    out = workdir / f"{which.replace('/', '_')}-{GRID.index(row)}-{i}"
+    out = workdir / f"{which.replace('/', '_')}-{row.trainer}-{(GRID if row.trainer == 'sft' else DPO_GRID).index(row)}-{i}"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     launched = time.time()
@@ -151,6 +164,8 @@ def versions() -> str:
 
 def report(results: dict[Row, dict[str, list[dict]]], args, argv: list[str], seconds: float) -> str:
     """The markdown section (also printed)."""
+    if args.dpo:
+        return dpo_report(results, args, argv, seconds)
     lines = [START, "## Training throughput", "",
              f"`{shlex.join(['python', 'bench/bench_train.py', *argv])}` (`make bench`), "
              f"{datetime.date.today().isoformat()}, {seconds / 60:.1f} min in all. {versions()}.", "",
@@ -201,6 +216,34 @@ def report(results: dict[Row, dict[str, list[dict]]], args, argv: list[str], sec
     return "\n".join(lines)
 
 
+def dpo_report(results: dict[Row, dict[str, list[dict]]], args, argv: list[str], seconds: float) -> str:
+    """The DPO rows' markdown section (also printed)."""
+    lines = [DPO_START, "## DPO throughput", "",
+             f"`{shlex.join(['python', 'bench/bench_train.py', *argv])}` (`make bench-dpo`), "
+             f"{datetime.date.today().isoformat()}, {seconds / 60:.1f} min in all. {versions()}.", "",
+             f"Tiny Llama, data/tiny_dpo (pairs), max_length 256, fp32, CPU, sdpa, LoRA r=8 all-linear, beta 0.1. (a) "
+             f"`train.py {DPO_RECIPE}` (method dpo: TRL's DPOTrainer, the reference the adapter disabled) with the row's "
+             "flags; (b) `bench/bare_trl.py --method dpo`: the same settings in a bare DPOTrainer script. Runs alternate "
+             f"a, b, a, b ({args.repeats} each per row, {args.unpacked_steps} steps); each figure is the best run of its "
+             "script; time per 1,000 real tokens (chosen and rejected sequences) is the median over steady-state steps.", "",
+             "| ckpt | pairs per batch | train.py ms / 1k real tok | bare TRL ms / 1k | ratio | step ms a / b | "
+             "launch → 1st step s a / b | goal |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+    ratios = []
+    for row, by in results.items():
+        a, b = by["train.py"], by["bare_trl.py"]
+        ratio = best(a, "ms_per_1k") / best(b, "ms_per_1k")
+        ratios.append(ratio)
+        lines.append(f"| {'on' if row.checkpointing else 'off'} | {row.batch} | {best(a, 'ms_per_1k'):.1f} | "
+                     f"{best(b, 'ms_per_1k'):.1f} | {ratio:.3f} | {best(a, 'step_ms'):.1f} / {best(b, 'step_ms'):.1f} | "
+                     f"{best(a, 'launch_to_first_step_s'):.1f} / {best(b, 'launch_to_first_step_s'):.1f} | "
+                     f"≤ {GOAL_RATIO} {'met' if ratio <= GOAL_RATIO else 'MISSED'} |")
+    missed = sum(r > GOAL_RATIO for r in ratios)
+    lines += ["", f"train.py / bare DPOTrainer over the {len(ratios)} rows: median {statistics.median(ratios):.3f}, range "
+              f"{min(ratios):.3f}-{max(ratios):.3f}; goal ≤ {GOAL_RATIO} on every row: "
+              + ("met." if not missed else f"MISSED on {missed}."), DPO_END]
+    return "\n".join(lines)
+
+
 def write_section(text: str, path: Path = DOCS, start: str = START, end: str = END) -> None:
     """Replace only the text between a benchmark's markers (this one's by default; bench_data.py passes its own;
     the section is appended when absent); keep the rest."""
@@ -221,8 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--unpacked_steps", type=int, default=40, help="optimizer steps per unpacked run")
     p.add_argument("--rows", default="all", help="all, or grid row numbers 0-15 comma-separated (printed at start)")
     p.add_argument("--no-docs", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    p.add_argument("--dpo", action="store_true", help="the DPO rows (recipes/tiny/dpo.yaml against a bare DPOTrainer), "
+                                                     "written to their own section")
     args = p.parse_args(argv)
-    rows = GRID if args.rows == "all" else [GRID[int(i)] for i in args.rows.split(",")]
+    grid = DPO_GRID if args.dpo else GRID
+    rows = grid if args.rows == "all" else [grid[int(i)] for i in args.rows.split(",")]
     sys.path.insert(0, str(ROOT))
     from sftrecipes.tiny import ensure_tiny_model  # noqa: PLC0415
 
@@ -238,13 +284,13 @@ def main(argv: list[str] | None = None) -> int:
                 for which in ("train.py", "bare_trl.py"):  # alternate, so drift and neighbours' load hit both alike
                     r = one_run(which, row, steps, Path(tmp), i)
                     by[which].append(r)
-                    print(f"[{GRID.index(row):2d}] {row.name:<36} {which:<12} run {i + 1}: {r['ms_per_1k']:.1f} ms/1k real "
+                    print(f"[{grid.index(row):2d}] {row.name:<36} {which:<12} run {i + 1}: {r['ms_per_1k']:.1f} ms/1k real "
                           f"tokens, step {r['step_ms']:.1f} ms, share {r['share']:.3f}, launch->1st step "
                           f"{r['launch_to_first_step_s']:.2f} s", flush=True)
     text = report(results, args, argv, time.time() - t0)
     print(text)
     if not args.no_docs:
-        write_section(text)
+        write_section(text, *((DOCS, DPO_START, DPO_END) if args.dpo else ()))
         print(f"bench: wrote the training section of {DOCS.relative_to(ROOT)}")
     return 0
 

@@ -329,19 +329,21 @@ def save_plot(path: Path, log_history: list[dict], ranks: list[dict]) -> Path:
 
 
 def attach(peak_tflops: float | None = None) -> None:
-    """Make every SFTTrainer created from now on carry a ThroughputCallback (unless it already has one)."""
-    init = trl.SFTTrainer.__init__
-    if getattr(init, "_with_throughput", False):
-        return
+    """Make every SFTTrainer, DPOTrainer and KTOTrainer created from now on carry a ThroughputCallback (unless it
+    already has one)."""
+    for cls in (trl.SFTTrainer, trl.DPOTrainer, trl.KTOTrainer):
+        init = cls.__init__
+        if getattr(init, "_with_throughput", False):
+            continue
 
-    def patched(self, *args, callbacks=None, **kwargs):
-        callbacks = list(callbacks or [])
-        if not any(isinstance(c, ThroughputCallback) for c in callbacks):
-            callbacks.append(ThroughputCallback(peak_tflops=peak_tflops))
-        init(self, *args, callbacks=callbacks, **kwargs)
+        def patched(self, *args, callbacks=None, _init=init, **kwargs):
+            callbacks = list(callbacks or [])
+            if not any(isinstance(c, ThroughputCallback) for c in callbacks):
+                callbacks.append(ThroughputCallback(peak_tflops=peak_tflops))
+            _init(self, *args, callbacks=callbacks, **kwargs)
 
-    patched._with_throughput = True
-    trl.SFTTrainer.__init__ = patched
+        patched._with_throughput = True
+        cls.__init__ = patched
 
 
 def main(argv: list[str] | None = None) -> int:
