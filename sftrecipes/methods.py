@@ -75,8 +75,7 @@ def tokenized_counts(recipe: Recipe, trainer, counts: dict) -> dict:
                               rows_in=rows_in, name=f"{name} split")
         if trainer.is_world_process_zero():
             (log.warning if c["warn"] else log.info)("%s", c["line"])
-        out.setdefault(name, {})
-        out[name] = {**out[name], "tokenized": {k: v for k, v in c.items() if k not in ("line", "warn")}}
+        out[name] = {**out.get(name, {}), "tokenized": {k: v for k, v in c.items() if k not in ("line", "warn")}}
     return out
 
 

@@ -60,8 +60,7 @@ def options_markdown() -> str:
         out += [f"## {title}", "", "| key | type | default | help |", "|---|---|---|---|"]
         for o in options:
             choices = f" One of: {', '.join(f'`{c}`' for c in o.choices)}." if o.choices else ""
-            only = f"(method {', '.join(o.methods)} only) " if o.methods else ""
-            help_ = (only + o.help + choices + per_method(o)).replace("|", "\\|")
+            help_ = (o.scope + o.help + choices + per_method(o)).replace("|", "\\|")
             kind = o.kind.replace("|", "\\|")
             out.append(f"| `{o.name}` | {kind} | `{o.default!r}` | {help_} |")
         out.append("")

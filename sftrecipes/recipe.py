@@ -22,7 +22,7 @@ from .errors import RecipeError
 from .paths import RECIPES, ROOT
 from .schema import ALIASES, CONFIGS, METHODS, NESTED, NULL_IS_A_VALUE, DataOptions, LaunchOptions, ModelOptions, RunOptions, all_options
 from .snapshots import Option
-from .validation import adopt_model_init_kwargs, looks_local, validate
+from .validation import _word, adopt_model_init_kwargs, looks_local, validate
 
 # Options whose value may be a local path. A relative path means one relative to the current directory, except in
 # the shipped recipes (files under recipes/), which are written to run from the repository root: there it means one
@@ -183,6 +183,7 @@ def from_repo_root(key: str, value: Any) -> Any:
 
 # ----------------------------------------------------------------------------------------------- CLI
 
+LIST_KINDS = ("list", "list|str", "list[float]")  # flags of these kinds take every word up to the next --flag
 NULL_WORDS = {"null", "none"}  # a bool flag takes them as its value (`--use_nested_quant null`), not as a file
 
 
@@ -192,7 +193,7 @@ def _any_kinds() -> dict[str, Option]:
     table = dict(all_options())
     for method in METHODS:
         for name, o in all_options(method).items():
-            if o.kind in ("list", "list|str", "list[float]") and table[name].kind != o.kind:
+            if o.kind in LIST_KINDS and table[name].kind != o.kind:
                 table[name] = o
     return table
 
@@ -225,7 +226,7 @@ def parse_argv(argv: list[str], method: str = "sft") -> tuple[list[str], dict[st
         kind = opt.kind
         if eq:
             raw: Any = value
-        elif kind in ("list", "list|str", "list[float]"):
+        elif kind in LIST_KINDS:
             raw = []
             while i < len(argv) and not argv[i].startswith("--"):
                 raw.append(argv[i])
@@ -345,10 +346,6 @@ def _method(merged: dict, flags: dict, overrides: dict) -> str:
     else:
         return option.default
     return option.default if is_null(option, raw, src) else coerce(option, raw, src)
-
-
-def _word(value: Any) -> str:
-    return str(value).lower() if isinstance(value, bool) or value is None else str(value)
 
 
 def _build(values: dict[str, Any], sources: list[str], renamed: dict[str, str], ignored: dict[str, str] | None = None) -> Recipe:

@@ -34,10 +34,14 @@ class Option:
     owner: str = "trl"  # trl | model | data | launch
     methods: tuple | None = None  # TRL keys: the methods (schema.METHODS) whose config class has the key; None: all
 
+    @property
+    def scope(self) -> str:
+        """'(method dpo, kto only) ' for a TRL key of some methods' config classes, else ''."""
+        return f"(method {', '.join(self.methods)} only) " if self.methods else ""
+
     def describe(self) -> str:
         extra = f" one of {', '.join(map(str, self.choices))}." if self.choices else ""
-        only = f"(method {', '.join(self.methods)} only) " if self.methods else ""
-        return f"{only}{self.help}{extra} [{self.kind}, default {self.default!r}]"
+        return f"{self.scope}{self.help}{extra} [{self.kind}, default {self.default!r}]"
 
 
 def _kind(tp: Any) -> tuple[str, bool, tuple | None]:
