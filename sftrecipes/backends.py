@@ -75,6 +75,8 @@ def apply_process_env(recipe: Recipe, target: str) -> None:
         log.info("cpu_threads: %d torch thread(s) per process (%s)", threads, why)
     if recipe.launch.backend == "fsdp":
         compat.enable_fsdp_on_cpu()
+    if recipe.launch.backend == "deepspeed":
+        compat.no_shm_comm_kernel_on_cpu()  # (after DS_ACCELERATOR=cpu is set: deepspeed reads it when imported)
     if recipe.launch.backend == "deepspeed" and recipe.launch.zero_stage == 3 and recipe.model.use_peft_lora:
         compat.trainable_tokens_init_under_zero3_on_cpu()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import logging
 from dataclasses import dataclass
 from importlib.metadata import version
@@ -237,6 +238,20 @@ def trainable_tokens_init_under_zero3_on_cpu() -> None:
         return values
 
     _patch("trainable_tokens_init_under_zero3_on_cpu", TrainableTokensLayer, "_collect_token_weights", collect)
+
+
+@_shim("DeepSpeed compiles its shared-memory all-reduce kernel (deepspeed_shm_comm) when a CPU run sets up its "
+       "communication, for inference_all_reduce alone, which training never calls: ~90 s of C++ build on 2 cores at a "
+       "fresh machine's first DeepSpeed run", deepspeed="~=0.19.8")
+def no_shm_comm_kernel_on_cpu() -> None:
+    """deepspeed 0.19's TorchBackend (deepspeed.comm.torch, created by init_distributed, which accelerate calls for a
+    DeepSpeed run) JIT-builds the cpu accelerator's ShareMemCommBuilder op (`build_shm_op`) and uses it only in
+    `inference_all_reduce` (DeepSpeed-Inference's tensor parallelism); ZeRO's collectives go through torch.distributed
+    (gloo on the cpu target) either way. Without the kernel, inference_all_reduce falls back to the process group's
+    all_reduce, as upstream does where the kernel cannot run."""
+    # (`import deepspeed.comm.torch as m` would bind the torch library: deepspeed.comm re-exports its `torch`)
+    ds_torch = importlib.import_module("deepspeed.comm.torch")  # DeepSpeed runs only; it reads DS_ACCELERATOR when imported
+    _patch("no_shm_comm_kernel_on_cpu", ds_torch, "build_shm_op", lambda: None)
 
 
 @_shim("under ZeRO-3, transformers runs a model's _init_weights on modules whose parameters all loaded; model code that "

@@ -21,15 +21,18 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import select
 import selectors
 import signal
 import socket
 import struct
+import subprocess
 import sys
 import threading
 import traceback
 
 ENV = "SFTRECIPES_FORK_SERVER"
+FORK_PID_ENV = "SFTRECIPES_FORK_PID"  # set in each fork to its own pid: in_fork() (its children see another pid)
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 _HEADER = struct.Struct("!I")
 
@@ -55,6 +58,11 @@ def _recv_msg(sock: socket.socket) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------------ the caller
+
+
+def in_fork() -> bool:
+    """This process is a fork the server started (not a process its fork started in turn)."""
+    return os.environ.get(FORK_PID_ENV) == str(os.getpid())
 
 
 def run_in_fork(path: str, argv: list[str], keep_env: bool = False) -> int | None:
@@ -98,6 +106,52 @@ def run_in_fork(path: str, argv: list[str], keep_env: bool = False) -> int | Non
     return rc
 
 
+class Forked:
+    """`python ARGV` started by the server at `path` and held as subprocess.Popen holds a child (pid, poll, wait,
+    send_signal, kill, returncode): for a caller that watches the process itself (`launch` watching torch's agent and
+    its ranks, which are the fork's children). The fork runs in a session of its own, as with
+    Popen(start_new_session=True), with this process's stdin/stdout/stderr and `env`; the signals in `ignore` are
+    ignored in it; it is SIGKILLed when this process ends (it watches the connection, as a stand-in's fork does)."""
+
+    def __init__(self, path: str, argv: list[str], env: dict, ignore: tuple = ()):
+        self.args = argv
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.connect(path)
+        request = json.dumps({"argv": argv, "cwd": os.getcwd(), "env": env, "ignore": [int(s) for s in ignore]}).encode()
+        socket.send_fds(self._sock, [_HEADER.pack(len(request))], [0, 1, 2])
+        self._sock.sendall(request)
+        self.pid = _recv_msg(self._sock)["pid"]
+        self.returncode: int | None = None
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            ready, _, _ = select.select([self._sock], [], [], timeout)
+            if not ready:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            try:
+                self.returncode = _recv_msg(self._sock)["rc"]
+            except (ConnectionError, OSError, ValueError):  # the server went away without a word: as a kill
+                self.returncode = -signal.SIGKILL
+            self._sock.close()
+        return self.returncode
+
+    def poll(self) -> int | None:
+        try:
+            return self.wait(0)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
 # ------------------------------------------------------------------------------------------------------ the server
 
 
@@ -113,9 +167,12 @@ def _child(conn: socket.socket, fds: list[int], req: dict, others: list[socket.s
             os.close(fd)
         for sig in FORWARDED + (signal.SIGCHLD,):
             signal.signal(sig, signal.SIG_DFL)
+        for sig in req.get("ignore", ()):
+            signal.signal(sig, signal.SIG_IGN)
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
+        os.environ[FORK_PID_ENV] = str(os.getpid())
 
         def watch() -> None:  # the caller gone (killed, whatever killed it): so is this process
             try:

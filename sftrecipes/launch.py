@@ -27,7 +27,7 @@ from pathlib import Path
 import psutil
 import yaml
 
-from . import heartbeats, lifecycle, procs, runlock
+from . import forkserver, heartbeats, lifecycle, procs, runlock
 from .backends import accelerate_config, launcher_env
 from .checkpoints import check_resume, finished_run
 from .errors import RecipeError
@@ -242,6 +242,20 @@ def _agent_setup(parent: int):
     return setup
 
 
+def _start_agent(argv: list[str], env: dict):
+    """accelerate's launcher as a child in a session of its own (`_agent_setup`). Under the test suite's fork server
+    (forkserver.ENV set, as train.py honours it) the launcher is a fork of the server instead, held the same way
+    (forkserver.Forked: its pid is the agent's, whose children are the ranks; it ends with this process; SIGUSR1
+    ignored), so that it does not import torch again."""
+    sock = os.environ.get(forkserver.ENV)
+    if sock and argv[0] == sys.executable:
+        try:
+            return forkserver.Forked(sock, argv[1:], env, ignore=(signal.SIGUSR1,))
+        except OSError:  # no server answers there (any more): a process of its own, as without it
+            pass
+    return subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=_agent_setup(os.getpid()))
+
+
 def supervise(run: Launch, lock: runlock.Lock | None = None) -> int:
     """Run accelerate's launcher (torch's elastic agent) as a child in a session of its own and stand between it and
     the signals a user or scheduler sends this command:
@@ -278,7 +292,7 @@ def _supervise(run: Launch, agent_env: dict, out: Path, timeout: int, refused: P
                 for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)}
     started = time.time()
     try:
-        agent = subprocess.Popen(run.argv, env=env, start_new_session=True, preexec_fn=_agent_setup(os.getpid()))
+        agent = _start_agent(run.argv, env)
     except BaseException:
         for s, h in handlers.items():
             signal.signal(s, h)

@@ -42,8 +42,8 @@ def _repo_cwd(monkeypatch):
 
 
 # Training processes start as forks of one server that has imported torch, transformers, TRL, peft and DeepSpeed
-# once (sftrecipes/forkserver.py): each rank of each run would otherwise spend ~8 s importing them, and the launcher
-# ~4 s. What a run computes, writes and logs is its own; what differs is the process: its parent, its libraries
+# once (sftrecipes/forkserver.py): each rank of each run would otherwise spend ~8 s importing them, and `python -m
+# sftrecipes launch` and torch's agent ~5 s each (both are forks too: sftrecipes/__main__.py, launch._start_agent). What a run computes, writes and logs is its own; what differs is the process: its parent, its libraries
 # imported before it started. Tests about processes themselves (signals, kills, a frozen rank, SLURM) or about a
 # rank's memory from its first byte are marked `real_processes` and start every process as users do. The variable is
 # set or cleared before each test's set-up, so the module and session fixtures made for it (shared runs) see the same.
@@ -65,6 +65,12 @@ def _start_fork_server() -> str:
     assert '"ready"' in line, f"the fork server did not start: {line!r}; see {tmp / 'forkserver.log'}"
     _fork_server.update(proc=proc, sock=sock, log=log, tmp=tmp)
     return sock
+
+
+def fork_server_env() -> dict[str, str]:
+    """The environment that makes a process started from a `real_processes` test a fork of the server after all: for
+    the steps of such a test that are not about processes (a reference run, a resume whose weights are compared)."""
+    return {FORK_SERVER_ENV: _fork_server.get("sock") or _start_fork_server()}
 
 
 @pytest.hookimpl(tryfirst=True)

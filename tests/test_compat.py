@@ -52,6 +52,7 @@ TARGETS = {
     "buffers_in_ram_efficient_fsdp2": ("accelerate.utils.fsdp_utils", "fsdp2_load_full_state_dict"),
     "loaded_modules_skip_init_under_zero3": ("transformers.modeling_utils", "PreTrainedModel._initialize_weights"),
     "split_sizes_from_full_shapes_under_zero3": ("transformers.core_model_loading", "Split.convert"),
+    "no_shm_comm_kernel_on_cpu": ("deepspeed.comm.torch", "build_shm_op"),
 }
 
 
@@ -382,3 +383,28 @@ def test_canary_num_experts_for_trl(mt):
         for other in ("kimi_linear", "bailing_hybrid"):  # num_experts their own (what num_local_experts aliases)
             sft_trainer.add_fused_lm_head(AutoModelForCausalLM.from_config(AutoConfig.for_model(**tiny_config(other, vocab_size=64))))
             assert AutoConfig.for_model(**tiny_config(other, vocab_size=64)).num_experts == 4
+
+
+def test_canary_no_shm_comm_kernel_on_cpu(monkeypatch):
+    """Upstream's CPU communication set-up still builds the shared-memory kernel: TorchBackend calls build_shm_op,
+    which loads (JIT-compiles) ShareMemCommBuilder's op on the cpu accelerator. The load is intercepted here (no
+    compile); with the shim nothing is loaded, and inference_all_reduce, its only user, falls back to the process
+    group when the kernel is absent."""
+    import importlib
+    import inspect
+
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
+
+    if get_accelerator().device_name() != "cpu":
+        pytest.skip("DeepSpeed's accelerator is not cpu here: the shim is for the cpu target")
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
+    name = "no_shm_comm_kernel_on_cpu"
+    loads = []
+    monkeypatch.setattr(ShareMemCommBuilder, "load", lambda self, *a, **k: loads.append(self.NAME) or "kernel")
+    compat.no_shm_comm_kernel_on_cpu()
+    assert ds_torch.build_shm_op() is None and loads == []
+    with compat.upstream(name):
+        assert "build_shm_op()" in inspect.getsource(ds_torch.TorchBackend.__init__), fixed_upstream(name)
+        assert ds_torch.build_shm_op() == "kernel" and loads == [ShareMemCommBuilder.NAME], fixed_upstream(name)
+    assert "shm_comm_op" not in inspect.getsource(ds_torch.TorchBackend.all_reduce)  # training's all_reduce: gloo's

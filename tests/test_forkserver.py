@@ -82,3 +82,30 @@ def test_without_a_server_the_process_runs_itself(tmp_path):
     res = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60,
                          env={**os.environ, FORK_SERVER_ENV: str(tmp_path / "nobody.sock")})
     assert res.returncode == 0 and "running in this process" in res.stderr and "--use_peft_lora" in res.stdout, res.stderr
+
+
+def test_a_forked_launcher_is_held_as_popen_holds_a_child(tmp_path):
+    """forkserver.Forked, which `launch` holds torch's agent with under the server: the pid is the fork's own (its
+    children are the ranks `launch` watches), in a session of its own; wait(timeout) raises TimeoutExpired while it
+    runs; the signals in `ignore` are ignored (SIGUSR1 would end a default process); kill ends it; and
+    `python -m sftrecipes VERB` hands itself to the server but does not hand itself over again inside the fork."""
+    from sftrecipes.forkserver import Forked
+
+    script = tmp_path / "probe.py"
+    script.write_text(SCRIPT)
+    child = Forked(os.environ[FORK_SERVER_ENV], [str(script), "sleep"], {**os.environ, "PROBE": "held"},
+                   ignore=(signal.SIGUSR1,))
+    deadline = time.time() + 10  # (the fork sets its session up first thing)
+    while os.getsid(child.pid) != child.pid and time.time() < deadline:
+        time.sleep(0.02)
+    assert os.getsid(child.pid) == child.pid and child.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        child.wait(timeout=0.2)
+    time.sleep(0.3)  # (its signals set up)
+    child.send_signal(signal.SIGUSR1)
+    assert not gone(child.pid, 1) and child.poll() is None
+    child.kill()
+    assert child.wait(timeout=10) == -signal.SIGKILL and child.poll() == -signal.SIGKILL
+    res = subprocess.run([sys.executable, "-m", "sftrecipes", "cp", "tiny/lora", str(tmp_path / "mine.yaml")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and (tmp_path / "mine.yaml").is_file(), res.stderr

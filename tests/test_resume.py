@@ -11,6 +11,9 @@ and FSDP with 2 CPU ranks. One chain per backend:
 5. started again: a finished run is a no-op (exit 0, every file in the folder untouched; it used to train a step more);
 6. (single process) the final save lost: resuming from the checkpoint at max_steps only saves, the same weights.
 
+Steps 2 and 3 (the kill, the preemption) start every process as a user does; the others, which are about weights and
+files, start them as forks of the suite's fork server (conftest), which skips their imports.
+
 Deterministic settings: fp32 (no autocast), fixed seed. Data order (the sampler's epoch/skip), RNG states (dropout:
 the LoRA twins keep lora_dropout > 0 on purpose), scheduler (linear decay) and optimizer are what resuming must
 restore; any of them missing changes the weights. The kill moment is random; its seed is printed.
@@ -30,7 +33,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT
+from conftest import ROOT, fork_server_env
 
 pytestmark = pytest.mark.real_processes  # kills, signals and the processes left after them
 
@@ -72,14 +75,16 @@ def complete_checkpoints(out: Path) -> set[str]:
     return {p.parent.name for p in out.glob("checkpoint-*/checkpoint.complete.json")}
 
 
-def start(argv, out) -> subprocess.Popen:
-    """`python -m sftrecipes launch RECIPE ... --output_dir OUT` as a user types it (in the test's process group)."""
+def start(argv, out, forked: bool = False) -> subprocess.Popen:
+    """`python -m sftrecipes launch RECIPE ... --output_dir OUT` as a user types it (in the test's process group).
+    forked: its processes are forks of the suite's fork server (conftest), for the steps not about processes: the
+    reference run, the last resume (its weights), the finished run's no-op."""
     out.parent.mkdir(parents=True, exist_ok=True)
     log = open(out.parent / f"{out.name}.log", "a")
     log.write(f"\n===== launch {' '.join(argv)}\n")
     log.flush()
     return subprocess.Popen([sys.executable, "-m", "sftrecipes", "launch", *argv, "--output_dir", str(out)], cwd=ROOT,
-                            stdout=log, stderr=subprocess.STDOUT)
+                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(fork_server_env() if forked else {})})
 
 
 def log_of(out: Path) -> str:
@@ -121,7 +126,7 @@ def test_kill_preempt_resume_gives_the_uninterrupted_weights(tiny_model, tmp_pat
     argv = recipe + COMMON
     world = 1 if case == "single" else 2
 
-    finish(start(argv + ["--save_strategy", "no"], tmp_path / "straight"), tmp_path / "straight")
+    finish(start(argv + ["--save_strategy", "no"], tmp_path / "straight", forked=True), tmp_path / "straight")
     # The moments are in steps of this machine (a DDP step can take 0.1 s: delays in seconds let the killed run get so
     # far that the resumed one ended before the preemption reached it, seen on CI)
     step_s = json.loads((tmp_path / "straight" / "run_summary.json").read_text())["seconds"] / STEPS
@@ -164,7 +169,7 @@ def test_kill_preempt_resume_gives_the_uninterrupted_weights(tiny_model, tmp_pat
     assert not processes_of(out)
 
     # 4. resume again: the uninterrupted run's weights
-    finish(start(resume, out), out)
+    finish(start(resume, out, forked=True), out)
     summary = json.loads((out / "run_summary.json").read_text())
     assert summary["resumed_from"] == str(ckpt) and summary["steps"] == STEPS
     assert not (out / "preempted.json").exists() and not (out / ".sftrecipes.lock").exists()
@@ -175,7 +180,7 @@ def test_kill_preempt_resume_gives_the_uninterrupted_weights(tiny_model, tmp_pat
 
     # 5. a finished run started again: nothing to do, nothing touched
     files = snapshot(out)
-    finish(start(resume, out), out)
+    finish(start(resume, out, forked=True), out)
     assert f"holds a finished run ({STEPS} steps" in log_of(out).rsplit("===== launch", 1)[1]
     assert snapshot(out) == files
 
@@ -185,6 +190,6 @@ def test_kill_preempt_resume_gives_the_uninterrupted_weights(tiny_model, tmp_pat
     if case == "single":
         (out / "final.complete.json").unlink()
         (out / "adapter_model.safetensors").unlink()
-        finish(start(resume, out), out)
+        finish(start(resume, out, forked=True), out)
         assert json.loads((out / "run_summary.json").read_text())["steps"] == STEPS
         assert all(torch.equal(a[k], v) for k, v in final_weights(out).items())
