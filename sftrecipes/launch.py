@@ -248,7 +248,7 @@ def _start_agent(argv: list[str], env: dict):
     (forkserver.Forked: its pid is the agent's, whose children are the ranks; it ends with this process; SIGUSR1
     ignored), so that it does not import torch again."""
     sock = os.environ.get(forkserver.ENV)
-    if sock and argv[0] == sys.executable:
+    if sock and argv[0] == sys.executable and argv[1:2] == ["-m"]:  # (accelerate.commands.launch)
         try:
             return forkserver.Forked(sock, argv[1:], env, ignore=(signal.SIGUSR1,))
         except OSError:  # no server answers there (any more): a process of its own, as without it
