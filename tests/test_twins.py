@@ -233,7 +233,8 @@ def test_multinode_launcher_two_machines(tiny_model, tmp_path):
 def test_ram_efficient_loading_only_rank0_reads(tmp_path):
     """FSDP2 with fsdp_cpu_ram_efficient_loading: rank 0 reads the weights, rank 1 starts without them and receives
     its shard by broadcast. The medium model (25.7M params) is stored in bf16 and trained in fp32, so a rank that
-    reads it makes a private 103 MB fp32 copy — as 8 ranks loading 70B in fp32 would (2 TB)."""
+    reads it makes a private 103 MB fp32 copy — as 8 ranks loading 70B in fp32 would (2 TB). Its one step runs without
+    bf16 autocast: loading is what is measured, and a CPU without AVX-512 emulates bf16 matmuls (45 s a step, not 9)."""
     from sftrecipes.paths import ASSETS
     from sftrecipes.tiny import ensure_tiny_model
 
@@ -242,13 +243,13 @@ def test_ram_efficient_loading_only_rank0_reads(tmp_path):
     grew = {}
     for efficient in (True, False):
         summary = accelerate_run(["recipes/tiny/fsdp.yaml", "--model_name_or_path", str(medium), "--max_steps", "1",
-                                  "--save_strategy", "no", "--sample_max_new_tokens", "0",
+                                  "--save_strategy", "no", "--sample_max_new_tokens", "0", "--bf16", "false",
                                   "--launch.fsdp_cpu_ram_efficient_loading", str(efficient)], tmp_path / f"eff-{efficient}")
         grew[efficient] = {m["rank"]: m["load_grew_mb"] for m in summary["memory"]}
         # the planner's loading figures for the cpu target (plan/ranks.py), rank by rank, against the phase measured:
         # its peak and what is held at its end, as growth over the rank's RSS before loading; within 10%, or 10 MB
         # where a rank grows by little more than the ~25 MB of libraries loading imports (rank 1 on the meta device)
-        plan = plan_recipe(load_recipe(["recipes/tiny/fsdp.yaml", "--model_name_or_path", str(medium),
+        plan = plan_recipe(load_recipe(["recipes/tiny/fsdp.yaml", "--model_name_or_path", str(medium), "--bf16", "false",
                                         "--launch.fsdp_cpu_ram_efficient_loading", str(efficient)]), _alternatives=False)
         for m in summary["memory"]:
             g = loading_of(plan.rank_loading, m["rank"])
