@@ -22,9 +22,7 @@ import time
 if __name__ == "__main__" and os.environ.get("SFTRECIPES_FORK_SERVER"):  # the test suite, the sweep: this process
     from sftrecipes import forkserver  # is a fork of one that has imported torch & co. already (sftrecipes/forkserver.py)
 
-    code = forkserver.run_in_fork(os.environ["SFTRECIPES_FORK_SERVER"], sys.argv)
-    if code is not None:  # (None: no server answered; this process runs it)
-        sys.exit(code)
+    forkserver.exit_in_fork(sys.argv)  # (returns where no server answered: this process runs it)
 
 from sftrecipes import lifecycle  # noqa: E402
 

@@ -1,7 +1,6 @@
 """The command line: `python -m sftrecipes VERB` from the repository root, or `python PATH/TO/sftrecipes VERB` from any
 directory (nothing to install: run as a folder, the package puts its parent on the import path itself)."""
 
-import os
 import sys
 
 if __package__:
@@ -12,10 +11,8 @@ else:  # `python /path/to/sftrecipes ...`: sys.path[0] is this folder; import th
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
     from sftrecipes import forkserver
 
-if os.environ.get(forkserver.ENV) and not forkserver.in_fork():  # the test suite, the sweep: run as a fork of a process that has imported torch & co.
-    code = forkserver.run_in_fork(os.environ[forkserver.ENV], ["-m", "sftrecipes", *sys.argv[1:]], keep_env=True)
-    if code is not None:  # (None: no server answered; this process runs it)
-        sys.exit(code)
+# the test suite, the sweep: run as a fork of a process that has imported torch & co. (its launches' processes too)
+forkserver.exit_in_fork(["-m", "sftrecipes", *sys.argv[1:]], keep_env=True)
 
 from sftrecipes.cli import main  # noqa: E402
 

@@ -65,6 +65,26 @@ def in_fork() -> bool:
     return os.environ.get(FORK_PID_ENV) == str(os.getpid())
 
 
+def exit_in_fork(argv: list[str], keep_env: bool = False) -> None:
+    """Where ENV names a server (the test suite, the sweep) and this process is not that server's fork already: run
+    `python ARGV` as a fork of it (run_in_fork) and exit as it ended. Returns where there is nothing to hand over, or no
+    server answers: this process then runs ARGV itself."""
+    path = os.environ.get(ENV)
+    if path and not in_fork():
+        code = run_in_fork(path, argv, keep_env=keep_env)
+        if code is not None:
+            sys.exit(code)
+
+
+def _request(sock: socket.socket, argv: list[str], env: dict, ignore: tuple = ()) -> int:
+    """Ask the server on the connected `sock` for `python ARGV` in this folder with `env`, this process's
+    stdin/stdout/stderr and the signals in `ignore` ignored; returns the fork's pid."""
+    request = json.dumps({"argv": argv, "cwd": os.getcwd(), "env": env, "ignore": [int(s) for s in ignore]}).encode()
+    socket.send_fds(sock, [_HEADER.pack(len(request))], [0, 1, 2])
+    sock.sendall(request)
+    return _recv_msg(sock)["pid"]
+
+
 def run_in_fork(path: str, argv: list[str], keep_env: bool = False) -> int | None:
     """Have the server at `path` run `python ARGV` (a script, or `-m MODULE ...`) as this process would, and end as it
     ended. Returns its exit status (a fork killed by a signal: this process is killed by the same signal), or None when
@@ -81,10 +101,7 @@ def run_in_fork(path: str, argv: list[str], keep_env: bool = False) -> int | Non
     except OSError as e:  # no server there (any more): the caller runs the script itself
         print(f"fork server {path}: {e.strerror}; running in this process", file=sys.stderr)
         return None
-    request = json.dumps({"argv": argv, "cwd": os.getcwd(), "env": env}).encode()
-    socket.send_fds(sock, [_HEADER.pack(len(request))], [0, 1, 2])
-    sock.sendall(request)
-    pid = _recv_msg(sock)["pid"]
+    pid = _request(sock, argv, env)
 
     def forward(signum, _frame):
         try:
@@ -117,10 +134,7 @@ class Forked:
         self.args = argv
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.connect(path)
-        request = json.dumps({"argv": argv, "cwd": os.getcwd(), "env": env, "ignore": [int(s) for s in ignore]}).encode()
-        socket.send_fds(self._sock, [_HEADER.pack(len(request))], [0, 1, 2])
-        self._sock.sendall(request)
-        self.pid = _recv_msg(self._sock)["pid"]
+        self.pid = _request(self._sock, argv, env, ignore)
         self.returncode: int | None = None
 
     def wait(self, timeout: float | None = None) -> int:

@@ -78,7 +78,7 @@ def pytest_runtest_setup(item):
     if item.get_closest_marker("real_processes") or os.environ.get("SFT_REAL_PROCESSES") == "1":
         os.environ.pop(FORK_SERVER_ENV, None)  # (SFT_REAL_PROCESSES=1: the whole suite as users start processes)
     else:
-        os.environ[FORK_SERVER_ENV] = _fork_server.get("sock") or _start_fork_server()
+        os.environ.update(fork_server_env())
 
 
 def pytest_sessionfinish(session, exitstatus):
