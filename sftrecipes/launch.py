@@ -268,9 +268,10 @@ def supervise(run: Launch, lock: runlock.Lock | None = None) -> int:
     - A rank of this node whose heartbeat stopped (heartbeat_timeout) ends this node's part of the run with a line
       naming it (exit 1); the ranks watch each other across nodes (and under launchers other than this one).
     - Every rank of this node refused the recipe (a RecipeError inside the ranks, each exiting 2 with its one line,
-      left in a temporary folder outside output_dir: lifecycle.note_refusal): exit 2, as for bad input found here.
-    Returns the exit code: 75 when preempted.json was written during this run, else the agent's 0, else 2 (every
-    rank refused the recipe), else 1."""
+      left in a temporary folder outside output_dir: lifecycle.note_refusal), or some did and the agent stopped the
+      others: exit 2, as for bad input found here.
+    Returns the exit code (outcome()): 75 when preempted.json was written during this run and this command was
+    signalled or the ranks all ended well, else the agent's 0, else 2 (the recipe refused), else 1."""
     recipe = run.recipe
     out, timeout = lifecycle.output_dir(recipe), recipe.run.preempt_timeout
     env = {**os.environ, **run.env, lifecycle.SUPERVISED_ENV: "1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(timeout)}
@@ -332,19 +333,36 @@ def _supervise(run: Launch, agent_env: dict, out: Path, timeout: int, refused: P
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)
-    record = lifecycle.read_preempted(out, since=started)
-    if record:
-        print(f"launch: preempted by {record['signal']} at step {record['step']}: {record['checkpoint']} is complete; "
-              "resume with resume_from_checkpoint: auto (exit 75)", file=sys.stderr, flush=True)
-        return lifecycle.EXIT_PREEMPTED
-    if code == 0:
-        return 0
-    lines = lifecycle.refusals(refused)
-    if lines and len(lines) >= recipe.launch.gpus_per_node:  # every rank of this node refused the recipe: bad input
-        print(f"launch: every rank refused the recipe (exit 2): {lines[0]}", file=sys.stderr, flush=True)
-        return 2
+    code, line = outcome(code, asked=bool(asked), preempted=lifecycle.read_preempted(out, since=started),
+                         refused=lifecycle.refusals(refused), ranks=recipe.launch.gpus_per_node)
+    if line:
+        print(f"launch: {line}", file=sys.stderr, flush=True)
+    if code != lifecycle.EXIT_PREEMPTED and lifecycle.read_preempted(out, since=started):
+        (out / lifecycle.PREEMPTED).unlink(missing_ok=True)  # written by a rank the agent stopped: no preemption
+    return code
+
+
+def outcome(agent_code: int, asked: bool, preempted: dict | None, refused: list[str], ranks: int) -> tuple[int, str | None]:
+    """launch's exit code and its last line, from what the run left: the agent's exit code, whether this command was
+    signalled (asked), the preempted.json rank 0 wrote during the run, the refusal lines of this node's ranks.
+
+    A rank signalled before training writes preempted.json and exits 0 (under launch). torch's agent sends SIGTERM to
+    every rank when one fails, so a rank that refused the recipe (exit 2) or crashed while another still loaded or
+    waited for the data leaves that record too: it is a preemption only when this command was signalled or every rank
+    ended well; otherwise the failure is the outcome: 2 when every rank refused, or some did and the agent stopped the
+    others (nobody asked), else 1."""
+    if preempted and (asked or agent_code == 0):
+        return lifecycle.EXIT_PREEMPTED, (f"preempted by {preempted['signal']} at step {preempted['step']}: "
+                                          f"{preempted['checkpoint']} is complete; resume with resume_from_checkpoint: auto "
+                                          "(exit 75)")
+    if agent_code == 0:
+        return 0, None
+    if refused and len(refused) >= ranks:
+        return 2, f"every rank refused the recipe (exit 2): {refused[0]}"
+    if refused and not asked:
+        return 2, (f"{len(refused)} of {ranks} ranks refused the recipe and torch's agent stopped the others (exit 2): "
+                   f"{refused[0]}")
     if asked:
-        print("launch: the ranks ended without saving a preemption checkpoint; the latest complete checkpoint stays",
-              file=sys.stderr, flush=True)
-    return 1
+        return 1, "the ranks ended without saving a preemption checkpoint; the latest complete checkpoint stays"
+    return 1, None
 

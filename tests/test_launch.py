@@ -240,3 +240,23 @@ def test_launcher_flags_choose_the_backend_that_runs(tmp_path):
     assert backend["param_elements_local"] * 2 == pytest.approx(backend["param_elements_full"], rel=0.02)
     assert yaml.safe_load((out / "accelerate_config.yaml").read_text())["distributed_type"] == "FSDP"
     assert yaml.safe_load((ROOT / "configs/tiny-ddp.yaml").read_text())["distributed_type"] == "MULTI_GPU"
+
+
+@pytest.mark.parametrize("agent_code, asked, preempted, refused, expected", [
+    (0, True, True, [], (75, "preempted by SIGTERM at step 3")),       # a preemption, every rank saved and ended
+    (1, True, True, [], (75, "preempted by SIGTERM at step 3")),       # a rank failed after the checkpoint was complete
+    (0, False, True, [], (75, "preempted by SIGTERM at step 3")),      # the ranks were signalled, not launch
+    # CI: rank 1 refused its data (exit 2), the agent sent SIGTERM to rank 0 while it waited for that data, and rank 0
+    # wrote preempted.json: launch said "preempted" (exit 75), and resume would have refused again
+    (1, False, True, ["bad data"], (2, "1 of 2 ranks refused the recipe and torch's agent stopped the others (exit 2): bad data")),
+    (1, False, True, [], (1, None)),                                    # a rank crashed; the agent stopped rank 0 in setup
+    (1, False, False, ["bad data", "bad data"], (2, "every rank refused the recipe (exit 2): bad data")),
+    (1, True, False, ["bad data"], (1, "the ranks ended without saving a preemption checkpoint")),
+    (0, False, False, [], (0, None)),
+])
+def test_launch_outcome_tells_a_preemption_from_a_rank_the_agent_stopped(agent_code, asked, preempted, refused, expected):
+    from sftrecipes.launch import outcome
+
+    record = {"signal": "SIGTERM", "step": 3, "checkpoint": "out/checkpoint-3"} if preempted else None
+    code, line = outcome(agent_code, asked=asked, preempted=record, refused=refused, ranks=2)
+    assert code == expected[0] and (line is None if expected[1] is None else line.startswith(expected[1])), (code, line)

@@ -336,6 +336,9 @@ def test_an_error_in_preparation_is_exit_2_on_every_rank(tiny_model, tmp_path):
                   env={"MAIN_PROCESS_PORT": str(free_port())})
     assert res.returncode == 2, res.stderr[-3000:]
     start = "conversations: unknown 'from' value 'alien' in row 3 of "
-    assert f"launch: every rank refused the recipe (exit 2): {start}" in res.stderr, res.stderr[-3000:]
+    # the waiting rank refuses too, unless torch's agent stops it first (SIGTERM once the preparing rank exited 2):
+    # that rank's preempted.json is no preemption (CI saw exit 75 here), and launch leaves none behind
+    assert re.search(r"launch: (every rank|1 of 2 ranks) refused the recipe.* \(exit 2\): " + re.escape(start), res.stderr), res.stderr[-3000:]
+    assert not (tmp_path / "out" / "preempted.json").exists()
     error = json.loads(next((tmp_path / "cache").glob("*/error.json")).read_text())
     assert error["kind"] == "recipe" and error["message"].startswith(start)
