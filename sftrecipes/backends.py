@@ -46,10 +46,20 @@ def cpu_threads(recipe: Recipe) -> tuple[int, str]:
     return max(1, cores // local), f"{cores} usable core(s) / {local} process(es) on this node; launch.cpu_threads pins it"
 
 
+def computes_in_bf16(recipe: Recipe) -> bool:
+    """Whether the run multiplies bf16 tensors: weights loaded in bf16, bf16 autocast, or QLoRA's bf16 compute dtype
+    (only then does cpumath's mode, which sees every op of the process, pay for itself)."""
+    from .model import load_dtype  # noqa: PLC0415 - torch
+
+    m = recipe.model
+    return (str(load_dtype(recipe)) == "torch.bfloat16" or bool(recipe.trl_value("bf16"))
+            or (m.use_4bit_quantization and m.bnb_4bit_compute_dtype == "bfloat16"))
+
+
 def apply_process_env(recipe: Recipe, target: str) -> None:
     """Set this process up for the target before any accelerate/transformers state exists: environment a launcher
     did not set, torch threads, and the compatibility shims the backend needs (compat.py)."""
-    from . import compat  # noqa: PLC0415 - compat patches torch/transformers: launch/emit stay torch-free
+    from . import compat, cpumath  # noqa: PLC0415 - compat patches torch/transformers: launch/emit stay torch-free
 
     compat.backbone_under_a_stale_prefix()
     compat.num_experts_for_trl()
@@ -71,8 +81,11 @@ def apply_process_env(recipe: Recipe, target: str) -> None:
     import torch  # noqa: PLC0415 - torch: launch/emit import this module and stay torch-free
 
     torch.set_num_threads(threads)
+    how = cpumath.apply() if computes_in_bf16(recipe) else None  # where this CPU has no bf16 GEMM (~30x faster there)
     if os.environ.get("RANK", "0") == "0":
         log.info("cpu_threads: %d torch thread(s) per process (%s)", threads, why)
+        if how:
+            log.info("%s", cpumath.describe(how))
     if recipe.launch.backend == "fsdp":
         compat.enable_fsdp_on_cpu()
     if recipe.launch.backend == "deepspeed":

@@ -240,9 +240,12 @@ def serve(path: str) -> None:
     except ImportError:
         pass
     from sftrecipes import (  # noqa: F401, PLC0415
-        backends, checkpoints, data, export, finalsave, hub, lora, metrics, model, nonfinite, precision, preflight,
-        probes, quantload,
+        backends, checkpoints, cpumath, data, export, finalsave, hub, lora, metrics, model, nonfinite, precision,
+        preflight, probes, quantload,
     )
+
+    if cpumath.choice() == "fp32":  # the mode's first push imports torch._dynamo (~3 s a rank)
+        import torch._dynamo  # noqa: F401, PLC0415
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)

@@ -81,6 +81,21 @@ def pytest_runtest_setup(item):
         os.environ.update(fork_server_env())
 
 
+def pytest_terminal_summary(terminalreporter):
+    """The machine the suite's times belong to, last (CI shows the tail of the output): cores, CPU capability (a CPU
+    below AVX512 has no bf16 GEMM: sftrecipes/cpumath.py), SLURM present or not."""
+    import platform
+    import shutil
+
+    import torch
+
+    from sftrecipes import cpumath
+
+    slurm = "slurm" if shutil.which("slurmctld") else "no slurm (its tests skipped)"
+    terminalreporter.write_line(f"machine: {os.cpu_count()} cores, {platform.processor() or platform.machine()}, torch CPU "
+                                f"capability {torch.backends.cpu.get_cpu_capability()}, bf16 matmul {cpumath.choice()}, {slurm}")
+
+
 def pytest_sessionfinish(session, exitstatus):
     proc = _fork_server.get("proc")
     if proc is not None:
