@@ -1,4 +1,4 @@
-"""bf16 matrix products on a CPU without a native bf16 GEMM (x86 below AVX-512: AVX2 machines, CI's and many laptops).
+"""bf16 matrix products on a CPU without a native bf16 GEMM (x86 below AVX-512: AVX2 machines, this project's own).
 
 There torch's bf16 matmul falls back to a scalar kernel: measured on an AVX2 EPYC, one thread, a [512, 64] x [64, 32768]
 product took 5.0 s in bf16 and 0.15 s as fp32 (tests/test_cpumath.py prints both on the machine it runs on). A CPU twin
