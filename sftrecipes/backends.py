@@ -49,10 +49,12 @@ def cpu_threads(recipe: Recipe) -> tuple[int, str]:
 def computes_in_bf16(recipe: Recipe) -> bool:
     """Whether the run multiplies bf16 tensors: weights loaded in bf16, bf16 autocast, or QLoRA's bf16 compute dtype
     (only then does cpumath's mode, which sees every op of the process, pay for itself)."""
-    from .model import load_dtype  # noqa: PLC0415 - torch
+    import torch  # noqa: PLC0415 - launch/emit import this module and stay torch-free
+
+    from .model import load_dtype  # noqa: PLC0415
 
     m = recipe.model
-    return (str(load_dtype(recipe)) == "torch.bfloat16" or bool(recipe.trl_value("bf16"))
+    return (load_dtype(recipe) == torch.bfloat16 or bool(recipe.trl_value("bf16"))
             or (m.use_4bit_quantization and m.bnb_4bit_compute_dtype == "bfloat16"))
 
 

@@ -333,11 +333,12 @@ def _supervise(run: Launch, agent_env: dict, out: Path, timeout: int, refused: P
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)
-    code, line = outcome(code, asked=bool(asked), preempted=lifecycle.read_preempted(out, since=started),
-                         refused=lifecycle.refusals(refused), ranks=recipe.launch.gpus_per_node)
+    record = lifecycle.read_preempted(out, since=started)
+    code, line = outcome(code, asked=bool(asked), preempted=record, refused=lifecycle.refusals(refused),
+                         ranks=recipe.launch.gpus_per_node)
     if line:
         print(f"launch: {line}", file=sys.stderr, flush=True)
-    if code != lifecycle.EXIT_PREEMPTED and lifecycle.read_preempted(out, since=started):
+    if record and code != lifecycle.EXIT_PREEMPTED:
         (out / lifecycle.PREEMPTED).unlink(missing_ok=True)  # written by a rank the agent stopped: no preemption
     return code
 
