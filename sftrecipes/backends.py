@@ -14,6 +14,7 @@ import os
 from .errors import RecipeError
 from .recipe import Recipe
 from .schema import CONFIGS, TRL_DEFAULTS
+from .snapshots import trl_class  # imports trl when called: launch/emit import this module and stay torch-free
 from .sources import CONSUMED_BY_PIPELINE
 
 log = logging.getLogger("sftrecipes")
@@ -134,8 +135,7 @@ def training_kwargs(recipe: Recipe, target: str) -> dict:
 
 
 def training_args(recipe: Recipe, target: str):
-    """The method's TRL config (SFTConfig, DPOConfig, KTOConfig: schema.CONFIGS) from the recipe."""
-    import trl  # noqa: PLC0415 - trl: launch/emit import this module and stay torch-free
+    """The method's TRL config (SFTConfig, DPOConfig, KTOConfig, ORPOConfig, CPOConfig: schema.CONFIGS) from the recipe."""
 
     kw = training_kwargs(recipe, target)
     if target == "cpu" and kw.get("ddp_backend") == "gloo":
@@ -148,7 +148,7 @@ def training_args(recipe: Recipe, target: str):
 
         PartialState(cpu=True, backend="gloo", timeout=timedelta(seconds=int(kw.get("ddp_timeout", 1800))))
     try:
-        return getattr(trl, CONFIGS[recipe.method])(**kw)
+        return trl_class(recipe.method, CONFIGS[recipe.method])(**kw)
     except RecipeError:  # the project's own refusals (a ValueError too) are already one line naming the key
         raise
     except ValueError as e:  # transformers' own cross-checks (e.g. load_best_model_at_end without matching strategies)

@@ -5,7 +5,7 @@ preference methods' paired and unpaired rows), told apart by their columns.
 needs a chat template. ShareGPT turns (from/value) become role/content messages, keeping their other fields (tool
 calls, reasoning: chat.py).
 
-Preference methods (`method: dpo`, `kto`) read other shapes: `preference` (prompt/chosen/rejected, or chosen/rejected
+Preference methods (`method: dpo`, `kto`, `orpo`, `cpo`) read other shapes: `preference` (prompt/chosen/rejected, or chosen/rejected
 with the prompt implicit in their shared start) and `unpaired_preference` (prompt/completion/label);
 `detect_preference_format` tells them apart the same way (preference.py reads the rows).
 """
@@ -14,15 +14,17 @@ from __future__ import annotations
 
 from .errors import RecipeError
 from .recipe import Recipe
+from .schema import PAIRED
 
 FORMATS = ("messages", "conversations", "prompt_completion", "text")
 # The preference methods' formats, and the columns of each shape a method reads, in the order `auto` tries them.
-# dpo reads pairs; kto reads unpaired rows, and pairs too (each made a desirable and an undesirable row: preference.py)
+# dpo, orpo and cpo read pairs (schema.PAIRED); kto reads unpaired rows, and pairs too (each made a desirable and an
+# undesirable row: preference.py)
 PREFERENCE_FORMATS = ("preference", "unpaired_preference")
+PAIRS = (("preference", ("prompt", "chosen", "rejected")), ("preference", ("chosen", "rejected")))
 PREFERENCE_SHAPES: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
-    "dpo": (("preference", ("prompt", "chosen", "rejected")), ("preference", ("chosen", "rejected"))),
-    "kto": (("unpaired_preference", ("prompt", "completion", "label")), ("preference", ("prompt", "chosen", "rejected")),
-            ("preference", ("chosen", "rejected"))),
+    **dict.fromkeys(PAIRED, PAIRS),
+    "kto": (("unpaired_preference", ("prompt", "completion", "label")), *PAIRS),
 }
 CONVERSATIONAL = ("messages", "conversations")
 # ShareGPT `from` values -> chat roles
@@ -125,13 +127,13 @@ def detect_preference_format(method: str, columns: list[str], name: str, fmt: st
     (a datasets entry's columns)."""
     cols = set(columns)
     has = f"(has {', '.join(columns)})"
-    fix = f"rename its columns (a datasets entry's columns: {{your_column: {'chosen' if method == 'dpo' else 'completion'}}})"
+    fix = f"rename its columns (a datasets entry's columns: {{your_column: {'chosen' if method in PAIRED else 'completion'}}})"
     if fmt in FORMATS:
         raise RecipeError(f"{key}: {fmt} is a shape of method sft; method {method} reads {preference_shapes(method)}; "
                           f"set {key}: auto or {PREFERENCE_SHAPES[method][0][0]}")
-    if method == "dpo" and fmt == "unpaired_preference":
-        raise RecipeError(f"{key}: unpaired_preference (prompt/completion/label) has no pairs, which method dpo compares; "
-                          "set method: kto, or give dpo prompt/chosen/rejected data (dataset_format: preference)")
+    if method in PAIRED and fmt == "unpaired_preference":
+        raise RecipeError(f"{key}: unpaired_preference (prompt/completion/label) has no pairs, which method {method} compares; "
+                          f"set method: kto, or give {method} prompt/chosen/rejected data (dataset_format: preference)")
     for shape_fmt, shape in PREFERENCE_SHAPES[method]:
         if fmt in ("auto", shape_fmt) and set(shape) <= cols:
             return shape_fmt, shape

@@ -1,11 +1,12 @@
-"""What a recipe's `method` trains with: TRL's trainer for it (SFTTrainer, DPOTrainer, KTOTrainer), the reference
-model of the preference methods, and the preference metrics a run reports.
+"""What a recipe's `method` trains with: TRL's trainer for it (SFTTrainer, DPOTrainer, KTOTrainer, and TRL's
+experimental ORPOTrainer and CPOTrainer), the reference model of the preference methods, and the preference metrics a
+run reports.
 
 The reference model: with LoRA, none is passed: TRL computes the reference log-probs with the adapter disabled (the
 base, no second copy). A full fine-tune gets a second copy loaded exactly as the policy is (model.load_model: dtype,
 attention, ZeRO-3 partitioning while loading), which TRL prepares like the policy (DeepSpeed, FSDP); with
 precompute_ref_log_probs TRL computes them once before training from the policy's initial weights, and nothing else
-is held.
+is held. orpo and cpo have no reference model (schema.REFERENCE_FREE).
 """
 
 from __future__ import annotations
@@ -13,26 +14,26 @@ from __future__ import annotations
 import logging
 import os
 
-import trl
-
 from . import backends
 from .recipe import Recipe
-from .schema import TRAINERS
+from .schema import REFERENCE_FREE, TRAINERS
+from .snapshots import METHOD_MODULES, trl_class
 
 log = logging.getLogger("sftrecipes")
 
-# Logged per step by DPOTrainer / KTOTrainer (their `_metrics`), reported in run_summary.json per logging step
+# Logged per step by the preference trainers (their `_metrics`), reported in run_summary.json per logging step: the
+# rewards of each; kl of kto; the NLL term of orpo and cpo, and orpo's log odds
 PREFERENCE_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
-                      "logps/rejected", "kl")
+                      "logps/rejected", "kl", "nll_loss", "log_odds_ratio", "log_odds_chosen")
 
 
 def trainer_class(recipe: Recipe) -> type:
-    return getattr(trl, TRAINERS[recipe.method])
+    return trl_class(recipe.method, TRAINERS[recipe.method])
 
 
 def needs_reference_copy(recipe: Recipe) -> bool:
-    """A preference method training every weight, its reference not precomputed: a second copy of the model."""
-    return (recipe.method != "sft" and not recipe.model.use_peft_lora
+    """A preference method with a reference, training every weight, its reference not precomputed: a second copy."""
+    return (recipe.method not in ("sft", *REFERENCE_FREE) and not recipe.model.use_peft_lora
             and not recipe.trl_value("precompute_ref_log_probs"))
 
 
@@ -42,6 +43,10 @@ def trainer_kwargs(recipe: Recipe, load_reference) -> dict:
     if recipe.method == "sft":
         return {}
     say = log.info if os.environ.get("RANK", "0") == "0" else log.debug
+    if recipe.method in REFERENCE_FREE:  # their trainers take no ref_model
+        say("reference model: none (%s compares chosen with rejected under the policy alone); %s is TRL's experimental "
+            "trainer from %s", recipe.method, TRAINERS[recipe.method], METHOD_MODULES[recipe.method])
+        return {}
     if needs_reference_copy(recipe):
         if backends.weight_reading(recipe, quantized=False)[0] == backends.RANK0_READS:
             # TRL shards the reference with fully_shard alone, without the broadcast from rank 0 that accelerate gives

@@ -1,4 +1,4 @@
-"""Preference data: the rows DPOTrainer and KTOTrainer train on (one dataset or a seeded mixture, its splits), in the
+"""Preference data: the rows DPOTrainer, KTOTrainer, ORPOTrainer and CPOTrainer train on (one dataset or a seeded mixture, its splits), in the
 shapes TRL tokenizes itself, counted.
 
 Sources, splits, column renames and a mixture's draws are SFT's (sources.py, data.load_source, data.draw_entry), and
@@ -32,12 +32,12 @@ from .data import draw_entry, load_source, log_mixture
 from .errors import RecipeError
 from .formats import check_template, detect_preference_format, from_sharegpt
 from .recipe import Recipe
-from .schema import TRAINERS
+from .schema import REFERENCE_FREE, TRAINERS
 from .sources import Source, check_eval_split, sources
 
 log = logging.getLogger("sftrecipes")
 
-PREFERENCE_METHODS = ("dpo", "kto")
+PREFERENCE_METHODS = ("dpo", "kto", "orpo", "cpo")
 EXTRA_COLUMNS = ("tools", "chat_template_kwargs")  # TRL's tokenization passes them to the chat template
 MESSAGE_COLUMNS = ("prompt", "chosen", "rejected", "completion")
 SCAN_ROWS = 1000  # rows read at a time by the scan for empty and identical rows
@@ -256,7 +256,8 @@ def count_split(method: str, name: str, parts: list[dict], recipe: Recipe) -> di
         counts["desirable"] = sum(p.get("desirable", 0) for p in parts)
         counts["undesirable"] = counts["kept"] - counts["desirable"]
         line += f" ({counts['desirable']} desirable, {counts['undesirable']} undesirable)"
-    cut = f"max_length {recipe.trl_value('max_length')}" + (f", {recipe.trl_value('truncation_mode')}" if method == "dpo" else "")
+    cut = f"max_length {recipe.trl_value('max_length')}" + {"dpo": f", {recipe.trl_value('truncation_mode')}",
+                                                            "orpo": ", the completion's end", "cpo": ", the completion's end"}.get(method, "")
     line += f"; it tokenizes them itself ({cut}: what it cuts and drops is logged once it has)"
     (log.warning if counts["empty"] or counts["identical"] or counts["no_prompt"] else log.info)("%s", line)
     return counts
@@ -267,13 +268,13 @@ def _sample_prompt(ds):
 
 
 def preference_datasets(recipe: Recipe, tokenizer):
-    """(train, eval or None, sample prompt, counts) for the recipe's method (dpo, kto): the rows of its sources (a
+    """(train, eval or None, sample prompt, counts) for the recipe's method (dpo, kto, orpo, cpo): the rows of its sources (a
     mixture drawn under the seed, then shuffled) in the shape its TRL trainer reads. The sample prompt: the first eval
     row's prompt, else the first train row's (a string, or a list of messages). counts: per split (read, dropped as
     empty/identical/no_prompt, unpaired pairs, kept, rows per shape, each source's), the mixture's draws."""
     method = recipe.method
     if method not in PREFERENCE_METHODS:
-        raise ValueError(f"preference_datasets reads data for dpo or kto, and method is {method}: data.prepared_datasets")
+        raise ValueError(f"preference_datasets reads data for {', '.join(PREFERENCE_METHODS)}, and method is {method}: data.prepared_datasets")
     srcs = sources(recipe)
     mixture = bool(recipe.data.datasets)
     seed = int(recipe.trl_value("seed"))
@@ -331,7 +332,9 @@ def truncation_counts(trainer_dataset, max_length: int | None, truncation_mode: 
     no truncation_mode), under DPO keep_end the rows whose completion alone fills max_length (their prompt cut away
     entirely), token totals before and after the cut. `line`: all that in one log line; `warn`: something was lost."""
     if method not in PREFERENCE_METHODS:
-        raise ValueError(f"truncation_counts reads what DPOTrainer or KTOTrainer prepared, not method {method}")
+        raise ValueError(f"truncation_counts reads what a preference trainer prepared, not method {method}")
+    if method in REFERENCE_FREE:
+        return _cut_counts(trainer_dataset, max_length, method, rows_in, name)
     completions = ("chosen", "rejected") if method == "dpo" else ("completion",)
     table = trainer_dataset.select_columns(["prompt_ids", *(f"{c}_ids" for c in completions)]).with_format("arrow")[:]
     prompt = _lengths(table, "prompt_ids")
@@ -384,3 +387,51 @@ def _truncation_line(c: dict, name: str) -> str:
     parts = ", ".join(f"{k} {tokens[k]}" for k in tokens if k not in ("total", "after_cut"))
     line += f"; tokens: {parts}; {tokens['after_cut']} of {tokens['total']} sequence tokens reach the model"
     return line
+
+
+def _completion_lengths(table, column: str) -> np.ndarray:
+    """Per row: the tokens of a labels column that count (not -100): the completion as the trainer learns it."""
+    labels = table[column].combine_chunks()
+    flat = pc.list_flatten(labels).to_numpy(zero_copy_only=False)
+    parents = pc.list_parent_indices(labels).to_numpy(zero_copy_only=False)
+    return np.bincount(parents[flat != -100], minlength=len(labels)).astype(np.int64)
+
+
+def _cut_counts(trainer_dataset, max_length: int | None, method: str, rows_in: int | None, name: str) -> dict:
+    """truncation_counts for ORPOTrainer and CPOTrainer, which tokenize each row themselves and cut it then: the
+    prompt stays whole and the completion's end is cut so that prompt + completion fit max_length; no row is
+    dropped. What they prepared holds the sequences after the cut (chosen_input_ids: prompt + completion), so a
+    sequence at exactly max_length was cut there or was that long; a row whose completion has no token left (the
+    prompt alone fills max_length) still reaches the loss, with nothing of the completion in it."""
+    if max_length is None:
+        raise ValueError(f"{TRAINERS[method]} has no uncut mode (validation refuses max_length: null)")
+    cols = ["prompt_input_ids", *(f"{c}_{k}" for c in ("chosen", "rejected") for k in ("input_ids", "labels"))]
+    table = trainer_dataset.select_columns(cols).with_format("arrow")[:]
+    prompt = _lengths(table, "prompt_input_ids")
+    rows = len(prompt)
+    out: dict = {"method": method, "rows": rows, "max_length": max_length, "truncation_mode": "keep_start",
+                 "dropped": None if rows_in is None else rows_in - rows, "cut": 0, "tokens": {"prompt": int(prompt.sum())}}
+    at_limit, empty = np.zeros(rows, dtype=bool), np.zeros(rows, dtype=bool)
+    total = 0
+    for c in ("chosen", "rejected"):
+        seq = _lengths(table, f"{c}_input_ids")
+        comp = _completion_lengths(table, f"{c}_labels")
+        at_limit |= seq == max_length
+        empty |= comp == 0
+        out[f"cut_{c}"] = int((seq == max_length).sum())
+        out["tokens"][c] = int(comp.sum())
+        total += int(seq.sum())
+    out["cut"] = int(at_limit.sum())
+    out["empty_completion"] = int(empty.sum())
+    out["tokens"].update(total=total, after_cut=total)
+    line = (f"data: {name} as {TRAINERS[method]} prepared it: {rows} rows, {out['cut']} at max_length {max_length} "
+            f"(the completion's end cut to fit, or exactly that long; chosen {out['cut_chosen']}, rejected "
+            f"{out['cut_rejected']})")
+    if out["empty_completion"]:
+        line += (f", {out['empty_completion']} with no completion token left (the prompt alone fills max_length; "
+                 f"{TRAINERS[method]} keeps them: raise max_length or shorten those prompts)")
+    t = out["tokens"]
+    line += f"; tokens after the cut: prompt {t['prompt']}, chosen {t['chosen']}, rejected {t['rejected']}"
+    out["line"] = line
+    out["warn"] = bool(out["cut"] or out["empty_completion"])
+    return out

@@ -16,9 +16,11 @@ from .snapshots import METHOD_CONFIGS, Option, load_methods_snapshot, load_peft_
 
 DTYPES = ("bfloat16", "float16", "float32")
 # What a recipe trains with (its `method` key): the TRL trainer and the config class whose fields are its TRL keys
-METHODS = ("sft", "dpo", "kto")
-TRAINERS = {"sft": "SFTTrainer", "dpo": "DPOTrainer", "kto": "KTOTrainer"}
+METHODS = ("sft", "dpo", "kto", "orpo", "cpo")
+TRAINERS = {"sft": "SFTTrainer", "dpo": "DPOTrainer", "kto": "KTOTrainer", "orpo": "ORPOTrainer", "cpo": "CPOTrainer"}
 CONFIGS = {"sft": "SFTConfig", **METHOD_CONFIGS}
+PAIRED = ("dpo", "orpo", "cpo")  # the methods that compare a chosen and a rejected completion of one prompt
+REFERENCE_FREE = ("orpo", "cpo")  # no reference model at all: no second copy, no adapter-disabled pass
 
 
 def opt(default: Any, help: str, choices: tuple | None = None, aliases: tuple = (), kind: str | None = None) -> Any:
@@ -191,10 +193,12 @@ class RunOptions:
     method: str = opt(
         "sft",
         "What the run trains: sft (supervised fine-tuning, TRL's SFTTrainer), dpo (preference pairs, TRL's DPOTrainer: "
-        "every loss_type it offers), kto (unpaired desirable/undesirable completions, TRL's KTOTrainer). The TRL keys "
-        "are then those of its config class (SFTConfig, DPOConfig, KTOConfig; a key of another method's class is "
-        "refused), and the data is read in that method's shapes (dataset_format). With LoRA the reference model of dpo "
-        "and kto is the base with the adapter disabled (no second copy).",
+        "every loss_type it offers), kto (unpaired desirable/undesirable completions, TRL's KTOTrainer), orpo and cpo "
+        "(preference pairs without a reference model: TRL's experimental ORPOTrainer and CPOTrainer, whose loss_type "
+        "simpo is SimPO). The TRL keys are then those of its config class (SFTConfig, DPOConfig, KTOConfig, "
+        "ORPOConfig, CPOConfig; a key of another method's class is refused), and the data is read in that method's "
+        "shapes (dataset_format). With LoRA the reference model of dpo and kto is the base with the adapter disabled "
+        "(no second copy).",
         choices=METHODS,
     )
 

@@ -1,5 +1,5 @@
 """Options read from config dataclasses: a field becomes an Option (kind, default, help, choices), and TRL's
-``SFTConfig``, the preference trainers' ``DPOConfig`` / ``KTOConfig`` and peft's ``LoraConfig`` read that way are kept
+``SFTConfig``, the preference trainers' ``DPOConfig`` / ``KTOConfig`` / ``ORPOConfig`` / ``CPOConfig`` and peft's ``LoraConfig`` read that way are kept
 as JSON snapshots (``trl_options.json``, ``trl_methods.json``, ``peft_options.json``) so that a recipe is validated and
 ``--help`` printed before torch is imported.
 ``tests/test_schema_and_assets.py`` fails when a snapshot differs from the installed package; ``python -m sftrecipes
@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import importlib
 import json
+import os
 import types
 import typing
 from dataclasses import dataclass
@@ -19,7 +21,9 @@ from typing import Any
 TRL_SNAPSHOT = Path(__file__).with_name("trl_options.json")
 METHODS_SNAPSHOT = Path(__file__).with_name("trl_methods.json")
 # method -> TRL's config class of its trainer, besides sft's SFTConfig (trl_options.json): read into trl_methods.json
-METHOD_CONFIGS = {"dpo": "DPOConfig", "kto": "KTOConfig"}
+METHOD_CONFIGS = {"dpo": "DPOConfig", "kto": "KTOConfig", "orpo": "ORPOConfig", "cpo": "CPOConfig"}
+# methods whose trainer and config TRL 1.16 keeps outside its top level: the module that holds them
+METHOD_MODULES = {"orpo": "trl.experimental.orpo", "cpo": "trl.experimental.cpo"}
 PEFT_SNAPSHOT = Path(__file__).with_name("peft_options.json")
 
 
@@ -139,9 +143,16 @@ def load_trl_snapshot(path: Path = TRL_SNAPSHOT) -> dict:
 
 def methods_snapshot() -> dict[str, list[dict]]:
     """Each preference method's config class (METHOD_CONFIGS) read from the installed TRL, every field of it."""
-    import trl  # noqa: PLC0415 - trl: recipe validation reads the snapshot, torch-free
+    return {method: _snapshot_rows(options_of(trl_class(method, cls), "trl")) for method, cls in METHOD_CONFIGS.items()}
 
-    return {method: _snapshot_rows(options_of(getattr(trl, cls), "trl")) for method, cls in METHOD_CONFIGS.items()}
+
+def trl_class(method: str, name: str) -> type:
+    """TRL's class `name` (a trainer or a config) for `method`: from trl itself, or from the experimental module
+    METHOD_MODULES names (orpo, cpo), whose import notice is silenced: the run logs which trainer it uses."""
+    module = METHOD_MODULES.get(method, "trl")
+    if module != "trl":
+        os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    return getattr(importlib.import_module(module), name)
 
 
 def write_methods_snapshot(path: Path = METHODS_SNAPSHOT) -> None:

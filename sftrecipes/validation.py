@@ -6,6 +6,8 @@ anything heavy is imported or anything is written.
 
 from __future__ import annotations
 
+import importlib.util
+
 import difflib
 import re
 from pathlib import Path
@@ -13,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from .coerce import coerce
 from .errors import RecipeError
-from .schema import CONFIGS, DATASET_ENTRY_KEYS, TRAINERS, all_options, dpo_loss_types
+from .schema import CONFIGS, DATASET_ENTRY_KEYS, REFERENCE_FREE, TRAINERS, all_options, dpo_loss_types
 from .shape import config_path, model_shape
 from .sources import check_eval_split, check_trl_data_keys
 
@@ -229,6 +231,12 @@ def _validate_method(r: Recipe) -> None:
         wrong = [t for t in r.trl["loss_type"] if t not in known]
         if wrong:
             raise RecipeError(f"loss_type: '{wrong[0]}' is not a loss DPOTrainer has; use one or more of {', '.join(known)}")
+    if r.trl.get("generate_during_eval") and not any(importlib.util.find_spec(m) for m in ("wandb", "comet_ml")):
+        raise RecipeError(f"generate_during_eval: {TRAINERS[r.method]} logs its generations to Weights & Biases or Comet, "
+                          "and neither is installed; pip install wandb (or comet_ml), or remove generate_during_eval")
+    if r.method in REFERENCE_FREE and r.trl_value("max_length") is None:
+        raise RecipeError(f"max_length: null would not mean 'no cut' here: {TRAINERS[r.method]} then cuts at a length of "
+                          "its own choosing; give the length every prompt + completion must fit (e.g. max_length: 1024)")
     sft_data = changed(r, ["add_special_tokens", "append_concat_token"]) if r.method != "sft" else []
     if sft_data:
         raise RecipeError(f"{sft_data[0]}: shapes SFT samples only; method {r.method}'s {TRAINERS[r.method]} tokenizes "

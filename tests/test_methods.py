@@ -50,13 +50,17 @@ def test_each_method_reads_its_config_class(tmp_path):
 
 
 @pytest.mark.parametrize("text,flags,message", [
-    ("beta: 0.2\n", [], "beta: a key of DPOConfig (method dpo, kto); method sft trains with SFTTrainer, whose SFTConfig "
-                        "has no beta: remove it, or set method: dpo"),
+    ("beta: 0.2\n", [], "beta: a key of DPOConfig (method dpo, kto, orpo, cpo); method sft trains with SFTTrainer, whose "
+                        "SFTConfig has no beta: remove it, or set method: dpo"),
     ("method: dpo\npacking: true\n", [], "packing: a key of SFTConfig (method sft); method dpo trains with DPOTrainer"),
     ("method: kto\n", ["--packing", "true"], "packing: a key of SFTConfig (method sft); method kto"),
     ("method: kto\n", ["--loss_type", "sigmoid"], "'sigmoid' is not one of kto, apo_zero_unpaired"),
     ("method: dpo\nloss_type: [sigmoid, ipx]\n", [], "loss_type: 'ipx' is not a loss DPOTrainer has; use one or more of sigmoid,"),
-    ("method: orpo\n", [], "'orpo' is not one of sft, dpo, kto"),
+    ("method: simpo\n", [], "'simpo' is not one of sft, dpo, kto, orpo, cpo"),
+    ("method: orpo\n", ["--precompute_ref_log_probs", "true"], "precompute_ref_log_probs: a key of DPOConfig (method dpo, "
+                                                               "kto); method orpo trains with ORPOTrainer, whose ORPOConfig has no"),
+    ("method: cpo\n", ["--loss_type", "kto"], "'kto' is not one of sigmoid, hinge, ipo, simpo, alphapo"),
+    ("method: cpo\n", ["--max_length", "null"], "max_length: null would not mean 'no cut' here: CPOTrainer then cuts at"),
     ("method: dpo\nappend_concat_token: true\n", [], "append_concat_token: shapes SFT samples only; method dpo's "
                                                        "DPOTrainer tokenizes preference data itself"),
 ])
@@ -82,6 +86,6 @@ def test_help_marks_the_keys_of_one_method():
     res = run_cli(["train.py", "--help"])
     assert res.returncode == 0
     beta = next(ln for ln in res.stdout.splitlines() if ln.startswith("  --beta "))
-    assert "(method dpo, kto only)" in beta
+    assert "(method dpo, kto, orpo, cpo only)" in beta
     method = next(ln for ln in res.stdout.splitlines() if ln.startswith("  --method "))
-    assert "one of sft, dpo, kto" in method
+    assert "one of sft, dpo, kto, orpo, cpo" in method

@@ -26,7 +26,7 @@ from sftrecipes import backends, data, emit, heartbeats, methods, model as model
 from sftrecipes.errors import RecipeError
 from sftrecipes.lora import lora_config
 from sftrecipes.recipe import load_recipe
-from sftrecipes.schema import CONFIGS
+from sftrecipes.schema import CONFIGS, METHODS
 from sftrecipes.schema import all_options
 from sftrecipes.tiny import ensure_family
 from sftrecipes.tokenizer import load_tokenizer
@@ -82,11 +82,11 @@ REFUSED = {"enable_jit_checkpoint": "the run handles SIGTERM/SIGUSR1 itself (lif
 # Refused on the cpu target or without the package by preflight.in_run (test_train.py::test_liger_is_refused_without_a_gpu_or_its_package):
 # probed on the gpu target.
 GPU_ONLY = {"use_liger_kernel"}
-# (method, key): every SFTConfig key under sft; under dpo and kto the keys of their config class that SFTConfig lacks
-# or defines differently (the keys all three share reach it alike)
+# (method, key): every SFTConfig key under sft; under the preference methods the keys of their config class that
+# SFTConfig lacks or defines differently (the keys they all share reach it alike)
 TRL_KEYS = sorted([("sft", n) for n, o in all_options().items() if o.owner == "trl" and not o.methods
                    and n not in PIPELINE and n not in REFUSED and o.kind != "object"]
-                  + [(m, n) for m in ("dpo", "kto") for n, o in all_options(m).items() if o.owner == "trl"
+                  + [(m, n) for m in METHODS[1:] for n, o in all_options(m).items() if o.owner == "trl"
                      and ((o.methods and m in o.methods) or (o.kind, o.default) != (all_options()[n].kind, all_options()[n].default))])
 SPECIAL_BY_METHOD = {("dpo", "loss_type"): (["ipo", "hinge"], {}, None),  # a list of DPOTrainer's loss types
                      ("dpo", "loss_weights"): ([0.5], {}, None),
@@ -129,8 +129,11 @@ def tokenized(r):
 def obs_method(tiny_model, tmp_path):
     """The trainer and its config class; that each method trains: tests/test_preference_train.py."""
     import trl
+    from trl.experimental.cpo import CPOTrainer
+    from trl.experimental.orpo import ORPOTrainer
 
-    for method, trainer in (("sft", trl.SFTTrainer), ("dpo", trl.DPOTrainer), ("kto", trl.KTOTrainer)):
+    for method, trainer in (("sft", trl.SFTTrainer), ("dpo", trl.DPOTrainer), ("kto", trl.KTOTrainer),
+                            ("orpo", ORPOTrainer), ("cpo", CPOTrainer)):
         r = recipe("--method", method)
         assert methods.trainer_class(r) is trainer and type(backends.training_args(r, "cpu")).__name__ == CONFIGS[method]
 

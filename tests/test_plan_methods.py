@@ -243,3 +243,101 @@ def test_calibration_dpo_plan_vs_measured_peak_on_cpu(tmp_path, lora, ckpt):
           f"({plan.peak_phase}), error {error:+.1%}; reference forward measured {ref_peak / 1e6:.1f} MB, predicted "
           f"{predicted_ref / 1e6:.1f} MB, error {ref_error:+.1%}")
     assert abs(error) <= 0.10 and abs(ref_error) <= 0.10
+
+
+# ----------------------------------------------------------------------------------------------- orpo, cpo
+
+
+def test_reference_free_methods_hold_no_reference_and_keep_full_logits(tmp_path):
+    """orpo and cpo: the pairs' 2 x per_device_train_batch_size sequences as DPO's, no reference (no copy, no
+    reference forward, said under the verdict even for a full fine-tune), and an LM head that keeps [tokens, vocab]
+    logits where DPO's runs TRL's chunked one (the calibration below holds its size)."""
+    dpo = plan_recipe(recipe(tmp_path, "zero3.yaml", "method: dpo\n" + NO_LORA), _alternatives=False)
+    for method in ("orpo", "cpo"):
+        p = plan_recipe(recipe(tmp_path, "zero3.yaml", f"method: {method}\n" + NO_LORA), _alternatives=False)
+        assert item(p, START, "activations") == pytest.approx(item(dpo, START, "activations"))
+        assert item(p, "states", "reference model") == 0 and item(p, "states", "reference model (frozen copy)") == 0
+        assert REF_FORWARD not in p.phases and not any(i.name == "reference all-gather" for i in p.comm)
+        assert p.reference == f"reference ({method}): none: the method compares chosen with rejected under the policy alone: 0 GB per GPU"
+        assert p.reference in format_plan(p).split("VERDICT", 1)[1]
+        assert item(p, START, "LM head (full logits)") > 0 and item(p, START, "LM head (TRL chunked log-probs)") == 0
+    assert item(dpo, START, "LM head (full logits)") == 0
+
+
+CAL_FREE = [("orpo", True, False, None), ("cpo", False, True, "simpo")]
+
+
+@pytest.mark.parametrize("method,lora,ckpt,loss_type", CAL_FREE, ids=["orpo-lora-no-ckpt", "cpo-simpo-full-ckpt"])
+def test_calibration_reference_free_plan_vs_measured_peak_on_cpu(tmp_path, method, lora, ckpt, loss_type):
+    """Plan an orpo / cpo recipe of the test model with a 32k vocabulary (the [1024 tokens, 32768] logits, 134 MB in
+    fp32, are most of the peak), then run 2 real steps through the trainer's own loss (get_batch_loss_metrics on the
+    collated pairs: the forward, its NLL and odds-ratio or SimPO terms), backward, fused AdamW, and compare the
+    measured peak of live tensors with the plan's."""
+    import functools
+    import types
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from sftrecipes.lora import lora_config
+    from sftrecipes.model import load_dtype
+    from sftrecipes.snapshots import trl_class
+
+    vocab = 32768
+    cfg = AutoConfig.for_model(**{**CAL, "vocab_size": vocab})
+    cfg.save_pretrained(tmp_path / "model")
+    r = load_recipe([write(tmp_path, "cal.yaml", textwrap.dedent(f"""
+        model_name_or_path: {tmp_path / 'model'}
+        method: {method}
+        dataset_name: data/tiny_dpo
+        output_dir: {tmp_path / 'out'}
+        max_length: 256
+        per_device_train_batch_size: 2
+        gradient_checkpointing: {str(ckpt).lower()}
+        bf16: false
+        launch: {{hardware: cpu}}
+        """) + ("use_peft_lora: true\nlora_r: 8\nlora_target_modules: all-linear\nlora_dropout: 0.1\n" if lora else "")
+        + (f"loss_type: {loss_type}\n" if loss_type else ""))])
+    plan = plan_recipe(r, _alternatives=False)
+    trainer = trl_class(method, f"{method.upper()}Trainer")
+    # the attributes its loss reads, as its __init__ sets them from the config (the trainer itself would tokenize a
+    # dataset and build an accelerator: not what is measured)
+    me = types.SimpleNamespace(is_encoder_decoder=False, padding_value=0, pad_token_id=0, aux_loss_enabled=False,
+                               accelerator=types.SimpleNamespace(device="cpu", gather_for_metrics=lambda x: x),
+                               **{k: r.trl_value(k) for k in ("beta", "loss_type", "label_smoothing", "cpo_alpha",
+                                                              "simpo_gamma", "alpha") if method == "cpo" or k == "beta"})
+    for name in ("concatenated_inputs", "get_batch_logps", "concatenated_forward", "odds_ratio_loss", "cpo_loss"):
+        if hasattr(trainer, name):
+            attr = getattr(trainer, name)
+            setattr(me, name, attr if isinstance(trainer.__dict__.get(name), staticmethod) else functools.partial(attr, me))
+    torch.manual_seed(0)
+    with LiveStorage() as mode:
+        model = AutoModelForCausalLM.from_config(cfg, dtype=load_dtype(r), attn_implementation="sdpa")
+        if lora:
+            from peft import get_peft_model
+
+            model = get_peft_model(model, lora_config(r, []))
+        for m in model.modules():  # disable_dropout
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0
+        if ckpt:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+        # the collated pairs: chosen and rejected rows padded on the right, their prompts' labels -100
+        ids = torch.randint(0, vocab, (4, 256))
+        pos, lengths = torch.arange(256), torch.tensor([256, 216, 246, 256])
+        mask = (pos < lengths[:, None]).long()
+        labels = ids.masked_fill((pos < 64) | (mask == 0), -100)
+        batch = {f"{side}_{k}": v[rows] for side, rows in (("chosen", slice(0, 2)), ("rejected", slice(2, 4)))
+                 for k, v in (("input_ids", ids), ("attention_mask", mask), ("labels", labels))}
+        for _ in range(2):
+            loss, _metrics = trainer.get_batch_loss_metrics(me, model, batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            del loss, _metrics
+    predicted = plan.tensor_peak_gb * GB
+    error = predicted / mode.peak - 1
+    print(f"calibration {method} lora={lora} ckpt={ckpt}: measured {mode.peak / 1e6:.1f} MB, predicted "
+          f"{predicted / 1e6:.1f} MB ({plan.peak_phase}), error {error:+.1%}")
+    assert plan.peak_phase == START and abs(error) <= 0.10

@@ -223,6 +223,14 @@ def test_formats_of_one_method_are_refused_by_the_others(tiny_model):
         preference_datasets(r, tok)
     r.data.dataset_format = "preference"
     assert len(preference_datasets(r, tok)[0]) == 200
+    for paired in ("orpo", "cpo"):  # dpo's shapes, dpo's refusal
+        r, tok = build(paired, "--dataset_name", "data/tiny_kto")
+        with pytest.raises(RecipeError, match=f"^dataset_format: dataset_name \\(data/tiny_kto, train\\) .* is none of the shapes method {paired} reads: "
+                                               "prompt/chosen/rejected"):
+            preference_datasets(r, tok)
+        r.data.dataset_format = "unpaired_preference"
+        with pytest.raises(RecipeError, match=f"^dataset_format: unpaired_preference .* which method {paired} compares; set method: kto"):
+            preference_datasets(r, tok)
     r, tok = build("kto", "--dataset_name", "data/tiny_dpo")
     r.data.dataset_format = "unpaired_preference"  # kto asked for unpaired rows, given pairs
     with pytest.raises(RecipeError, match="^dataset_format: unpaired_preference needs the column 'completion'"):
@@ -303,6 +311,44 @@ def test_truncation_counts_of_what_trl_prepared(tiny_model, tmp_path, method):
     c = truncation_counts(trl_prepared(method, rows, tok, max_length=limit), limit, "keep_start", method, rows_in=len(rows))
     assert 0 < c["dropped"] == expect_dropped and c["rows"] == len(rows) - expect_dropped
     assert (c["cut_chosen"] if method == "dpo" else c["cut"]) == expect_cut > 0
+
+
+@pytest.mark.parametrize("method", ["orpo", "cpo"])
+def test_cut_counts_of_what_orpo_and_cpo_prepared(tiny_model, tmp_path, method):
+    """ORPOTrainer and CPOTrainer tokenize each row themselves (tokenize_row) and cut the completion's end there,
+    keeping the prompt whole and every row: against their own tokenize_row on the shipped pairs, prompts made of 0-3
+    more words, at a max_length between the prompts' lengths: the rows at max_length are those whose prompt +
+    completion reach it, the rows left with no completion token those whose prompt alone fills it."""
+    import functools
+
+    from trl.data_utils import maybe_apply_chat_template
+
+    from sftrecipes.snapshots import trl_class
+
+    shipped = [json.loads(line) for line in open(ROOT / "data/tiny_dpo/train.jsonl")][:40]
+    rows = [{**r, "prompt": [{"role": "user", "content": r["prompt"][0]["content"] + " please" * (i % 4)}]} for i, r in enumerate(shipped)]
+    r, tok = build(method, "--dataset_name", write_jsonl(tmp_path / "d.jsonl", rows), "--splits", "train")
+    rows = preference_datasets(r, tok)[0].map(maybe_apply_chat_template, fn_kwargs={"processing_class": tok})
+    trainer = trl_class(method, f"{method.upper()}Trainer")
+
+    def prepared(max_length):  # the trainer's own tokenize_row, with the attributes its __init__ gives it
+        me = SimpleNamespace(processing_class=tok, is_encoder_decoder=False, max_length=max_length, padding_value=0)
+        me.build_tokenized_answer = functools.partial(trainer.build_tokenized_answer, me)
+        return rows.map(functools.partial(trainer.tokenize_row, me))
+
+    whole = prepared(10_000)
+    prompts = [len(p) for p in whole["prompt_input_ids"]]
+    limit = sorted(prompts)[len(prompts) // 2] + 1
+    seqs = {c: [len(x) for x in whole[f"{c}_input_ids"]] for c in ("chosen", "rejected")}
+    expect_at = sum(any(p < limit <= seqs[c][i] for c in seqs) for i, p in enumerate(prompts))
+    expect_empty = sum(p >= limit for p in prompts)
+    c = truncation_counts(prepared(limit), limit, "keep_start", method, rows_in=len(rows))
+    assert c["rows"] == len(rows) and c["dropped"] == 0
+    assert c["cut"] == expect_at > 0 and c["empty_completion"] == expect_empty > 0 and c["warn"]
+    assert f"{expect_empty} with no completion token left (the prompt alone fills max_length" in c["line"]
+    uncut = truncation_counts(whole, 10_000, "keep_start", method, rows_in=len(rows))
+    assert (uncut["cut"], uncut["empty_completion"], uncut["warn"]) == (0, 0, False)
+    assert uncut["tokens"]["prompt"] == sum(prompts)
 
 
 # ------------------------------------------------------------------------------------------ the shipped data

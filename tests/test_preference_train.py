@@ -1,5 +1,6 @@
-"""Preference tuning for real: DPO and KTO from the tiny recipes learn the shipped preference sets as a bare TRL
-script does, and a tiny twin recipe with only `method` and the data changed trains on every backend on 2 ranks."""
+"""Preference tuning for real: DPO, KTO, ORPO and CPO (SimPO) from the tiny recipes learn the shipped preference sets
+as a bare TRL script does, and a tiny twin recipe with only `method` and the data changed trains on every backend on 2
+ranks."""
 
 import json
 import math
@@ -21,19 +22,28 @@ def rises(rows, key):
     return sum(values[-2:]) / 2 > sum(values[:2]) / 2
 
 
-def bare_trl(method, out, steps, data):
-    """TRL's own trainer on the same rows, model, template (the run's saved tokenizer) and settings: LoRA on every
-    linear layer, r 8, the same batch, learning rate and seed."""
+# the data each method's tiny recipe trains on (orpo and cpo read dpo's pairs)
+DATA = {"dpo": "data/tiny_dpo", "kto": "data/tiny_kto", "orpo": "data/tiny_dpo", "cpo": "data/tiny_dpo"}
+# the method's own keys a tiny recipe sets, given to the bare trainer as they are
+METHOD_KEYS = ("beta", "loss_type", "simpo_gamma", "cpo_alpha")
+
+
+def bare_trl(method, out, steps, data, keys):
+    """TRL's own trainer (trl's, or trl.experimental's for orpo and cpo) on the same rows, model, template (the run's
+    saved tokenizer) and settings: LoRA on every linear layer, r 8, the same batch, learning rate and seed, and the
+    method's keys the recipe set."""
+    import importlib
+
     from datasets import load_dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 
-    Config, Trainer = (DPOConfig, DPOTrainer) if method == "dpo" else (KTOConfig, KTOTrainer)
+    module = importlib.import_module({"orpo": "trl.experimental.orpo", "cpo": "trl.experimental.cpo"}.get(method, "trl"))
+    Config, Trainer = (getattr(module, f"{method.upper()}{kind}") for kind in ("Config", "Trainer"))
     tok = AutoTokenizer.from_pretrained(out)
     args = Config(output_dir=str(out / "bare"), max_steps=steps, per_device_train_batch_size=8, learning_rate=5e-3,
-                  lr_scheduler_type="constant", logging_steps=5, seed=42, beta=0.1, report_to="none", use_cpu=True,
-                  save_strategy="no", max_length=256)
+                  lr_scheduler_type="constant", logging_steps=5, seed=42, report_to="none", use_cpu=True,
+                  save_strategy="no", max_length=256, **keys)
     trainer = Trainer(model=AutoModelForCausalLM.from_pretrained(".assets/tiny-llama"), args=args, processing_class=tok,
                       train_dataset=load_dataset("json", data_files=f"{data}/train.jsonl", split="train"),
                       peft_config=LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear",
@@ -42,25 +52,30 @@ def bare_trl(method, out, steps, data):
     return [e for e in trainer.state.log_history if "loss" in e and "rewards/margins" in e]
 
 
-@pytest.mark.parametrize("method", ["dpo", "kto"])
+@pytest.mark.parametrize("method", ["dpo", "kto", "orpo", "cpo"])
 def test_preference_run_learns_as_bare_trl_does(tiny_model, tmp_path, method):
-    """Over 30 steps the reward margin rises in train.py's run and in a bare TRL run of the same data; for DPO the
-    chosen-over-rejected accuracy too. The run reports them per logging step in run_summary.json, with the data
-    counts TRL's tokenizing gave and a reply sampled from the trained adapter."""
+    """Over 30 steps the reward margin rises in train.py's run and in a bare TRL run of the same data; for the paired
+    methods the chosen-over-rejected accuracy too. The run reports them per logging step in run_summary.json (orpo
+    and cpo also their NLL term, orpo its log odds), with the data counts TRL's tokenizing gave and a reply sampled
+    from the trained adapter."""
     out = tmp_path / method
-    data = f"data/tiny_{method}"
-    trainer, summary = train.run(load_recipe([f"recipes/tiny/{method}.yaml", "--output_dir", str(out), "--max_steps", "30"]))
+    data = DATA[method]
+    recipe = load_recipe([f"recipes/tiny/{method}.yaml", "--output_dir", str(out), "--max_steps", "30"])
+    keys = {k: recipe.trl[k] for k in METHOD_KEYS if k in recipe.trl}
+    trainer, summary = train.run(recipe)
     rows = summary["preference"]
     assert summary["method"] == method and [r["step"] for r in rows] == [5, 10, 15, 20, 25, 30]
     assert rises(rows, "rewards/margins"), rows
-    if method == "dpo":
+    if method != "kto":
         assert rises(rows, "rewards/accuracies"), rows
+    if method in ("orpo", "cpo"):
+        assert all(math.isfinite(r["nll_loss"]) for r in rows) and ("log_odds_ratio" in rows[0]) == (method == "orpo"), rows
     stored = json.loads((out / "run_summary.json").read_text())
     assert stored["preference"] == rows
     assert stored["data"]["train"]["kept"] == 200 and stored["data"]["train"]["tokenized"]["rows"] == 200
     assert summary["sample"]["new_tokens"] > 0 and summary["adapter"]
     assert_loadable(out, summary)
-    bare = bare_trl(method, out, 30, data)
+    bare = bare_trl(method, out, 30, data, keys)
     assert rises(bare, "rewards/margins"), bare
     # both start from the same base and the same data: the first logged loss is within 5% of bare TRL's
     assert rows and bare and abs(summary["losses"][0] - bare[0]["loss"]) <= 0.05 * bare[0]["loss"], (summary["losses"], bare)
@@ -69,14 +84,17 @@ def test_preference_run_learns_as_bare_trl_does(tiny_model, tmp_path, method):
 # (method, twin) -> the shipped twin whose backend it must show. A tiny SFT twin with the method and the data
 # changed (DDP; FSDP2 full fine-tune, whose reference is a second copy sharded like the policy), and the
 # twins of the shipped DPO recipes (ZeRO-3 with LoRA on Llama-3, QLoRA on FSDP2 on Qwen3), which set both themselves.
+# orpo and cpo have no reference: their first loss is no constant. ORPO on FSDP2 trains every weight (nothing to
+# compare against but the policy), CPO on ZeRO-3 with LoRA.
 FIRST_LOSS = {"dpo": math.log(2), "kto": 0.5}
 TWIN_RUNS = {("dpo", "ddp"): "ddp", ("dpo", "fsdp"): "fsdp", ("kto", "ddp"): "ddp", ("kto", "fsdp"): "fsdp",
-             ("dpo", "llama3-dpo-zero3"): "llama3-zero3", ("dpo", "qwen3-dpo-qlora-fsdp"): "qwen3-qlora-fsdp"}
-RESUMED = [("dpo", "llama3-dpo-zero3"), ("dpo", "fsdp"), ("kto", "ddp")]  # resumed from checkpoint-3: the same weights
+             ("dpo", "llama3-dpo-zero3"): "llama3-zero3", ("dpo", "qwen3-dpo-qlora-fsdp"): "qwen3-qlora-fsdp",
+             ("orpo", "fsdp"): "fsdp", ("cpo", "zero3"): "zero3"}
+RESUMED = [("dpo", "llama3-dpo-zero3"), ("dpo", "fsdp"), ("kto", "ddp"), ("orpo", "fsdp")]  # from checkpoint-3: the same weights
 
 
 def method_flags(method, name):
-    changed = [] if "-dpo-" in name else ["--method", method, "--dataset_name", f"data/tiny_{method}"]
+    changed = [] if "-dpo-" in name else ["--method", method, "--dataset_name", DATA[method]]
     return [*changed, "--save_strategy", "steps", "--save_steps", "3"]
 
 
@@ -112,11 +130,15 @@ def test_twin_recipe_trains_with_method(method_runs, family_models, method, name
     # at step 1 the policy is the reference, so DPO's sigmoid loss is log 2 and KTO's 0.5, up to bf16 rounding (the
     # twins compute in bf16: 0.6914); a reference that is not the initial model fails here (FSDP2's second rank built
     # its copy on the meta device and nothing broadcast into it: 0 with a NaN gradient, or 0.652)
-    assert summary["losses"][0] == pytest.approx(FIRST_LOSS[method], abs=0.02), summary["losses"]
+    if method in FIRST_LOSS:
+        assert summary["losses"][0] == pytest.approx(FIRST_LOSS[method], abs=0.02), summary["losses"]
+    assert all(math.isfinite(x) for x in summary["losses"]), summary["losses"]
     if shipped == name:  # a base written for SFT: its SFT keys listed once as not used
         assert log.count(f"recipe: packing: true from _common.yaml is a key of SFTConfig; method {method} has none: not used") == 1
     copy = not summary["adapter"]
-    assert log.count("reference model: a second copy" if copy else "reference model: the adapter disabled") == 1, log[-3000:]
+    said = ("reference model: none" if method not in FIRST_LOSS else
+            "reference model: a second copy" if copy else "reference model: the adapter disabled")
+    assert log.count(said) == 1, log[-3000:]
     base = family_models[BASE_OF[shipped]] if shipped in BASE_OF else ".assets/tiny-llama"
     assert_loadable(out, summary, base_dir=base, quantized="qlora" in name)
 

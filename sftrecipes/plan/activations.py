@@ -7,7 +7,8 @@ copies of each token), PEFT's LoRA layer (and its fold of W + s*BA on fused expe
 against the live-tensor peak of real CPU steps. The preference methods run the same fused head (DPOTrainer and
 KTOTrainer install it as SFTTrainer does), on their own batches: DPO's chosen and rejected sequences concatenated,
 KTO's completions (`sequences`); their forwards without grad (the reference, KTO's KL batch) hold one layer's tensors
-at a time (`no_grad_forward`), tests/test_plan_methods.py calibrates them.
+at a time (`no_grad_forward`), tests/test_plan_methods.py calibrates them. ORPO and CPO (TRL's experimental trainers)
+run no fused head: their [tokens, vocab] logits are kept (`_logits_head`), calibrated there too.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..recipe import Recipe
+from ..schema import PAIRED, REFERENCE_FREE
 from ..shape import Layer, Shape, Weight, checkpointing_off
 from .sharding import Setup
 
@@ -45,7 +47,7 @@ def sequences(recipe: Recipe) -> int:
     """Sequences per micro-batch whose activations are kept for backward: DPO concatenates each pair's chosen and
     rejected sequences into one forward (2 x per_device_train_batch_size, each prompt + completion, padded to the
     longest of the batch, at most max_length); KTO runs its completions with grad (its KL batch without); SFT its rows."""
-    return recipe.trl_value("per_device_train_batch_size") * (2 if recipe.method == "dpo" else 1)
+    return recipe.trl_value("per_device_train_batch_size") * (2 if recipe.method in PAIRED else 1)
 
 
 def layer_lora_params(adapted: tuple, r: int) -> int:
@@ -70,6 +72,7 @@ class Activations:
     head_backward: float  # the LM head's backward: fp32 grads, its tile buffer (+ lm_head's grad when trained)
     head_rows: int  # tokens per tile of TRL's LM head
     no_grad: float = 0.0  # one forward of the same batch without grad (a reference forward): what it holds at once
+    full_logits: bool = False  # the head returns [tokens, vocab] logits (orpo, cpo), not TRL's chunked log-probs
 
 
 def activations(recipe: Recipe, shape: Shape, s: Setup, adapted: tuple) -> Activations:
@@ -105,11 +108,34 @@ def activations(recipe: Recipe, shape: Shape, s: Setup, adapted: tuple) -> Activ
     head_bwd = tokens * (4 * h + (a * h if a != 4 else 0) + a * h) + rows * TRL_VOCAB_TILE * a
     head_bwd += 0 if s.gpu else rows * min(V, TRL_VOCAB_TILE) * 6 * 4
     head_bwd += V * h * 4 if head_trainable else 0
+    if full_logits(recipe):
+        head_saved, head_bwd = _logits_head(tokens, h, V, a, head_trainable)
     if s.quant_bits < 16:  # one weight de-quantized to 16-bit for its matmul
         deq = max(w.numel for L_ in shape.decoder for w in L_.weights if w.kind == "linear") * 2
         wss = [x + deq for x in wss]
     no_grad = no_grad_forward(shape, s, acts, tokens, rows)
-    return Activations(b, seq, tokens, attn, acts, wss, saved_all, saved_first, shared, head_saved, head_bwd, rows, no_grad)
+    return Activations(b, seq, tokens, attn, acts, wss, saved_all, saved_first, shared, head_saved, head_bwd, rows, no_grad,
+                       full_logits(recipe))
+
+
+def full_logits(recipe: Recipe) -> bool:
+    """ORPOTrainer and CPOTrainer (TRL's experimental ones) install no fused LM head: the model returns its
+    [tokens, vocab] logits and their losses are computed from them."""
+    return recipe.method in REFERENCE_FREE
+
+
+def _logits_head(tokens: int, h: int, V: int, a: int, trainable: bool) -> tuple[float, float]:
+    """(saved, backward's peak beyond it) of the LM head of orpo and cpo, in L = one [tokens, vocab] logits tensor in
+    the act dtype. Saved: the logits (the log-sum-exp of the per-token log-probs keeps them) and the chosen half's
+    log-softmax for its NLL (L/2); the forward peaks at 2L while that NLL's contiguous copy of the chosen logits is
+    alive. Backward: the grads of the gather (a zero-filled [tokens, vocab] buffer it scatters into), of the
+    log-sum-exp, of the NLL's half and their sum reach 3L beyond what is saved, measured on CPU (tests/
+    test_plan_methods.py). Beside them the final norm's saved tensors, the hidden states' grad, and lm_head's fp32
+    grad when trained."""
+    L = tokens * V * a
+    saved = tokens * (4 * h + a * h) + 1.5 * L
+    peak = tokens * (4 * h + a * h) + 3 * L + (V * h * 4 if trainable else 0)
+    return saved, peak
 
 
 def _padded(recipe: Recipe) -> bool:

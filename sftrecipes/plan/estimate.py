@@ -26,7 +26,7 @@ from ..backends import PARTITIONED, RANK0_READS, weight_reading
 from ..recipe import Recipe
 from ..shape import Shape, checkpointing_off, model_shape
 from .ranks import RankLoading, rank_loading
-from .reference import ADAPTER, COPY, Reference, describe, forwards, reference
+from .reference import ADAPTER, COPY, FREE, Reference, describe, forwards, reference
 from .sharding import GB, Setup, partitioned_4bit_load, quant_bytes_per_param, setup, trainable_bytes
 
 if TYPE_CHECKING:
@@ -242,6 +242,8 @@ def _model_states(recipe: Recipe, shape: Shape, s: Setup) -> ModelStates:
 def _reference_item(ref: Reference, shape: Shape) -> Item:
     if ref.kind == ADAPTER:
         return Item("reference model", 0.0, "none: the base with the adapter disabled (LoRA)")
+    if ref.kind == FREE:
+        return Item("reference model", 0.0, "none: the method has no reference model")
     if ref.kind != COPY:
         return Item("reference model", 0.0, "none during training: log-probs computed in a pass before step 1")
     return Item("reference model (frozen copy)", ref.per_gpu / GB,
@@ -297,8 +299,11 @@ def _live_phases(recipe: Recipe, shape: Shape, s: Setup, st: ModelStates, act: A
     phases.update({
         "start of backward (LM head)": [
             ("activations", act.shared + act.saved_all, acts_note),
-            ("LM head (TRL chunked log-probs)", act.head_saved + act.head_backward,
-             f"no [tokens, vocab] logits: a {act.head_rows} x {TRL_VOCAB_TILE} tile buffer + fp32 grads"),
+            (("LM head (full logits)", act.head_saved + act.head_backward,
+              f"[{act.tokens}, {shape.vocab}] logits kept, the chosen half's log-softmax and their grads (no fused head)")
+             if act.full_logits else
+             ("LM head (TRL chunked log-probs)", act.head_saved + act.head_backward,
+              f"no [tokens, vocab] logits: a {act.head_rows} x {TRL_VOCAB_TILE} tile buffer + fp32 grads")),
             ("gathered lm_head", head_gather, ""), not_yet(0), buckets],
         "backward, last layer": [
             ("activations", act.shared + act.saved_all, acts_note), one_layer, gath,

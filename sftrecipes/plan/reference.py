@@ -1,4 +1,4 @@
-"""The reference model of a preference run (method dpo or kto) as the planner counts it: which reference the run
+"""The reference model of a preference run (method dpo or kto; orpo and cpo have none) as the planner counts it: which reference the run
 uses, and the bytes it holds per GPU (torch-free).
 
 The rule is methods.needs_reference_copy's and TRL 1.16's (DPOTrainer / KTOTrainer `__init__`, trl.models.utils
@@ -22,17 +22,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..recipe import Recipe
+from ..schema import REFERENCE_FREE
 from ..shape import Shape
 from .sharding import GB, Setup
 
 NONE, ADAPTER, COPY, PRECOMPUTED = "", "adapter", "copy", "precomputed"
+FREE = "free"  # orpo, cpo: the method has no reference model
 
 
 @dataclass(frozen=True)
 class Reference:
     """What a run's reference costs: its kind, and the bytes of a copy (whole, and each GPU's share at rest)."""
 
-    kind: str  # NONE (sft), ADAPTER, COPY or PRECOMPUTED
+    kind: str  # NONE (sft), FREE (orpo, cpo), ADAPTER, COPY or PRECOMPUTED
     bytes_per_param: int = 0  # of a copy, as held
     ranks: int = 1  # ranks a copy is sharded over
     whole: float = 0.0  # bytes of the whole copy
@@ -55,6 +57,8 @@ def reference(recipe: Recipe, shape: Shape, s: Setup, float_b: int) -> Reference
     load dtype)."""
     if recipe.method == "sft":
         return Reference(NONE)
+    if recipe.method in REFERENCE_FREE:
+        return Reference(FREE)
     lora = recipe.model.use_peft_lora
     if recipe.trl_value("precompute_ref_log_probs"):  # (with LoRA the pass runs the base, the adapter disabled)
         # a full fine-tune under FSDP: TRL's own copy, in the policy's (load) dtype, whole while it loads
@@ -71,7 +75,7 @@ def forwards(recipe: Recipe, ref: Reference) -> tuple[int, int]:
     reference with the adapter disabled, KTO's KL batch; the reference copy's). DPO: one reference forward over the
     chosen and rejected sequences; KTO: the KL batch (mismatched completions) through the policy, then the KL batch
     and the completions through the reference (none of it for apo_zero_unpaired, which has no KL term)."""
-    if ref.kind == NONE:
+    if ref.kind in (NONE, FREE):
         return 0, 0
     kl = recipe.method == "kto" and recipe.trl_value("loss_type") != "apo_zero_unpaired"
     ref_passes = 0 if ref.kind == PRECOMPUTED else 1 + kl
@@ -83,6 +87,8 @@ def describe(recipe: Recipe, ref: Reference) -> str:
     if ref.kind == NONE:
         return ""
     head = f"reference ({recipe.method}): "
+    if ref.kind == FREE:
+        return head + "none: the method compares chosen with rejected under the policy alone: 0 GB per GPU"
     if ref.kind == ADAPTER:
         return head + "the base with the adapter disabled (LoRA), no second copy: 0 GB per GPU"
     if ref.kind == PRECOMPUTED:
