@@ -141,6 +141,8 @@ class ThroughputCallback(TrainerCallback):
     # kept as a tensor, and all steps since the last log are read in one transfer at the next log (the trainer syncs
     # there anyway for the loss) or at train end; TensorBoard gets their per-step scalars then.
     def _count(self, module, args, kwargs):
+        if module.training and "input_ids" not in kwargs and args and torch.is_tensor(args[0]):
+            kwargs = {**kwargs, "input_ids": args[0]}  # ORPOTrainer and CPOTrainer pass the ids positionally
         if module.training and "input_ids" in kwargs:
             counts = batch_count_tensor(kwargs, self.pad_id)
             self._counts = counts if self._counts is None else self._counts + counts

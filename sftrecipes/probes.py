@@ -4,6 +4,8 @@ model."""
 
 from __future__ import annotations
 
+import contextlib
+
 import resource
 
 import psutil
@@ -119,7 +121,11 @@ def sample_reply(trainer, tokenizer, prompt, max_new_tokens: int) -> dict:
     was_training = model.training
     model.eval()
     plugin = getattr(acc.state, "fsdp_plugin", None)
-    with torch.no_grad():
+    # ORPOTrainer and CPOTrainer cast a 4-bit model's LoRA layers, lm_head and embeddings to bf16 under bf16 (their
+    # flag): the norms stay fp32, so outside the training autocast their products mix dtypes; they generate under it
+    mixed = (torch.autocast(acc.device.type, dtype=torch.bfloat16) if getattr(trainer, "_peft_has_been_casted_to_bf16", False)
+             else contextlib.nullcontext())
+    with torch.no_grad(), mixed:
         if plugin is not None and plugin.fsdp_version == 1:  # FSDP1's flat shards must be gathered around generate
             with FSDP.summon_full_params(trainer.model_wrapped, writeback=False, recurse=True):
                 out = model.generate(**enc, **kwargs)
