@@ -89,6 +89,33 @@ def export_kind(src: Path) -> str:
     )
 
 
+def start_from(folder: Path) -> None:
+    """A model_name_or_path folder a run can start from: a model (config.json). A previous run's output that is not
+    one yet (a LoRA adapter, a DeepSpeed or FSDP sharded checkpoint, checkpoints only) is refused in one line naming the
+    command that makes it one (`merge`, `export`)."""
+    if (folder / "config.json").is_file() or not folder.is_dir():
+        return
+    key, dest = "model_name_or_path", f"{folder.name}-merged"
+    kind = None
+    try:
+        kind = export_kind(folder)
+    except RecipeError:
+        pass
+    if kind == "adapter":
+        base = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        raise RecipeError(f"{key}: '{folder}' is a LoRA adapter (of {base}), not a model; merge it into its base first "
+                          f"(python -m sftrecipes merge {folder} {dest}) and set {key} to that folder; the new run then "
+                          "trains from the merged model (with LoRA, a new adapter on it, whose base is the reference)")
+    if kind in ("zero", "dcp"):
+        what = "a DeepSpeed ZeRO checkpoint" if kind == "zero" else "an FSDP sharded checkpoint"
+        raise RecipeError(f"{key}: '{folder}' is {what}, not a model; export it to full safetensors first "
+                          f"(python -m sftrecipes export {folder} {folder.name}-export) and set {key} to that folder")
+    ckpts = [p.name for p in sorted((p for p in folder.glob("checkpoint-*") if p.is_dir()), key=natural_key)]
+    if ckpts:
+        raise RecipeError(f"{key}: '{folder}' holds no final save but {', '.join(ckpts)}; export one "
+                          f"(python -m sftrecipes export {folder / ckpts[-1]} {folder.name}-export) and set {key} to that folder")
+
+
 def local_model_dir(name_or_path: str) -> Path:
     """A base model as a local folder: the folder itself, or the hub's snapshot of the id; RecipeError where neither."""
     p = Path(name_or_path).expanduser()

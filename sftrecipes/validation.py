@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from .coerce import coerce
 from .errors import RecipeError
+from .folders import start_from
 from .schema import CONFIGS, DATASET_ENTRY_KEYS, REFERENCE_FREE, TRAINERS, all_options, dpo_loss_types
 from .shape import config_path, model_shape
 from .sources import check_eval_split, check_trl_data_keys
@@ -96,6 +97,7 @@ def validate(r: Recipe) -> None:
                      ("dataset_name", d.dataset_name)):
         if val and looks_local(val) and not Path(val).expanduser().exists():
             raise RecipeError(f"{key}: local path '{val}' does not exist; fix the path (or build tiny assets: make assets)")
+    start_from(Path(m.model_name_or_path).expanduser())  # a previous run's adapter or sharded checkpoint: merge/export it first
     if d.dataset_name and d.datasets:
         raise RecipeError("dataset_name and datasets are both set; keep one: put dataset_name into datasets as one more entry (- path: ...), or set dataset_name: null where a base recipe sets it")
     if not d.dataset_name and not d.datasets:

@@ -89,3 +89,24 @@ def test_help_marks_the_keys_of_one_method():
     assert "(method dpo, kto, orpo, cpo only)" in beta
     method = next(ln for ln in res.stdout.splitlines() if ln.startswith("  --method "))
     assert "one of sft, dpo, kto, orpo, cpo" in method
+
+
+@pytest.mark.parametrize("layout,message", [
+    ({"adapter_config.json": '{"base_model_name_or_path": "meta-llama/Llama-3.1-8B"}', "adapter_model.safetensors": ""},
+     "is a LoRA adapter (of meta-llama/Llama-3.1-8B), not a model; merge it into its base first (python -m sftrecipes merge "),
+    ({"pytorch_model_fsdp_0/.metadata": ""}, "is an FSDP sharded checkpoint, not a model; export it to full safetensors first "
+                                             "(python -m sftrecipes export "),
+    ({"global_step6/mp_rank_00_model_states.pt": "", "global_step6/zero_pp_rank_0_mp_rank_00_optim_states.pt": ""},
+     "is a DeepSpeed ZeRO checkpoint, not a model; export it"),
+    ({"checkpoint-3/trainer_state.json": "", "checkpoint-12/trainer_state.json": ""},
+     "holds no final save but checkpoint-3, checkpoint-12; export one (python -m sftrecipes export "),
+])
+def test_a_previous_runs_output_that_is_not_a_model_is_refused_with_the_command(tmp_path, layout, message):
+    """A preference recipe (or any) started from an SFT run's output folder: a merged model or an exported checkpoint
+    is a model folder and loads; an adapter or a sharded checkpoint is refused before torch, naming merge / export."""
+    run = tmp_path / "sft-out"
+    for name, text in layout.items():
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_text(text)
+    with pytest.raises(RecipeError, match="^model_name_or_path: .*" + re.escape(message)):
+        load_recipe([str(recipe(tmp_path, "method: dpo\n")), "--model_name_or_path", str(run)])

@@ -4,6 +4,7 @@ ranks."""
 
 import json
 import math
+import re
 import shutil
 
 import pytest
@@ -95,6 +96,27 @@ def test_orpo_on_qlora_counts_its_tokens_and_samples_after_trls_bf16_cast(tiny_m
     per_step = 2 * trainer.args.per_device_train_batch_size
     row = summary["throughput"]["ranks"][0]
     assert row["steps"] == 3 and 3 * per_step * min(lengths) <= row["real_tokens"] <= 3 * per_step * max(lengths), row
+
+
+def test_sft_then_dpo_from_its_merged_output(tiny_model, tmp_path):
+    """The SFT -> DPO pipeline: the SFT run's adapter is refused as a starting model (one line naming merge), merged,
+    and the DPO recipe trains from the merged folder (its tokenizer and chat template, written by the SFT run): at step
+    1 the policy is its reference (the merged SFT model, the new adapter disabled), so the sigmoid loss is log 2; the
+    new adapter's base is the merged folder."""
+    from sftrecipes import cli
+    from sftrecipes.errors import RecipeError
+
+    sft, merged = tmp_path / "sft", tmp_path / "sft-merged"
+    train.run(load_recipe(["recipes/tiny/lora.yaml", "--output_dir", str(sft), "--max_steps", "4",
+                           "--sample_max_new_tokens", "0"]))
+    dpo = ["recipes/tiny/dpo.yaml", "--output_dir", str(tmp_path / "dpo"), "--max_steps", "2", "--logging_steps", "1"]
+    with pytest.raises(RecipeError, match=f"is a LoRA adapter .*python -m sftrecipes merge {re.escape(str(sft))} sft-merged"):
+        load_recipe([*dpo, "--model_name_or_path", str(sft)])
+    assert cli.main(["merge", str(sft), str(merged)]) == 0
+    _, summary = train.run(load_recipe([*dpo, "--model_name_or_path", str(merged)]))
+    assert summary["losses"][0] == pytest.approx(math.log(2), abs=1e-4), summary["losses"]
+    adapter = json.loads((tmp_path / "dpo" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == str(merged)
 
 
 # orpo and cpo have no reference: their first loss is no constant. ORPO on FSDP2 trains every weight (nothing to
