@@ -168,23 +168,16 @@ def test_shipped_dpo_recipes_name_their_reference(rel, capsys):
 CAL_CASES = [(True, False), (False, True)]
 
 
-@pytest.mark.parametrize("lora,ckpt", CAL_CASES, ids=["lora-no-ckpt", "full-ckpt"])
-def test_calibration_dpo_plan_vs_measured_peak_on_cpu(tmp_path, lora, ckpt):
-    """Plan a DPO recipe of the test model (2 pairs of 256 tokens: 4 sequences, padded), then run 2 real steps as
-    DPOTrainer._compute_loss does (the policy's forward with grad through TRL's fused head, the reference forward
-    without grad: the adapter disabled, or a frozen copy; the sigmoid loss, backward, fused AdamW, zero_grad) and
-    compare the measured peak of the step and of the reference forward with the plan's."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from trl.trainer.utils import add_fused_lm_head
+def cal_recipe(tmp_path, config: dict, method: str, lora: bool, ckpt: bool, extra: str = ""):
+    """(the model config, saved to tmp_path/model; a recipe of it for `method`): 2 pairs of 256 tokens, fp32, on the
+    cpu target, LoRA r8 on every linear layer or a full fine-tune, with or without checkpointing."""
+    from transformers import AutoConfig
 
-    from sftrecipes.lora import lora_config
-    from sftrecipes.model import load_dtype
-
-    cfg = AutoConfig.for_model(**CAL)
+    cfg = AutoConfig.for_model(**config)
     cfg.save_pretrained(tmp_path / "model")
     r = load_recipe([write(tmp_path, "cal.yaml", textwrap.dedent(f"""
         model_name_or_path: {tmp_path / 'model'}
-        method: dpo
+        method: {method}
         dataset_name: data/tiny_dpo
         output_dir: {tmp_path / 'out'}
         max_length: 256
@@ -192,7 +185,23 @@ def test_calibration_dpo_plan_vs_measured_peak_on_cpu(tmp_path, lora, ckpt):
         gradient_checkpointing: {str(ckpt).lower()}
         bf16: false
         launch: {{hardware: cpu}}
-        """) + ("use_peft_lora: true\nlora_r: 8\nlora_target_modules: all-linear\nlora_dropout: 0.1\n" if lora else ""))])
+        """) + ("use_peft_lora: true\nlora_r: 8\nlora_target_modules: all-linear\nlora_dropout: 0.1\n" if lora else "") + extra)])
+    return cfg, r
+
+
+@pytest.mark.parametrize("lora,ckpt", CAL_CASES, ids=["lora-no-ckpt", "full-ckpt"])
+def test_calibration_dpo_plan_vs_measured_peak_on_cpu(tmp_path, lora, ckpt):
+    """Plan a DPO recipe of the test model (2 pairs of 256 tokens: 4 sequences, padded), then run 2 real steps as
+    DPOTrainer._compute_loss does (the policy's forward with grad through TRL's fused head, the reference forward
+    without grad: the adapter disabled, or a frozen copy; the sigmoid loss, backward, fused AdamW, zero_grad) and
+    compare the measured peak of the step and of the reference forward with the plan's."""
+    from transformers import AutoModelForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    from sftrecipes.lora import lora_config
+    from sftrecipes.model import load_dtype
+
+    cfg, r = cal_recipe(tmp_path, CAL, "dpo", lora, ckpt)
     plan = plan_recipe(r, _alternatives=False)
     kw = dict(dtype=load_dtype(r), attn_implementation="sdpa")
     torch.manual_seed(0)
@@ -276,27 +285,14 @@ def test_calibration_reference_free_plan_vs_measured_peak_on_cpu(tmp_path, metho
     import functools
     import types
 
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from sftrecipes.lora import lora_config
     from sftrecipes.model import load_dtype
     from sftrecipes.snapshots import trl_class
 
     vocab = 32768
-    cfg = AutoConfig.for_model(**{**CAL, "vocab_size": vocab})
-    cfg.save_pretrained(tmp_path / "model")
-    r = load_recipe([write(tmp_path, "cal.yaml", textwrap.dedent(f"""
-        model_name_or_path: {tmp_path / 'model'}
-        method: {method}
-        dataset_name: data/tiny_dpo
-        output_dir: {tmp_path / 'out'}
-        max_length: 256
-        per_device_train_batch_size: 2
-        gradient_checkpointing: {str(ckpt).lower()}
-        bf16: false
-        launch: {{hardware: cpu}}
-        """) + ("use_peft_lora: true\nlora_r: 8\nlora_target_modules: all-linear\nlora_dropout: 0.1\n" if lora else "")
-        + (f"loss_type: {loss_type}\n" if loss_type else ""))])
+    cfg, r = cal_recipe(tmp_path, {**CAL, "vocab_size": vocab}, method, lora, ckpt, f"loss_type: {loss_type}\n" if loss_type else "")
     plan = plan_recipe(r, _alternatives=False)
     trainer = trl_class(method, f"{method.upper()}Trainer")
     # the attributes its loss reads, as its __init__ sets them from the config (the trainer itself would tokenize a
