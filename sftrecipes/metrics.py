@@ -21,7 +21,7 @@ see ThroughputCallback._count) (always: its own event file under
 ``output_dir/runs/throughput``, beside the trainer's own run when ``report_to`` has tensorboard; without it the
 callback also writes the trainer's loss/learning rate there, so TensorBoard works with ``report_to: none``). At the
 end every rank's totals are gathered to rank 0, printed as a table, written to ``output_dir/metrics.json`` and
-``output_dir/metrics.png`` (loss and throughput), and kept in ``callback.summary`` for the run summary.
+``output_dir/metrics.png`` (loss and throughput; a preference run's rewards and accuracy), and kept in ``callback.summary`` for the run summary.
 """
 
 from __future__ import annotations
@@ -302,15 +302,19 @@ def format_table(summary: dict) -> str:
     return "\n".join(lines[:1] + ["-" * len(lines[0])] + lines[1:])
 
 
-def save_plot(path: Path, log_history: list[dict], ranks: list[dict]) -> Path:
-    """Loss (rank 0's logged losses) and real tokens/s per step of every rank, as a PNG."""
+def save_plot(path: Path, log_history: list[dict], ranks: list[dict]) -> list[str]:
+    """Loss (rank 0's logged losses) and real tokens/s per step of every rank, as a PNG; a preference run's logged
+    rewards (chosen, rejected, margin) and chosen-over-rejected accuracy in a third panel. Returns the panels' y
+    labels."""
     # matplotlib loads here, on the main process at the end: ~0.8 s of start-up every rank would pay otherwise
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415 - no pyplot: no global backend
     from matplotlib.figure import Figure  # noqa: PLC0415 - as above
 
-    fig = Figure(figsize=(9, 6))
+    rewards = [e for e in log_history if "rewards/margins" in e and "loss" in e and "step" in e]  # train, not eval
+    fig = Figure(figsize=(9, 9 if rewards else 6))
     FigureCanvasAgg(fig)
-    ax_loss, ax_tps = fig.subplots(2, 1, sharex=True)
+    axes = fig.subplots(3 if rewards else 2, 1, sharex=True)
+    ax_loss, ax_tps = axes[0], axes[-1]
     losses = [(e["step"], e["loss"]) for e in log_history if "loss" in e and "step" in e]
     if losses:
         ax_loss.plot(*zip(*losses), marker=".")
@@ -322,9 +326,23 @@ def save_plot(path: Path, log_history: list[dict], ranks: list[dict]) -> Path:
     ax_tps.set_ylabel("real tokens/s/device")
     ax_tps.set_xlabel("optimizer step")
     ax_tps.legend(loc="best")
+    if rewards:
+        ax_r = axes[1]
+        steps = [e["step"] for e in rewards]
+        for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+            if key in rewards[0]:
+                ax_r.plot(steps, [e[key] for e in rewards], marker=".", label=key.split("/")[1])
+        ax_r.set_ylabel("reward (chosen, rejected, margin)")
+        ax_r.legend(loc="upper left")
+        if "rewards/accuracies" in rewards[0]:
+            ax_acc = ax_r.twinx()
+            ax_acc.plot(steps, [e["rewards/accuracies"] for e in rewards], color="black", linestyle="--", label="accuracy")
+            ax_acc.set_ylabel("accuracy (chosen over rejected)")
+            ax_acc.set_ylim(0, 1)
+            ax_acc.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(path, format="png")
-    return path
+    return [label for ax in fig.axes if (label := ax.get_ylabel())]
 
 
 # ----------------------------------------------------------------------------------------------- attach to any script

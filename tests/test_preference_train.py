@@ -12,6 +12,7 @@ import torch
 
 import train
 from conftest import free_port, launch_twin
+from sftrecipes.metrics import save_plot
 from sftrecipes.recipe import load_recipe
 from test_twins import BASE_OF, TWINS, assert_loadable
 
@@ -73,6 +74,12 @@ def test_preference_run_learns_as_bare_trl_does(tiny_model, tmp_path, method):
         assert all(math.isfinite(r["nll_loss"]) for r in rows) and ("log_odds_ratio" in rows[0]) == (method == "orpo"), rows
     stored = json.loads((out / "run_summary.json").read_text())
     assert stored["preference"] == rows
+    # the end-of-run plot: the rewards panel (and the accuracy axis where the method logs it) beside loss and speed
+    labels = save_plot(tmp_path / "plot.png", trainer.state.log_history, [])
+    assert labels == ["training loss", "reward (chosen, rejected, margin)", "real tokens/s/device",
+                      *(["accuracy (chosen over rejected)"] if "rewards/accuracies" in rows[0] else [])]
+    assert (out / "metrics.png").stat().st_size > 0
+    assert "reward (chosen, rejected, margin)" not in save_plot(tmp_path / "sft.png", [{"step": 1, "loss": 1.0}], [])
     assert stored["data"]["train"]["kept"] == 200 and stored["data"]["train"]["tokenized"]["rows"] == 200
     assert summary["sample"]["new_tokens"] > 0 and summary["adapter"]
     assert_loadable(out, summary)
