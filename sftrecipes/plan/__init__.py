@@ -18,6 +18,7 @@ from ..errors import RecipeError
 from .estimate import CUDA_CONTEXT_GB, FRAGMENTATION, Plan, estimate
 from .pitfalls import pitfalls
 from ..recipe import Recipe, load_recipe
+from ..schema import PAIRED
 from .strategies import INFINIBAND, NVLINK, PCIE, alternatives
 
 
@@ -57,7 +58,7 @@ def format_plan(plan: Plan, warnings: list[str] | None = None) -> str:
     line = lambda i: f"  {i.name:<{w}} {i.gb:8.2f} GB  {i.note}"  # noqa: E731
     active = f" ({plan.active_params / 1e9:.2f}B active per token)" if plan.active_params not in (0, plan.params) else ""
     method = "" if plan.method == "sft" else f"{plan.method}, "
-    unit = {"dpo": " pairs", "kto": " completions"}.get(plan.method, "")
+    unit = " pairs" if plan.method in PAIRED else {"kto": " completions"}.get(plan.method, "")
     out = [f"{plan.model}: {method}{plan.params / 1e9:.2f}B params{active}, {plan.trainable / 1e6:.2f}M trainable; {plan.backend} on "
            f"{plan.nodes} node(s) x {plan.gpus_per_node} GPU(s) = {plan.world}; global batch {plan.global_batch}{unit}",
            "", "Per GPU — model states (always resident):"]

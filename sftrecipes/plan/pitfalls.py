@@ -7,6 +7,7 @@ from __future__ import annotations
 from ..errors import RecipeError
 from .estimate import PROCESS_CPU_GB, full_state_dict_bytes
 from ..recipe import Recipe, load_recipe
+from ..schema import PAIRED
 from ..shape import DTYPE_BYTES, load_dtype, mixed_dtype, model_shape
 from .sharding import GB, setup
 
@@ -17,7 +18,7 @@ def pitfalls(recipe: Recipe) -> list[str]:
     world = L.world_size
     pdb, ga = recipe.trl_value("per_device_train_batch_size"), recipe.trl_value("gradient_accumulation_steps")
     lr = recipe.trl_value("learning_rate")
-    unit = {"dpo": "pairs (chosen + rejected)", "kto": "completions"}.get(recipe.method, "sequences")
+    unit = "pairs (chosen + rejected)" if recipe.method in PAIRED else {"kto": "completions"}.get(recipe.method, "sequences")
     out = [f"global batch = {pdb} per device x {ga} accumulation x {world} ranks = {pdb * ga * world} {unit} per step"]
     for base_file in recipe.sources[:-1]:
         try:
