@@ -60,6 +60,8 @@ def test_each_method_reads_its_config_class(tmp_path):
     ("method: orpo\n", ["--precompute_ref_log_probs", "true"], "precompute_ref_log_probs: a key of DPOConfig (method dpo, "
                                                                "kto); method orpo trains with ORPOTrainer, whose ORPOConfig has no"),
     ("method: cpo\n", ["--loss_type", "kto"], "'kto' is not one of sigmoid, hinge, ipo, simpo, alphapo"),
+    ("method: orpo\n", ["--generate_during_eval", "true"], "generate_during_eval: ORPOTrainer logs its generations to "
+                                                           "Weights & Biases or Comet, and neither is installed"),
     ("method: cpo\n", ["--max_length", "null"], "max_length: null would not mean 'no cut' here: CPOTrainer then cuts at"),
     ("method: dpo\nappend_concat_token: true\n", [], "append_concat_token: shapes SFT samples only; method dpo's "
                                                        "DPOTrainer tokenizes preference data itself"),

@@ -77,6 +77,8 @@ def probe_value(o):
 
 
 # Refused with a one-line error (test_recipe.py), so they cannot be silently ignored either.
+# generate_during_eval (orpo, cpo) logs to W&B or Comet, not installed here: refused (test_methods.py)
+REFUSED_BY_METHOD = {"generate_during_eval": "test_methods.py::test_keys_of_another_method_are_refused"}
 REFUSED = {"enable_jit_checkpoint": "the run handles SIGTERM/SIGUSR1 itself (lifecycle.py); test_recipe.py::test_bad_recipe_is_one_line_error",
            "dataset_kwargs": "sources.TRL_DATA_KEYS; test_data.py::test_refused_data_keys_are_one_line_errors_and_the_fix_loads"}
 # Refused on the cpu target or without the package by preflight.in_run (test_train.py::test_liger_is_refused_without_a_gpu_or_its_package):
@@ -87,7 +89,7 @@ GPU_ONLY = {"use_liger_kernel"}
 TRL_KEYS = sorted([("sft", n) for n, o in all_options().items() if o.owner == "trl" and not o.methods
                    and n not in PIPELINE and n not in REFUSED and o.kind != "object"]
                   + [(m, n) for m in METHODS[1:] for n, o in all_options(m).items() if o.owner == "trl"
-                     and ((o.methods and m in o.methods) or (o.kind, o.default) != (all_options()[n].kind, all_options()[n].default))])
+                     and n not in REFUSED_BY_METHOD and ((o.methods and m in o.methods) or (o.kind, o.default) != (all_options()[n].kind, all_options()[n].default))])
 SPECIAL_BY_METHOD = {("dpo", "loss_type"): (["ipo", "hinge"], {}, None),  # a list of DPOTrainer's loss types
                      ("dpo", "loss_weights"): ([0.5], {}, None),
                      ("dpo", "padding_free"): (True, {}, None)}  # (SFT's needs packing, a key DPOConfig lacks)
