@@ -89,13 +89,10 @@ def test_preference_run_learns_as_bare_trl_does(tiny_model, tmp_path, method):
     assert rows and bare and abs(summary["losses"][0] - bare[0]["loss"]) <= 0.05 * bare[0]["loss"], (summary["losses"], bare)
 
 
-# (method, twin) -> the shipped twin whose backend it must show. A tiny SFT twin with the method and the data
-# changed (DDP; FSDP2 full fine-tune, whose reference is a second copy sharded like the policy), and the
-# twins of the shipped DPO recipes (ZeRO-3 with LoRA on Llama-3, QLoRA on FSDP2 on Qwen3), which set both themselves.
 def test_orpo_on_qlora_counts_its_tokens_and_samples_after_trls_bf16_cast(tiny_model, tmp_path):
     """ORPOTrainer passes the ids to the model positionally: the throughput still counts each step's real tokens
     (every chosen and rejected sequence's). On a 4-bit model under bf16 it casts the LoRA layers, lm_head and
-    embeddings to bf16 and keeps the norms fp32: the end-of-run sample generates under bf16 autocast, as it does."""
+    embeddings to bf16 and keeps the norms fp32: the end-of-run sample generates under bf16 autocast, as TRL does."""
     trainer, summary = train.run(load_recipe(["recipes/tiny/qlora.yaml", "--method", "orpo", "--dataset_name", "data/tiny_dpo",
                                               "--output_dir", str(tmp_path / "out"), "--max_steps", "3"]))
     assert trainer._peft_has_been_casted_to_bf16 and summary["sample"]["new_tokens"] > 0
@@ -126,6 +123,9 @@ def test_sft_then_dpo_from_its_merged_output(tiny_model, tmp_path):
     assert adapter["base_model_name_or_path"] == str(merged)
 
 
+# (method, twin) -> the shipped twin whose backend it must show. A tiny SFT twin with the method and the data
+# changed (DDP; FSDP2 full fine-tune, whose reference is a second copy sharded like the policy), and the
+# twins of the shipped DPO recipes (ZeRO-3 with LoRA on Llama-3, QLoRA on FSDP2 on Qwen3), which set both themselves.
 # orpo and cpo have no reference: their first loss is no constant. ORPO on FSDP2 trains every weight (nothing to
 # compare against but the policy), CPO on ZeRO-3 with LoRA.
 FIRST_LOSS = {"dpo": math.log(2), "kto": 0.5}
