@@ -189,6 +189,27 @@ def cal_recipe(tmp_path, config: dict, method: str, lora: bool, ckpt: bool, extr
     return cfg, r
 
 
+def ready_to_train(model, ckpt: bool):
+    """The model as the preference trainers train it (their disable_dropout: every dropout p = 0; non-reentrant
+    checkpointing when asked; train mode), and a fused AdamW over its trainable parameters."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0
+    if ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+
+
+def collated_pairs(vocab: int):
+    """(ids, attention mask, labels) of 2 collated pairs, chosen rows then rejected, 256 slots each: rows padded on the
+    right to 256, 216, 246 and 256 real tokens, the first 64 (the prompt) and the padding labelled -100."""
+    ids = torch.randint(0, vocab, (4, 256))
+    pos, lengths = torch.arange(256), torch.tensor([256, 216, 246, 256])
+    mask = (pos < lengths[:, None]).long()
+    return ids, mask, ids.masked_fill((pos < 64) | (mask == 0), -100)
+
+
 @pytest.mark.parametrize("lora,ckpt", CAL_CASES, ids=["lora-no-ckpt", "full-ckpt"])
 def test_calibration_dpo_plan_vs_measured_peak_on_cpu(tmp_path, lora, ckpt):
     """Plan a DPO recipe of the test model (2 pairs of 256 tokens: 4 sequences, padded), then run 2 real steps as
@@ -217,18 +238,8 @@ def test_calibration_dpo_plan_vs_measured_peak_on_cpu(tmp_path, lora, ckpt):
         else:  # methods.trainer_kwargs: a second copy loaded as the policy; TRL gives it the default fused head
             ref = AutoModelForCausalLM.from_config(cfg, **kw).requires_grad_(False).eval()
             add_fused_lm_head(ref)
-        for m in model.modules():  # DPOTrainer's disable_dropout
-            if isinstance(m, torch.nn.Dropout):
-                m.p = 0
-        if ckpt:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.train()
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
-        # the collator's batch: chosen then rejected, prompts flushed left, rows padded on the right
-        ids = torch.randint(0, CAL["vocab_size"], (4, 256))
-        pos, lengths = torch.arange(256), torch.tensor([256, 216, 246, 256])
-        mask = (pos < lengths[:, None]).long()
-        labels = ids.masked_fill((pos < 64) | (mask == 0), -100)
+        opt = ready_to_train(model, ckpt)
+        ids, mask, labels = collated_pairs(CAL["vocab_size"])
         batch = dict(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True, use_cache=False)
         for _ in range(2):
             chosen, rejected = model(**batch).log_probs.sum(1).chunk(2)
@@ -312,18 +323,8 @@ def test_calibration_reference_free_plan_vs_measured_peak_on_cpu(tmp_path, metho
             from peft import get_peft_model
 
             model = get_peft_model(model, lora_config(r, []))
-        for m in model.modules():  # disable_dropout
-            if isinstance(m, torch.nn.Dropout):
-                m.p = 0
-        if ckpt:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.train()
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
-        # the collated pairs: chosen and rejected rows padded on the right, their prompts' labels -100
-        ids = torch.randint(0, vocab, (4, 256))
-        pos, lengths = torch.arange(256), torch.tensor([256, 216, 246, 256])
-        mask = (pos < lengths[:, None]).long()
-        labels = ids.masked_fill((pos < 64) | (mask == 0), -100)
+        opt = ready_to_train(model, ckpt)
+        ids, mask, labels = collated_pairs(vocab)
         batch = {f"{side}_{k}": v[rows] for side, rows in (("chosen", slice(0, 2)), ("rejected", slice(2, 4)))
                  for k, v in (("input_ids", ids), ("attention_mask", mask), ("labels", labels))}
         for _ in range(2):
