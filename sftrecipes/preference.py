@@ -32,12 +32,12 @@ from .data import draw_entry, load_source, log_mixture
 from .errors import RecipeError
 from .formats import check_template, detect_preference_format, from_sharegpt
 from .recipe import Recipe
-from .schema import REFERENCE_FREE, TRAINERS
+from .schema import METHODS, REFERENCE_FREE, TRAINERS
 from .sources import Source, check_eval_split, sources
 
 log = logging.getLogger("sftrecipes")
 
-PREFERENCE_METHODS = ("dpo", "kto", "orpo", "cpo")
+PREFERENCE_METHODS = tuple(m for m in METHODS if m != "sft")  # the methods whose data is read here
 EXTRA_COLUMNS = ("tools", "chat_template_kwargs")  # TRL's tokenization passes them to the chat template
 MESSAGE_COLUMNS = ("prompt", "chosen", "rejected", "completion")
 SCAN_ROWS = 1000  # rows read at a time by the scan for empty and identical rows
