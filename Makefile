@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export PYTHONDONTWRITEBYTECODE ?= 1
 
-.PHONY: venv assets demo lint test data schema docs emit plan bench bench-dpo bench-overhead bench-data bench-export bench-loading sweep sweep-two-ranks clean sft-70b-lora sft-70b-qlora sft-offload sft-70b-fsdp sft-70b-qlora-fsdp sft-ddp sft-llama3-70b-lora sft-qwen3-32b-qlora sft-qwen3-moe-lora sft-llama3-70b-qlora sft-llama3-405b-qlora dpo-llama3-70b-lora dpo-qwen3-32b-qlora
+.PHONY: venv assets demo lint test data schema docs emit plan bench bench-dpo bench-overhead bench-data bench-export bench-loading sweep sweep-two-ranks clean sft-70b-lora sft-70b-qlora sft-offload sft-70b-fsdp sft-70b-qlora-fsdp sft-ddp sft-llama3-70b-lora sft-qwen3-32b-qlora sft-qwen3-moe-lora sft-llama3-70b-qlora sft-llama3-405b-qlora dpo-llama3-70b-lora dpo-qwen3-32b-qlora sft-dpo-llama3-70b-lora
 
 $(STAMP): requirements.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -69,6 +69,9 @@ sft-qwen3-moe-lora: $(STAMP) ## Qwen3-30B-A3B (MoE) LoRA, DeepSpeed ZeRO-3, 4 x 
 	scripts/run_qwen3-30b-a3b-lora.sh $(ARGS)
 dpo-llama3-70b-lora: $(STAMP) ## Llama-3.1-70B-Instruct DPO with LoRA, DeepSpeed ZeRO-3, 8 x 80 GB
 	scripts/run_llama3.1-70b-dpo-lora.sh $(ARGS)
+sft-dpo-llama3-70b-lora: $(STAMP) ## SFT then DPO: the Llama-3.1-70B LoRA SFT recipe, then DPO from its adapter (merged into the base once, beside it), 8 x 80 GB
+	scripts/run_llama3.1-70b-lora.sh $(ARGS)
+	scripts/run_llama3.1-70b-dpo-lora.sh --model_name_or_path outputs/llama3.1-70b-lora --output_dir outputs/llama3.1-70b-sft-dpo-lora $(ARGS)
 dpo-qwen3-32b-qlora: $(STAMP) ## Qwen3-32B DPO with QLoRA, FSDP2, 2 x 24 GB
 	scripts/run_qwen3-32b-dpo-qlora-fsdp.sh $(ARGS)
 

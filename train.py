@@ -45,7 +45,7 @@ def run(recipe, life=None):
     # (exit 2) before torch is imported
     from sftrecipes import (  # noqa: PLC0415 - as above
         backends, checkpoints, data, finalsave, folders, hub, lora, methods, metrics, model as models, nonfinite, precision,
-        preference, preflight, probes,
+        preference, preflight, probes, startmodel,
     )
     from sftrecipes.plan.pitfalls import pitfalls  # noqa: PLC0415 - as above
     from sftrecipes.tokenizer import load_tokenizer  # noqa: PLC0415 - as above
@@ -62,6 +62,7 @@ def run(recipe, life=None):
     resume = checkpoints.resolve_resume(recipe.trl.get("resume_from_checkpoint"), args.output_dir)
     checkpoints.match_resume(resume, recipe, args)  # its backend and global batch at this process count, or one line why not
     folders.check_model_files(recipe.model)  # tokenizer files present, safetensors whole: named here, not deep in a loader
+    startmodel.ensure(recipe.model.model_name_or_path, recipe.run.heartbeat_timeout)  # an adapter: merged into its base once
     models.choose_attention(recipe, target)  # a kernel the model cannot run: refused here, before anything loads
     if recipe.launch.backend == "fsdp":
         models.fsdp_wrap_classes(recipe)  # the layer classes FSDP wraps: named for accelerate before the trainer builds its plugin

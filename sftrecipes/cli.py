@@ -145,6 +145,15 @@ def _prepare(argv: list[str]) -> int:
     from .data import prepared_datasets  # noqa: PLC0415 - tokenizers, datasets, TRL's packing: torch
     from .tokenizer import load_tokenizer  # noqa: PLC0415 - transformers: torch
 
+    from .startmodel import ensure  # noqa: PLC0415 - as above
+
+    merged = ensure(recipe.model.model_name_or_path, recipe.run.heartbeat_timeout)  # before any rank starts, as the data
+    if merged is not None:
+        print(f"prepare: the start model: {recipe.model.model_name_or_path} merged into its base in {merged}")
+    if recipe.method != "sft":  # (a SLURM script runs prepare before any recipe: it goes on to the ranks)
+        print(f"prepare: method {recipe.method}: TRL's {recipe.method.upper()}Trainer tokenizes the rows in the run "
+              "itself, so nothing is cached in data_cache_dir; nothing more to prepare")
+        return 0
     tokenizer, eot, _ = load_tokenizer(recipe)
     *_, counts = prepared_datasets(recipe, tokenizer, eot)
     p = counts["preparation"]

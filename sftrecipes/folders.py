@@ -9,6 +9,7 @@ import re
 import struct
 from pathlib import Path
 
+from . import startmodel
 from .errors import RecipeError
 
 # adapter_config.json features the streaming merge does not apply, each refused by name: what it is
@@ -90,22 +91,20 @@ def export_kind(src: Path) -> str:
 
 
 def start_from(folder: Path) -> None:
-    """A model_name_or_path folder a run can start from: a model (config.json). A previous run's output that is not
-    one yet (a LoRA adapter, a DeepSpeed or FSDP sharded checkpoint, checkpoints only) is refused in one line naming the
-    command that makes it one (`merge`, `export`)."""
+    """A model_name_or_path folder a run can start from: a model (config.json), or a LoRA adapter (the run starts from
+    it merged into its base: startmodel.py). A previous run's output that is not one yet (a DeepSpeed or FSDP sharded
+    checkpoint, checkpoints only) is refused in one line naming the command that makes it one (`export`)."""
     if (folder / "config.json").is_file() or not folder.is_dir():
         return
-    key, dest = "model_name_or_path", f"{folder.name}-merged"
+    key = "model_name_or_path"
     kind = None
     try:
         kind = export_kind(folder)
     except RecipeError:
         pass
-    if kind == "adapter":
-        base = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
-        raise RecipeError(f"{key}: '{folder}' is a LoRA adapter (of {base}), not a model; merge it into its base first "
-                          f"(python -m sftrecipes merge {folder} {dest}) and set {key} to that folder; the new run then "
-                          "trains from the merged model (with LoRA, a new adapter on it, whose base is the reference)")
+    if kind == "adapter":  # trains from the adapter merged into its base (startmodel.py): checked here, merged at start
+        startmodel.check(folder)
+        return
     if kind in ("zero", "dcp"):
         what = "a DeepSpeed ZeRO checkpoint" if kind == "zero" else "an FSDP sharded checkpoint"
         raise RecipeError(f"{key}: '{folder}' is {what}, not a model; export it to full safetensors first "
@@ -185,7 +184,7 @@ def check_model_files(model) -> None:
     loaders would say "install sentencepiece" or "incomplete metadata". Asked by launch's pre-flight before any rank
     starts, and by every rank before anything is prepared (train.py run directly)."""
     key = "tokenizer_name_or_path" if model.tokenizer_name_or_path else "model_name_or_path"
-    tok = Path(model.tokenizer_name_or_path or model.model_name_or_path).expanduser()
+    tok = Path(model.tokenizer_name_or_path or startmodel.tokenizer_source(model.model_name_or_path)).expanduser()
     if tok.is_dir() and not any(any(tok.glob(pattern)) for pattern in TOKENIZER_SOURCES):
         raise RecipeError(f"{key}: {tok} has no tokenizer files (none of tokenizer.json, tokenizer.model, vocab.json + "
                           "merges.txt); copy them from the model it came from (checkpoints and some exports lack them), or set "
@@ -197,7 +196,7 @@ def check_weights(model_name_or_path: str) -> dict[Path, dict]:
     """A local model folder's safetensors files (those its index lists, else every one), each whole: as long as its
     header says; file -> its header (without __metadata__). A RecipeError (model_name_or_path: ...) names a listed file
     that is missing, a header that cannot be read, a file cut short or longer than its header. {} for a hub id."""
-    folder = Path(model_name_or_path).expanduser()
+    folder = Path(startmodel.torch_free_source(model_name_or_path)).expanduser()  # an adapter: its base's
     if not folder.is_dir():
         return {}
     index = folder / "model.safetensors.index.json"

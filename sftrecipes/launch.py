@@ -27,7 +27,7 @@ from pathlib import Path
 import psutil
 import yaml
 
-from . import forkserver, heartbeats, lifecycle, procs, runlock
+from . import forkserver, heartbeats, lifecycle, procs, runlock, startmodel
 from .backends import accelerate_config, launcher_env
 from .checkpoints import check_resume, finished_run
 from .errors import RecipeError
@@ -193,6 +193,8 @@ def main(argv: list[str]) -> int:
         os.execve(run.argv[0], run.argv, {**os.environ, **run.env})
     lock = runlock.take_lock(out, run.recipe.run.force_lock) if main_machine else None  # before anything is written
     try:
+        # an adapter as model_name_or_path: merged into its base once, here, before the ranks start (they then find it)
+        startmodel.ensure(run.recipe.model.model_name_or_path, run.recipe.run.heartbeat_timeout)
         write_launch_config(run)
         print(f"launch: {run.topology}: {shlex.join(run.argv)}", file=sys.stderr)
         return supervise(run, lock)

@@ -27,6 +27,7 @@ from .recipe import Recipe
 from .schema import DTYPES as DTYPE_NAMES
 from .shape import load_dtype as load_dtype_name
 from .shape import read_config
+from .startmodel import torch_free_source, weights_dir
 from .tokenizer import set_generation_stop
 
 log = logging.getLogger("sftrecipes")
@@ -88,7 +89,7 @@ def meta_model(recipe: Recipe):
     """(config, meta-device model) of the recipe's model (cached per process), or None where it cannot be built
     here (remote code not trusted, no config reachable): loading then says what is wrong."""
     try:
-        return _meta_model(recipe.model.model_name_or_path, bool(recipe.trl_value("trust_remote_code")))
+        return _meta_model(torch_free_source(recipe.model.model_name_or_path), bool(recipe.trl_value("trust_remote_code")))
     except Exception as e:  # noqa: BLE001 - any failure here only means "unknown": loading will say what is wrong
         log.warning("model: %s cannot be built on the meta device (%s: %s)", recipe.model.model_name_or_path, type(e).__name__, e)
         return None
@@ -511,7 +512,7 @@ def load_model(recipe: Recipe, tokenizer, hardware: str, every_rank_reads: bool 
     partition = qc is not None and is_deepspeed_zero3_enabled() and weight_reading(recipe, quantized=True)[0] == PARTITIONED
     # steady_heap: what a rank holds after loading is the model, not the order its temporaries were freed in
     with steady_heap(), partition_4bit_layers(partition) as part:
-        model = AutoModelForCausalLM.from_pretrained(m.model_name_or_path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(weights_dir(m.model_name_or_path), **kwargs)  # an adapter: merged
         if qc is not None:  # what was not quantized is still a view into the checkpoint's mapping: let it go
             own_checkpoint_views(model)
     if part is not None and dist.get_rank() == 0:

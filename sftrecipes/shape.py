@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import RecipeError
+from .startmodel import torch_free_source
 
 if TYPE_CHECKING:
     from .recipe import Recipe
@@ -318,7 +319,9 @@ class Shape:
 
 
 def config_path(name: str) -> Path:
-    """config.json of a local model folder, or the copy shipped for a hub id (model_configs/<org>--<name>.json)."""
+    """config.json of a local model folder, or the copy shipped for a hub id (model_configs/<org>--<name>.json); for
+    a LoRA adapter folder, its base's (the model a run from it trains: startmodel.py)."""
+    name = torch_free_source(name)
     local = Path(name).expanduser()
     if local.is_dir():
         return local / "config.json"

@@ -10,6 +10,7 @@ import os
 
 from transformers import AutoTokenizer
 
+from . import startmodel
 from .errors import RecipeError
 from .recipe import Recipe
 
@@ -99,7 +100,7 @@ def load_tokenizer(recipe: Recipe):
     token (or, rarely, the text) that closes an assistant turn; when it is a token, it becomes the eos token so
     training data and generation agree, and load_model puts it (with the original eos) into the generation config."""
     m = recipe.model
-    name = m.tokenizer_name_or_path or m.model_name_or_path
+    name = m.tokenizer_name_or_path or startmodel.tokenizer_source(m.model_name_or_path)  # an adapter: its own, or its base's
     tok = AutoTokenizer.from_pretrained(name, trust_remote_code=bool(recipe.trl_value("trust_remote_code")))
     original_eos = tok.eos_token
     added: list[int] = []

@@ -3,6 +3,7 @@ refused where the recipe sets them and left out where a base written for another
 read from TRL and checked before torch loads."""
 
 import inspect
+import json
 import re
 import textwrap
 
@@ -94,8 +95,12 @@ def test_help_marks_the_keys_of_one_method():
 
 
 @pytest.mark.parametrize("layout,message", [
-    ({"adapter_config.json": '{"base_model_name_or_path": "meta-llama/Llama-3.1-8B"}', "adapter_model.safetensors": ""},
-     "is a LoRA adapter (of meta-llama/Llama-3.1-8B), not a model; merge it into its base first (python -m sftrecipes merge "),
+    # an adapter is a start (merged into its base at start: test_preference_train), refused only where it cannot be
+    ({"adapter_config.json": '{"peft_type": "LORA"}', "adapter_model.safetensors": ""},
+     "names no base model (adapter_config.json has no base_model_name_or_path); set it there, or merge it yourself"),
+    ({"adapter_config.json": '{"peft_type": "LORA", "base_model_name_or_path": "meta-llama/Llama-3.1-8B"}',
+      "adapter_model.safetensors": "", "../sft-out-merged/config.json": "{}"},
+     "-merged', which exists and was not merged there by a run (start_merge.json is missing); move it away"),
     ({"pytorch_model_fsdp_0/.metadata": ""}, "is an FSDP sharded checkpoint, not a model; export it to full safetensors first "
                                              "(python -m sftrecipes export "),
     ({"global_step6/mp_rank_00_model_states.pt": "", "global_step6/zero_pp_rank_0_mp_rank_00_optim_states.pt": ""},
@@ -104,11 +109,33 @@ def test_help_marks_the_keys_of_one_method():
      "holds no final save but checkpoint-3, checkpoint-12; export one (python -m sftrecipes export "),
 ])
 def test_a_previous_runs_output_that_is_not_a_model_is_refused_with_the_command(tmp_path, layout, message):
-    """A preference recipe (or any) started from an SFT run's output folder: a merged model or an exported checkpoint
-    is a model folder and loads; an adapter or a sharded checkpoint is refused before torch, naming merge / export."""
+    """A preference recipe (or any) started from an SFT run's output folder: a merged model, an exported checkpoint or
+    an adapter loads; a sharded checkpoint is refused before torch, naming export, and an adapter that names no base
+    or whose merged folder's place is taken by another folder, naming the fix."""
     run = tmp_path / "sft-out"
     for name, text in layout.items():
         (run / name).parent.mkdir(parents=True, exist_ok=True)
         (run / name).write_text(text)
     with pytest.raises(RecipeError, match="^model_name_or_path: .*" + re.escape(message)):
         load_recipe([str(recipe(tmp_path, "method: dpo\n")), "--model_name_or_path", str(run)])
+
+
+def test_a_run_from_an_sft_adapter_plans_as_its_base(tmp_path, capsys):
+    """The second stage of the shipped pipeline (make sft-dpo-llama3-70b-lora): the DPO recipe from an SFT run's
+    adapter plans torch-free from the base the adapter names (no merged folder needed yet): every figure is the base's,
+    and the first line says what the run starts from."""
+    from sftrecipes import cli
+
+    adapter = tmp_path / "llama3.1-70b-lora"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "base_model_name_or_path": "meta-llama/Llama-3.1-70B-Instruct", "r": 16, "lora_alpha": 32}))
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    assert cli.main(["plan", "recipes/llama3.1-70b/dpo-lora.yaml"]) == 0
+    base = capsys.readouterr().out.splitlines()
+    assert cli.main(["plan", "recipes/llama3.1-70b/dpo-lora.yaml", "--model_name_or_path", str(adapter)]) == 0
+    started = capsys.readouterr().out.splitlines()
+    assert started[0] == base[0].replace("meta-llama/Llama-3.1-70B-Instruct:", f"{adapter} (a LoRA adapter of "
+                                         "meta-llama/Llama-3.1-70B-Instruct, merged into it at start):")
+    assert started[1:] == base[1:] and len(base) > 10
+    assert not (tmp_path / "llama3.1-70b-lora-merged").exists()  # planning merges nothing

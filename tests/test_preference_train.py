@@ -4,7 +4,6 @@ ranks."""
 
 import json
 import math
-import re
 import shutil
 
 import pytest
@@ -102,37 +101,100 @@ def test_orpo_on_qlora_counts_its_tokens_and_samples_after_trls_bf16_cast(tiny_m
     assert row["steps"] == 3 and 3 * per_step * min(lengths) <= row["real_tokens"] <= 3 * per_step * max(lengths), row
 
 
-def test_sft_then_dpo_from_its_merged_output(tiny_model, tmp_path):
-    """The SFT -> DPO pipeline: the SFT run's adapter is refused as a starting model (one line naming merge), merged,
-    and the DPO recipe trains from the merged folder (its tokenizer and chat template, written by the SFT run): at step
-    1 the policy is its reference (the merged SFT model, the new adapter disabled), so the sigmoid loss is log 2; the
-    new adapter's base is the merged folder."""
-    from sftrecipes import cli
-    from sftrecipes.errors import RecipeError
-
-    sft, merged = tmp_path / "sft", tmp_path / "sft-merged"
+@pytest.fixture(scope="module")
+def sft_adapter(tiny_model, tmp_path_factory):
+    """An SFT run's output (recipes/tiny/lora.yaml, 4 steps): a LoRA adapter with the run's tokenizer."""
+    sft = tmp_path_factory.mktemp("pipeline") / "sft"
     train.run(load_recipe(["recipes/tiny/lora.yaml", "--output_dir", str(sft), "--max_steps", "4",
                            "--sample_max_new_tokens", "0"]))
-    dpo = ["recipes/tiny/dpo.yaml", "--output_dir", str(tmp_path / "dpo"), "--max_steps", "2", "--logging_steps", "1"]
-    with pytest.raises(RecipeError, match=f"is a LoRA adapter .*python -m sftrecipes merge {re.escape(str(sft))} sft-merged"):
-        load_recipe([*dpo, "--model_name_or_path", str(sft)])
-    assert cli.main(["merge", str(sft), str(merged)]) == 0
-    _, summary = train.run(load_recipe([*dpo, "--model_name_or_path", str(merged)]))
+    return sft
+
+
+def test_sft_then_dpo_from_its_adapter(sft_adapter, tmp_path, caplog):
+    """The SFT -> DPO pipeline: the DPO recipe names the SFT run's output (its adapter) as model_name_or_path. The run
+    merges the adapter into its base once, beside it (<adapter>-merged: the tensors `merge` makes), and trains from it
+    with the SFT run's tokenizer and chat template: at step 1 the policy is its reference (the merged SFT model, the
+    new adapter disabled), so the sigmoid loss is log 2; the new adapter's base is the merged folder, and it merges
+    with --verify. A second run reuses the merge; a retrained adapter is merged again."""
+    import logging
+
+    from safetensors.torch import load_file, save_file
+
+    from sftrecipes import cli
+
+    sft = tmp_path / "sft"
+    shutil.copytree(sft_adapter, sft, ignore=shutil.ignore_patterns("checkpoint-*"))
+    merged = tmp_path / "sft-merged"
+    dpo = ["recipes/tiny/dpo.yaml", "--model_name_or_path", str(sft), "--logging_steps", "1", "--sample_max_new_tokens", "0"]
+    with caplog.at_level(logging.INFO, logger="sftrecipes"):
+        _, summary = train.run(load_recipe([*dpo, "--output_dir", str(tmp_path / "dpo"), "--max_steps", "2"]))
+    assert f"model: merging the LoRA adapter {sft} into its base .assets/tiny-llama -> {merged} (first run from it" in caplog.text
     assert summary["losses"][0] == pytest.approx(math.log(2), abs=1e-4), summary["losses"]
     adapter = json.loads((tmp_path / "dpo" / "adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == str(merged)
+    assert cli.main(["merge", str(sft), str(tmp_path / "by-hand")]) == 0
+    a, b = load_file(merged / "model.safetensors"), load_file(tmp_path / "by-hand" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert cli.main(["merge", str(tmp_path / "dpo"), str(tmp_path / "dpo-merged"), "--verify"]) == 0
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="sftrecipes"):
+        train.run(load_recipe([*dpo, "--output_dir", str(tmp_path / "dpo-2"), "--max_steps", "1"]))
+    assert "(reused: merged from this adapter before)" in caplog.text and "model: merging" not in caplog.text
+
+    weights = load_file(sft / "adapter_model.safetensors")  # the SFT adapter trained further: another merge
+    save_file({k: v * 2 if "lora_B" in k else v for k, v in weights.items()}, sft / "adapter_model.safetensors")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="sftrecipes"):
+        train.run(load_recipe([*dpo, "--output_dir", str(tmp_path / "dpo-3"), "--max_steps", "1"]))
+    assert "(the adapter changed since the last merge;" in caplog.text
+    again = load_file(merged / "model.safetensors")
+    assert any(not torch.equal(a[k], again[k]) for k in a)
+    assert not list(tmp_path.glob(".sft-merged.*")) and not (tmp_path / "sft-merged.lock").exists()
+
+
+def test_launch_merges_the_adapter_once_before_the_ranks_start(sft_adapter, tmp_path):
+    """DPO from the SFT adapter on the ZeRO-3 twin, 2 ranks through its launcher: launch merges the adapter before
+    any rank starts, the ranks train from the merged model (DPO's first loss log 2 in bf16)."""
+    sft = tmp_path / "sft"
+    shutil.copytree(sft_adapter, sft, ignore=shutil.ignore_patterns("checkpoint-*"))
+    summary, log = launch_twin("zero3", tmp_path / "dpo", ["--method", "dpo", "--dataset_name", "data/tiny_dpo",
+                                                           "--model_name_or_path", str(sft), "--max_steps", "2"],
+                               env={"MAIN_PROCESS_PORT": str(free_port())})
+    assert log.count("model: merging the LoRA adapter") == 1 and log.count("(reused: merged from this adapter before)") == 1
+    assert log.index("model: merging the LoRA adapter") < log.index("launch: ")
+    assert summary["losses"][0] == pytest.approx(math.log(2), abs=0.02), summary["losses"]
+    assert json.loads((tmp_path / "dpo" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(tmp_path / "sft-merged")
+
+
+def test_prepare_merges_the_start_adapter_and_leaves_the_pairs_to_trl(sft_adapter, tmp_path, capsys):
+    """`prepare` (the SLURM script's step before any rank starts) on a DPO recipe from an SFT adapter: it merges the
+    adapter into its base, and says TRL tokenizes the pairs in the run (nothing cached; exit 0, so the script goes on)."""
+    from sftrecipes import cli
+
+    sft = tmp_path / "sft"
+    shutil.copytree(sft_adapter, sft, ignore=shutil.ignore_patterns("checkpoint-*"))
+    assert cli.main(["prepare", "recipes/tiny/dpo.yaml", "--model_name_or_path", str(sft),
+                     "--data_cache_dir", str(tmp_path / "cache")]) == 0
+    out = capsys.readouterr().out
+    assert f"prepare: the start model: {sft} merged into its base in {tmp_path / 'sft-merged'}" in out
+    assert "prepare: method dpo: TRL's DPOTrainer tokenizes the rows in the run itself" in out
+    assert (tmp_path / "sft-merged" / "start_merge.json").is_file() and not (tmp_path / "cache").exists()
 
 
 # (method, twin) -> the shipped twin whose backend it must show. A tiny SFT twin with the method and the data
 # changed (DDP; FSDP2 full fine-tune, whose reference is a second copy sharded like the policy), and the
 # twins of the shipped DPO recipes (ZeRO-3 with LoRA on Llama-3, QLoRA on FSDP2 on Qwen3), which set both themselves.
 # orpo and cpo have no reference: their first loss is no constant. ORPO on FSDP2 trains every weight (nothing to
-# compare against but the policy), CPO on ZeRO-3 with LoRA.
+# compare against but the policy), CPO on ZeRO-3 with LoRA. KTO also on ZeRO-3 with LoRA and on QLoRA with ZeRO-3
+# (DPO's QLoRA twin is the FSDP2 one), so both methods of issue 21 train on the DDP, ZeRO-3, FSDP2 and QLoRA twins.
 FIRST_LOSS = {"dpo": math.log(2), "kto": 0.5}
 TWIN_RUNS = {("dpo", "ddp"): "ddp", ("dpo", "fsdp"): "fsdp", ("kto", "ddp"): "ddp", ("kto", "fsdp"): "fsdp",
              ("dpo", "llama3-dpo-zero3"): "llama3-zero3", ("dpo", "qwen3-dpo-qlora-fsdp"): "qwen3-qlora-fsdp",
+             ("kto", "zero3"): "zero3", ("kto", "qlora-zero3"): "qlora-zero3",
              ("orpo", "fsdp"): "fsdp", ("cpo", "zero3"): "zero3"}
-RESUMED = [("dpo", "llama3-dpo-zero3"), ("dpo", "fsdp"), ("kto", "ddp"), ("orpo", "fsdp")]  # from checkpoint-3: the same weights
+RESUMED = [("dpo", "llama3-dpo-zero3"), ("dpo", "fsdp"), ("kto", "ddp"), ("kto", "qlora-zero3"),
+           ("orpo", "fsdp")]  # from checkpoint-3: the same weights
 
 
 def method_flags(method, name):

@@ -25,6 +25,7 @@ from .activations import TRL_VOCAB_TILE, Activations, activations, layer_lora_pa
 from ..backends import PARTITIONED, RANK0_READS, weight_reading
 from ..recipe import Recipe
 from ..shape import Shape, checkpointing_off, model_shape
+from ..startmodel import adapter_of, base_of
 from .ranks import RankLoading, rank_loading
 from .reference import ADAPTER, COPY, FREE, Reference, describe, forwards, reference
 from .sharding import GB, Setup, partitioned_4bit_load, quant_bytes_per_param, setup, trainable_bytes
@@ -91,6 +92,12 @@ class Plan:
         return sum(i.gb for i in self.states)
 
 
+def _model_words(name: str, shape_name: str) -> str:
+    """The plan's first words: the model, or for a LoRA adapter (a run from an SFT run's output) what it trains."""
+    adapter = adapter_of(name)
+    return f"{name} (a LoRA adapter of {base_of(adapter)}, merged into it at start)" if adapter is not None else shape_name
+
+
 def estimate(recipe: Recipe) -> Plan:
     """Memory per GPU and per node of one training step of the recipe on its launch hardware, and the verdict."""
     shape, s, L = model_shape(recipe.model.model_name_or_path), setup(recipe), recipe.launch
@@ -115,7 +122,7 @@ def estimate(recipe: Recipe) -> Plan:
     if shape.moe:
         notes += _moe_notes(shape, s, st.adapted, st.float_b, recipe.model.lora_target_modules)
     return Plan(
-        model=shape.name, params=shape.params, trainable=st.trainable, world=s.world, gpus_per_node=s.gpn,
+        model=_model_words(recipe.model.model_name_or_path, shape.name), params=shape.params, trainable=st.trainable, world=s.world, gpus_per_node=s.gpn,
         nodes=L.num_machines, backend=_backend_name(recipe), states=st.items, peak=_items(live[peak_phase]),
         peak_phase=peak_phase, phases=phases, tensor_peak_gb=phases[peak_phase], allowance_gb=allowance,
         gpu_total_gb=total, gpu_limit_gb=L.gpu_memory_gb, fits=None if L.gpu_memory_gb is None else total <= L.gpu_memory_gb,
