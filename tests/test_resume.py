@@ -1,5 +1,5 @@
 """Exact resume through the command a user runs (`python -m sftrecipes launch RECIPE`), on a single process, DDP, ZeRO-3
-and FSDP with 2 CPU ranks. One chain per backend:
+and FSDP with 2 CPU ranks, and a DPO run on FSDP. One chain per case:
 
 1. straight: an uninterrupted run without checkpoints (the reference weights; saving must not change training);
 2. killed: the launcher is SIGKILLed (its pid, as a user or scheduler kills it) at a random moment after a checkpoint;
@@ -42,6 +42,9 @@ CASES = {  # recipe + flags, the preemption signal
     "ddp": (["recipes/tiny/ddp.yaml"], signal.SIGUSR1),
     "zero3": (["recipes/tiny/zero3.yaml"], signal.SIGTERM),
     "fsdp": (["recipes/tiny/fsdp.yaml"], signal.SIGUSR1),
+    # DPO through TRL's DPOTrainer on the FSDP2 twin (full fine-tune: the reference is a second copy, sharded like the
+    # policy): the preemption callback, the checkpoint and the resume are the same under a preference trainer
+    "dpo-fsdp": (["recipes/tiny/fsdp.yaml", "--method", "dpo", "--dataset_name", "data/tiny_dpo"], signal.SIGTERM),
 }
 STEPS = 20  # room for the latest preemption: killed <= 3 steps after checkpoint-4 (resumed from <= 6), signalled <= 1 step
 #            after the next checkpoint (8), forwarded by launch within 0.1 s, every rank stopped <= 2 steps later: ~12
