@@ -186,12 +186,15 @@ def test_prepare_merges_the_start_adapter_and_leaves_the_pairs_to_trl(sft_adapte
 # changed (DDP; FSDP2 full fine-tune, whose reference is a second copy sharded like the policy), and the
 # twins of the shipped DPO recipes (ZeRO-3 with LoRA on Llama-3, QLoRA on FSDP2 on Qwen3), which set both themselves.
 # orpo and cpo have no reference: their first loss is no constant. ORPO on FSDP2 trains every weight (nothing to
-# compare against but the policy), CPO on ZeRO-3 with LoRA. KTO also on ZeRO-3 with LoRA and on QLoRA with ZeRO-3
-# (DPO's QLoRA twin is the FSDP2 one), so both methods of issue 21 train on the DDP, ZeRO-3, FSDP2 and QLoRA twins.
+# compare against but the policy), CPO on ZeRO-3 with LoRA. DPO and KTO train on every 2-rank twin.
 FIRST_LOSS = {"dpo": math.log(2), "kto": 0.5}
 TWIN_RUNS = {("dpo", "ddp"): "ddp", ("dpo", "fsdp"): "fsdp", ("kto", "ddp"): "ddp", ("kto", "fsdp"): "fsdp",
              ("dpo", "llama3-dpo-zero3"): "llama3-zero3", ("dpo", "qwen3-dpo-qlora-fsdp"): "qwen3-qlora-fsdp",
              ("kto", "zero3"): "zero3", ("kto", "qlora-zero3"): "qlora-zero3",
+             # the other 2-rank twins, each with both methods: ZeRO-1, ZeRO-2, ZeRO-3 with CPU offload, FSDP1, and
+             # the QLoRA twin of the other backend
+             **{(m, t): t for m in ("dpo", "kto") for t in ("zero1", "zero2", "offload", "fsdp1")},
+             ("dpo", "qlora-zero3"): "qlora-zero3", ("kto", "qlora-fsdp"): "qlora-fsdp",
              ("orpo", "fsdp"): "fsdp", ("cpo", "zero3"): "zero3"}
 RESUMED = [("dpo", "llama3-dpo-zero3"), ("dpo", "fsdp"), ("kto", "ddp"), ("kto", "qlora-zero3"),
            ("orpo", "fsdp")]  # from checkpoint-3: the same weights
@@ -237,6 +240,11 @@ def test_twin_recipe_trains_with_method(method_runs, family_models, method, name
     if method in FIRST_LOSS:
         assert summary["losses"][0] == pytest.approx(FIRST_LOSS[method], abs=0.02), summary["losses"]
     assert all(math.isfinite(x) for x in summary["losses"]), summary["losses"]
+    # the throughput and precision tables, as an SFT run has them: every rank counted its pairs' tokens in every step,
+    # and the optimizer states are fp32 under bf16 mixed precision on every backend
+    ranks = summary["throughput"]["ranks"]
+    assert len(ranks) == 2 and all(r["steps"] == 6 and r["real_tokens"] > 0 for r in ranks), ranks
+    assert summary["precision"]["optimizer states"] == "float32", summary["precision"]
     if shipped == name:  # a base written for SFT: its SFT keys listed once as not used
         assert log.count(f"recipe: packing: true from _common.yaml is a key of SFTConfig; method {method} has none: not used") == 1
     copy = not summary["adapter"]
