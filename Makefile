@@ -78,7 +78,7 @@ dpo-qwen3-32b-qlora: $(STAMP) ## Qwen3-32B DPO with QLoRA, FSDP2, 2 x 24 GB
 bench: $(STAMP)             ## training throughput grid (checkpointing x batch x packing x LoRA/full): train.py vs bare TRL, tiny model (~13 min); writes docs/benchmarks.md
 	$(BIN)/python bench/bench_train.py $(ARGS)
 
-bench-dpo: $(STAMP)         ## DPO throughput: train.py recipes/tiny/dpo.yaml vs a bare TRL DPOTrainer script, 4 rows (~10 min); writes docs/benchmarks.md
+bench-dpo: $(STAMP)         ## DPO throughput: train.py recipes/tiny/dpo.yaml vs a bare TRL DPOTrainer script, 4 rows (~7 min); writes docs/benchmarks.md
 	$(BIN)/python bench/bench_train.py --dpo $(ARGS)
 
 bench-overhead: $(STAMP)    ## what train.py adds per step over bare TRL, by counts: make bench-overhead [ARGS="--row 10 --steps 40"]
