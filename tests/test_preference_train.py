@@ -153,6 +153,27 @@ def test_sft_then_dpo_from_its_adapter(sft_adapter, tmp_path, caplog):
     assert not list(tmp_path.glob(".sft-merged.*")) and not (tmp_path / "sft-merged.lock").exists()
 
 
+def test_a_dead_mergers_lock_is_taken_over(sft_adapter, tmp_path, caplog):
+    """A merge killed midway leaves <adapter>-merged.lock naming a process that is gone: the next run takes the lock
+    over, merges, and releases it."""
+    import logging
+    import socket
+    import subprocess
+    import sys
+
+    from sftrecipes import startmodel
+
+    sft = tmp_path / "sft"
+    shutil.copytree(sft_adapter, sft, ignore=shutil.ignore_patterns("checkpoint-*"))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / "sft-merged.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": int(gone.stdout),
+                                                          "token": "killed"}))
+    with caplog.at_level(logging.INFO, logger="sftrecipes"):
+        assert startmodel.ensure(str(sft)) == tmp_path / "sft-merged"
+    assert f"model: taking over the merge of {sft} from host {socket.gethostname()} pid {int(gone.stdout)}" in caplog.text
+    assert (tmp_path / "sft-merged" / "start_merge.json").is_file() and not (tmp_path / "sft-merged.lock").exists()
+
+
 def test_launch_merges_the_adapter_once_before_the_ranks_start(sft_adapter, tmp_path):
     """DPO from the SFT adapter on the ZeRO-3 twin, 2 ranks through its launcher: launch merges the adapter before
     any rank starts, the ranks train from the merged model (DPO's first loss log 2 in bf16)."""
