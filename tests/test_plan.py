@@ -329,6 +329,24 @@ _MOE = dict(hidden_size=512, num_hidden_layers=3, num_attention_heads=8, num_key
 CAL_MOE = {"qwen3_moe": dict(_MOE, model_type="qwen3_moe", intermediate_size=1024, moe_intermediate_size=256, num_experts=16,
                              num_experts_per_tok=4, head_dim=64, norm_topk_prob=True),
            "mixtral": dict(_MOE, model_type="mixtral", intermediate_size=512, num_local_experts=8, num_experts_per_tok=2)}
+def ready_for_steps(model, ckpt: bool):
+    """Non-reentrant checkpointing when asked, train mode, and a fused AdamW over the trainable parameters: the model
+    as a trainer steps it in a calibration."""
+    if ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+
+
+def calibration_error(plan, peak: int, what: str) -> float:
+    """The plan's tensor peak against the measured one, printed: predicted / measured - 1."""
+    predicted = plan.tensor_peak_gb * GB
+    error = predicted / peak - 1
+    print(f"calibration {what}: measured {peak / 1e6:.1f} MB, predicted {predicted / 1e6:.1f} MB ({plan.peak_phase}), "
+          f"error {error:+.1%}")
+    return error
+
+
 CAL_CASES = [("llama", lora, ckpt) for lora in (False, True) for ckpt in (False, True)] + [
     ("qwen3_moe", True, False), ("mixtral", False, True)]
 
@@ -368,10 +386,7 @@ def test_calibration_plan_vs_measured_peak_on_cpu(tmp_path, family, lora, ckpt):
             from peft import get_peft_model
 
             model = get_peft_model(model, lora_config(recipe, []))
-        if ckpt:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.train()
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+        opt = ready_for_steps(model, ckpt)
         ids = torch.randint(0, CAL["vocab_size"], (2, 256))
         for _ in range(2):  # the second step has the Adam states of the first: the steady state
             out = model(input_ids=ids, labels=ids, fused_lm_head=True)
@@ -380,11 +395,7 @@ def test_calibration_plan_vs_measured_peak_on_cpu(tmp_path, family, lora, ckpt):
             opt.step()
             opt.zero_grad(set_to_none=True)
             del out, loss
-    predicted = plan.tensor_peak_gb * GB
-    error = predicted / mode.peak - 1
-    print(f"calibration {family} lora={lora} ckpt={ckpt}: measured {mode.peak / 1e6:.1f} MB, predicted {predicted / 1e6:.1f} MB "
-          f"({plan.peak_phase}), error {error:+.1%}")
-    assert abs(error) <= 0.10
+    assert abs(calibration_error(plan, mode.peak, f"{family} lora={lora} ckpt={ckpt}")) <= 0.10
 
 
 @pytest.mark.parametrize("rel", ["recipes/llama3.1-70b/lora.yaml", "recipes/qwen3-32b/qlora-fsdp.yaml", "recipes/qwen3-30b-a3b/lora.yaml",

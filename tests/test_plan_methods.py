@@ -12,7 +12,7 @@ from sftrecipes.plan import format_plan, main, plan_recipe, verdict
 from sftrecipes.plan.sharding import GB
 from sftrecipes.recipe import load_recipe
 from sftrecipes.shape import model_shape
-from test_plan import CAL, LiveStorage, write
+from test_plan import CAL, LiveStorage, calibration_error, ready_for_steps, write
 
 from conftest import ROOT
 
@@ -195,10 +195,7 @@ def ready_to_train(model, ckpt: bool):
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = 0
-    if ckpt:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+    return ready_for_steps(model, ckpt)
 
 
 def collated_pairs(vocab: int):
@@ -333,8 +330,4 @@ def test_calibration_reference_free_plan_vs_measured_peak_on_cpu(tmp_path, metho
             opt.step()
             opt.zero_grad(set_to_none=True)
             del loss, _metrics
-    predicted = plan.tensor_peak_gb * GB
-    error = predicted / mode.peak - 1
-    print(f"calibration {method} lora={lora} ckpt={ckpt}: measured {mode.peak / 1e6:.1f} MB, predicted "
-          f"{predicted / 1e6:.1f} MB ({plan.peak_phase}), error {error:+.1%}")
-    assert plan.peak_phase == START and abs(error) <= 0.10
+    assert plan.peak_phase == START and abs(calibration_error(plan, mode.peak, f"{method} lora={lora} ckpt={ckpt}")) <= 0.10
