@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from .errors import RecipeError
 from .prepkey import describe_changes, entry_key, key_inputs
-from .procs import now_iso, proc_start, proc_state
+from .procs import gone_from_this_host, identity, now_iso
 from .recipe import Recipe
 
 log = logging.getLogger("sftrecipes")
@@ -117,16 +117,7 @@ def _write_json(path: Path, value: dict) -> None:
 
 
 def _me() -> dict:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": proc_start(os.getpid()),
-            "rank": int(os.environ.get("RANK", "0"))}
-
-
-def _holder_dead(held: dict) -> bool:
-    """A holder on this host whose process is gone (or is another process under its pid)."""
-    if held.get("host") != socket.gethostname() or not isinstance(held.get("pid"), int):
-        return False
-    start = proc_start(held["pid"])
-    return start is None or proc_state(held["pid"]) == "gone" or held.get("pid_start") not in (None, start)
+    return {**identity(), "rank": int(os.environ.get("RANK", "0"))}
 
 
 class _Heartbeat:
@@ -244,7 +235,7 @@ class Entry:
     def stale_at_arrival(self, held: dict) -> bool:
         """A lock no process is working under: its holder gone from this host, or its heartbeat (or, without one, the
         lock) last written longer than the bound ago by this host's clock (a crashed or killed earlier attempt)."""
-        if _holder_dead(held):
+        if gone_from_this_host(held):
             return True
         beat = _read_json(self.heartbeat)
         try:
@@ -322,7 +313,7 @@ def obtain(recipe: Recipe, tokenizer, eot: str | None, build: Callable[[], tuple
                     taken = entry.take_lock(stale=held)
                     if taken is not None:
                         log.warning("data: taking over %s from host %s pid %s (%s)", entry.lock, held.get("host"), held.get("pid"),
-                                    "its process is gone" if _holder_dead(held) else f"silent for over {entry.stale_s:g}s")
+                                    "its process is gone" if gone_from_this_host(held) else f"silent for over {entry.stale_s:g}s")
                         return _build_entry(entry, recipe, inputs, build, taken, start)
                     continue
                 seen.add(token)
@@ -341,11 +332,11 @@ def obtain(recipe: Recipe, tokenizer, eot: str | None, build: Callable[[], tuple
             elif now - watched["changed"] > entry.stale_s:
                 # gone from this host, or never beaten since this process arrived (a killed attempt's lock younger
                 # than the bound on arrival): taken over; beaten, then silent: the preparer of this run froze or died
-                if _holder_dead(held) or watched["moved"] <= 0:
+                if gone_from_this_host(held) or watched["moved"] <= 0:
                     taken = entry.take_lock(stale=held)
                     if taken is not None:
                         log.warning("data: taking over %s from host %s pid %s (%s)", entry.lock, held.get("host"),
-                                    held.get("pid"), "its process is gone" if _holder_dead(held) else
+                                    held.get("pid"), "its process is gone" if gone_from_this_host(held) else
                                     f"silent since this process arrived, {now - watched['changed']:.0f}s")
                         return _build_entry(entry, recipe, inputs, build, taken, start)
                     continue

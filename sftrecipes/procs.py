@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -36,6 +37,20 @@ def proc_state(pid: int) -> str:
     if not fields or fields[0] in ("Z", "X"):
         return "gone"
     return "stopped" if fields[0] in ("T", "t") else "running"
+
+def identity() -> dict:
+    """This process as a lock or record names it: host, pid and the pid's start time."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": proc_start(os.getpid())}
+
+
+def gone_from_this_host(held: dict) -> bool:
+    """A record's process (identity()) on this host that has ended, or whose pid now names another process; False for
+    another host's (nothing here can tell) or a record without a pid."""
+    if held.get("host") != socket.gethostname() or not isinstance(held.get("pid"), int):
+        return False
+    start = proc_start(held["pid"])
+    return start is None or proc_state(held["pid"]) == "gone" or held.get("pid_start") not in (None, start)
+
 
 def die_with_parent(parent: int | None = None) -> None:
     """Ask Linux to SIGKILL this process when the thread that started it ends (prctl PR_SET_PDEATHSIG), then make

@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 
 from .errors import RecipeError
-from .procs import now_iso, proc_start, proc_state
+from .procs import gone_from_this_host, identity, now_iso
 
 log = logging.getLogger("sftrecipes")
 
@@ -56,10 +56,7 @@ def _holder_state(held: dict) -> str:
         except PermissionError:
             pass
         return "live"
-    start = proc_start(held["pid"])
-    if start is None or proc_state(held["pid"]) == "gone" or (held.get("pid_start") not in (None, start)):
-        return "dead"
-    return "live"
+    return "dead" if gone_from_this_host(held) else "live"
 
 
 def slurm_attempt() -> dict:
@@ -125,7 +122,7 @@ def take_lock(out: Path, force: bool = False) -> Lock:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise RecipeError(f"output_dir: cannot create '{out}' ({e.strerror}); set output_dir to a writable folder") from None
-    me = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": proc_start(os.getpid()), "since": now_iso(),
+    me = {**identity(), "since": now_iso(),
           "token": uuid.uuid4().hex, "command": " ".join(sys.argv[:4]), **slurm_attempt()}
     path, tmp, aside = out / LOCK, out / f"{LOCK}.{me['token']}", out / f"{LOCK}.{me['token']}.stale"
     tmp.write_text(json.dumps(me))

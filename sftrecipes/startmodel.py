@@ -25,14 +25,13 @@ import json
 import logging
 import os
 import shutil
-import socket
 import threading
 import time
 import uuid
 from pathlib import Path
 
 from .errors import RecipeError
-from .procs import now_iso, proc_start, proc_state
+from .procs import gone_from_this_host, identity, now_iso
 
 log = logging.getLogger("sftrecipes")
 
@@ -136,8 +135,7 @@ class _Lock:
             return 0.0
 
     def take(self) -> bool:
-        me = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": proc_start(os.getpid()),
-              "rank": int(os.environ.get("RANK", "0")), "since": now_iso(), "token": uuid.uuid4().hex}
+        me = {**identity(), "rank": int(os.environ.get("RANK", "0")), "since": now_iso(), "token": uuid.uuid4().hex}
         try:
             with open(self.path, "x") as f:
                 f.write(json.dumps(me))
@@ -164,11 +162,7 @@ class _Lock:
 
     def holder_gone(self, held: dict, stale_s: float) -> bool:
         """The holder's process is gone from this host, or the lock has not been rewritten for stale_s."""
-        if held.get("host") == socket.gethostname() and isinstance(held.get("pid"), int):
-            start = proc_start(held["pid"])
-            if start is None or proc_state(held["pid"]) == "gone" or held.get("pid_start") not in (None, start):
-                return True
-        return self.age() > stale_s
+        return gone_from_this_host(held) or self.age() > stale_s
 
     def break_stale(self, held: dict) -> None:
         aside = self.path.parent / f"{self.path.name}.stale-{uuid.uuid4().hex}"
