@@ -45,7 +45,7 @@ def run(recipe, life=None):
     # (exit 2) before torch is imported
     from sftrecipes import (  # noqa: PLC0415 - as above
         backends, checkpoints, data, finalsave, folders, hub, lora, methods, metrics, model as models, nonfinite, precision,
-        preference, preflight, probes, startmodel,
+        preference, preflight, probes, quantload, startmodel,
     )
     from sftrecipes.plan.pitfalls import pitfalls  # noqa: PLC0415 - as above
     from sftrecipes.tokenizer import load_tokenizer  # noqa: PLC0415 - as above
@@ -105,7 +105,8 @@ def run(recipe, life=None):
         peft_config=lora.lora_config(recipe, added_tokens, model),
         callbacks=[memory, dtypes := precision.precision_probe(recipe),
                    throughput := metrics.ThroughputCallback(peak_tflops=recipe.launch.peak_tflops),
-                   guard := nonfinite.nonfinite_guard(recipe.run.nan_patience), life.callback()],
+                   guard := nonfinite.nonfinite_guard(recipe.run.nan_patience), life.callback(),
+                   quantload.kept_rows_check()],
         **methods.trainer_kwargs(recipe, lambda **kw: models.load_model(recipe, tokenizer, target, **kw)),  # dpo/kto: ref_model
     )
     if recipe.method != "sft":

@@ -163,18 +163,31 @@ def render_target(recipe: Recipe) -> str:
 RANK0_READS, PARTITIONED, EVERY_RANK = "rank0_reads", "partitioned", "every_rank"
 
 
+def sharded_4bit(recipe: Recipe) -> bool:
+    """4-bit weights FSDP2 shards: a floating quant storage (accelerate leaves uint8 Params4bit out of FSDP2's
+    sharding, whole on every rank)."""
+    m = recipe.model
+    return bool(m.use_4bit_quantization) and m.bnb_4bit_quant_storage_dtype != "uint8"
+
+
 def weight_reading(recipe: Recipe, quantized: bool) -> tuple[str, str]:
     """How the ranks get their weights when the model loads — the one rule model.load_model follows and the planner
     states, so the plan never claims a loading the loader does not do. (mode, why):
-    RANK0_READS: FSDP2 with fsdp_cpu_ram_efficient_loading, 16-bit weights: rank 0 reads the checkpoint, the others
-    build on the meta device and receive their shards when FSDP wraps (model.ram_efficient_rank);
+    RANK0_READS: FSDP2 with fsdp_cpu_ram_efficient_loading: rank 0 reads the checkpoint, the others build on the
+    meta device; 16-bit weights: they receive their shards when FSDP wraps (model.ram_efficient_rank); 4-bit weights
+    FSDP2 shards (sharded_4bit): each layer once quantized, keeping their rows (quantload.send_4bit_layers);
     PARTITIONED: ZeRO-3 with zero3_init: every rank reads, keeping only its partition of each tensor (16-bit:
     transformers' zero.Init; 4-bit: each decoder layer partitioned once quantized, quantload.partition_4bit_layers);
     EVERY_RANK: every rank loads the whole model (quantized models under FSDP: accelerate leaves them out of
     RAM-efficient loading)."""
     L = recipe.launch
-    if L.backend == "fsdp" and L.fsdp_cpu_ram_efficient_loading and L.fsdp_version == 2 and not quantized:
-        return RANK0_READS, "fsdp_cpu_ram_efficient_loading: only rank 0 reads the weights"
+    if L.backend == "fsdp" and L.fsdp_cpu_ram_efficient_loading and L.fsdp_version == 2:
+        if not quantized:
+            return RANK0_READS, "fsdp_cpu_ram_efficient_loading: only rank 0 reads the weights"
+        if sharded_4bit(recipe):
+            return RANK0_READS, ("fsdp_cpu_ram_efficient_loading: only rank 0 reads and quantizes the weights, sending "
+                                 "each decoder layer to the other ranks once quantized; each rank keeps its FSDP2 rows "
+                                 "of the layer's 4-bit weights")
     if L.backend == "deepspeed" and L.zero_stage == 3 and L.zero3_init:
         if quantized:
             return PARTITIONED, ("zero3_init: each rank quantizes the weights layer by layer and keeps its partition of "
@@ -183,7 +196,7 @@ def weight_reading(recipe: Recipe, quantized: bool) -> tuple[str, str]:
     if quantized and L.backend == "deepspeed" and L.zero_stage == 3:
         return EVERY_RANK, "quantized, zero3_init off: every rank loads the whole model"
     if quantized and L.backend == "fsdp":
-        return EVERY_RANK, "quantized: every rank loads the whole model (no RAM-efficient loading for 4-bit)"
+        return EVERY_RANK, "quantized: every rank loads the whole model (RAM-efficient loading of 4-bit weights is FSDP2's, with a floating quant storage)"
     if L.backend == "fsdp" and L.fsdp_cpu_ram_efficient_loading:
         return EVERY_RANK, "FSDP1: every rank loads the whole model (RAM-efficient loading is FSDP2's)"
     return EVERY_RANK, "every rank loads the whole model"

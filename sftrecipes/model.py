@@ -22,7 +22,7 @@ from .attention import register
 from .backends import PARTITIONED, RANK0_READS, weight_reading
 from .errors import RecipeError
 from .heap import own_checkpoint_views, steady_heap
-from .quantload import partition_4bit_layers
+from .quantload import partition_4bit_layers, receive_4bit_layers, send_4bit_layers
 from .recipe import Recipe
 from .schema import DTYPES as DTYPE_NAMES
 from .shape import load_dtype as load_dtype_name
@@ -510,20 +510,34 @@ def load_model(recipe: Recipe, tokenizer, hardware: str, every_rank_reads: bool 
         kwargs["device_map"] = "meta"
     # 4-bit under ZeRO-3 with zero3_init: each decoder layer partitioned as soon as it is quantized (quantload.py)
     partition = qc is not None and is_deepspeed_zero3_enabled() and weight_reading(recipe, quantized=True)[0] == PARTITIONED
+    # 4-bit under FSDP2, RAM-efficient: rank 0 sends each layer once quantized, every rank keeps its FSDP2 rows
+    rows = (dist.get_rank(), dist.get_world_size()) if qc is not None and rank is not None else None
     # steady_heap: what a rank holds after loading is the model, not the order its temporaries were freed in
-    with steady_heap(), partition_4bit_layers(partition) as part:
+    with steady_heap(), partition_4bit_layers(partition) as part, send_4bit_layers(rank == 0 and rows is not None, rows) as sent:
         model = AutoModelForCausalLM.from_pretrained(weights_dir(m.model_name_or_path), **kwargs)  # an adapter: merged
-        if qc is not None:  # what was not quantized is still a view into the checkpoint's mapping: let it go
+        if qc is not None and not rank:  # what was not quantized is still a view into the checkpoint's mapping: let it go
             own_checkpoint_views(model)
-    if part is not None and dist.get_rank() == 0:
+        if sent is not None:
+            sent.send_rest(model)
+        elif rank and rows is not None:
+            received = receive_4bit_layers(model, rows)
+    if sent is not None:
+        part = sent
+        line = (f"fsdp_cpu_ram_efficient_loading: {sent.partitioned} of {sent.layers} decoder layers sent to the other "
+                "ranks as their 4-bit weights loaded, each rank keeping its FSDP2 rows")
+    elif part is not None:
         line = f"zero3_init: {part.partitioned} of {part.layers} decoder layers partitioned as their 4-bit weights loaded"
+    if part is not None and dist.get_rank() == 0:
         if part.layers and part.partitioned == part.layers:
             log.info("%s", line)
         else:  # a weight the checkpoint lacks, or a loader that no longer calls the setter quantload wraps
-            log.warning("%s; the rest stayed whole until the engine partitions them (more memory while loading than "
+            log.warning("%s; the rest stayed whole until the backend shards them (more memory while loading than "
                         "planned)", line)
     log_attention(recipe, hardware, model.config._attn_implementation, why)  # what the loaded model really runs
-    if rank:
+    if rank and rows is not None:  # the 4-bit layers came from rank 0 (receive_4bit_layers), whole where not sent by layer
+        model.__dict__.pop("hf_device_map", None)
+        log.debug("rank %d: %d decoder layers received", rank, received)
+    elif rank:
         # Real but untouched storage: accelerate maps optimizer params to their shards by data_ptr, which is 0 for
         # every meta tensor. Large torch.empty blocks are lazily mapped pages, so this costs address space, not RAM.
         model.to_empty(device="cpu")

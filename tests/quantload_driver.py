@@ -1,13 +1,21 @@
-"""Test-only driver (tests/test_quantload.py), run on 2 ranks under accelerate with a QLoRA ZeRO-3 recipe: for each
-model folder in QUANTLOAD_MODELS (os.pathsep-separated; else the recipe's), loads the model as train.py does
-(model.load_model, zero3_init: 4-bit layers partitioned as they load), then again with zero3_init off (the whole 4-bit
-model on every rank, as transformers loads it), and compares, on this rank:
+"""Test-only driver (tests/test_quantload.py), run on 2 ranks under accelerate with a QLoRA ZeRO-3 or FSDP2 recipe.
+
+ZeRO-3: for each model folder in QUANTLOAD_MODELS (os.pathsep-separated; else the recipe's), loads the model as
+train.py does (model.load_model, zero3_init: 4-bit layers partitioned as they load), then again with zero3_init off
+(the whole 4-bit model on every rank, as transformers loads it), and compares, on this rank:
 - every Params4bit's packed bytes gathered from the partitions (what the rank computes with) against the whole load's,
   bit for bit, and its quantization state (absmax, code, nested statistics: every tensor's bytes, and the rest);
 - the logits of one forward pass with every parameter gathered against the whole model's.
 While the partitioned model loads it records, at each layer handed to DeepSpeed, how many packed bytes this rank
 holds whole, beside each layer's packed bytes in the whole load: the proof that layers were partitioned as they
-loaded, not after. Writes <output_dir>/rank<N>-<folder name>.json."""
+loaded, not after.
+
+FSDP2 (check_fsdp): the same two loads (fsdp_cpu_ram_efficient_loading: rank 0 reads, each layer sent once quantized
+and kept by rows; then off: every rank loads the whole model), and on this rank: which pages of each kept weight are
+resident (only its own rows'), the whole bytes held at each layer's sending, then the model wrapped by accelerate's
+FSDP2 preparation and compared with the whole load: the packed bytes every Linear4bit computes with in a forward pass
+(gathered by FSDP2) and the gathered shards, bit for bit, the quantization state, and the logits.
+Writes <output_dir>/rank<N>-<folder name>.json."""
 
 import json
 import os
@@ -93,6 +101,115 @@ def check(argv: list[str], target: str, rank: int) -> dict:
     return result
 
 
+def resident_pages(t) -> list[bool]:
+    """Whether each page of t's storage is resident (/proc/self/pagemap's present bit)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    start, nbytes = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+    first, last = start // page, (start + nbytes - 1) // page
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        raw = f.read((last - first + 1) * 8)
+    return [bool(int.from_bytes(raw[i:i + 8], "little") >> 63) for i in range(0, len(raw), 8)]
+
+
+def kept_pages(name, p, rows) -> tuple[int, int, list]:
+    """(pages of the kept rows resident, pages wholly outside them resident, problems) for one kept packed weight."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    row_bytes = p.data[0].numel() * p.element_size()
+    a, b = rows[0] * row_bytes, rows[1] * row_bytes  # offsets into the storage (it starts on a page: its own mapping)
+    mine = outside = 0
+    problems = []
+    if p.untyped_storage().data_ptr() % page:
+        problems.append(f"{name}: not in a mapping of its own")
+    for i, present in enumerate(resident_pages(p.data)):
+        lo, hi = i * page, (i + 1) * page
+        if a <= lo and hi <= b:
+            mine += present
+            if not present:
+                problems.append(f"{name}: page {i} of its rows not resident")
+        elif hi <= a or lo >= b:
+            outside += present
+    return mine, outside, problems
+
+
+def check_fsdp(argv: list[str], target: str, rank: int) -> dict:
+    """One model under FSDP2: loaded with rank 0 reading (kept by rows), then whole, wrapped, and compared."""
+    from accelerate import Accelerator
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+    from sftrecipes.quantload import check_kept_rows, kept_rows
+
+    recipe = load_recipe(argv)
+    tokenizer = load_tokenizer(recipe)[0]
+    held_at_handover = []
+    send = quantload.LayerSender._partition
+
+    def recording(self, layer):
+        held_at_handover.append(sum(p.numel() * p.element_size() for m in self.model.modules()
+                                    if (p := getattr(m, "weight", None)) is not None and type(p).__name__ == "Params4bit"
+                                    and p.device.type != "meta" and not hasattr(m, "kept_rows")))
+        send(self, layer)
+
+    quantload.LayerSender._partition = recording
+    try:
+        parted = models.load_model(recipe, tokenizer, target)
+    finally:
+        quantload.LayerSender._partition = send
+    whole = models.load_model(load_recipe(argv + ["--launch.fsdp_cpu_ram_efficient_loading", "false"]), tokenizer, target)
+    world = torch.distributed.get_world_size()
+    prefix, layers = meta.decoder_layers(whole)
+    ref = params4bit(whole)
+    layer_bytes = [sum(p.numel() * p.element_size() for n, p in ref.items() if n.startswith(f"{prefix}.{i}."))
+                   for i in range(len(layers))]
+    result = {"rank": rank, "params4bit": len(ref), "layer_bytes": layer_bytes, "held_at_handover": held_at_handover,
+              "whole_4bit_bytes": whole_bytes(whole), "kept": 0, "rows_as_chunked": 0, "pages_mine": 0,
+              "pages_outside": 0, "problems": [], "mismatch": []}
+    for name, p in params4bit(parted).items():
+        mod = parted.get_submodule(name.rpartition(".")[0])
+        if hasattr(mod, "kept_rows"):
+            result["kept"] += 1
+            result["rows_as_chunked"] += mod.kept_rows == kept_rows(p.shape[0], rank, world)
+            mine, outside, problems = kept_pages(name, p, mod.kept_rows)
+            result["pages_mine"] += mine
+            result["pages_outside"] += outside
+            result["problems"] += problems
+    modules = {n: m for n, m in parted.named_modules() if type(m).__name__ == "Linear4bit"}
+    # the whole load's bytes and states before any forward pass: in eval mode bitsandbytes' CPU backend repacks a
+    # weight for its kernel at its first forward (a layout of its own, packing_format_for_cpu)
+    want = {n: ref[n + ".weight"].data.reshape(-1).view(torch.uint8).clone() for n in modules}
+    want_state = {n: state_tensors(ref[n + ".weight"].quant_state) for n in modules}
+    acc = Accelerator()
+    acc.state.fsdp_plugin.transformer_cls_names_to_wrap = models.fsdp_layer_classes(parted)  # this family's layers
+    wrapped = fsdp2_prepare_model(acc, parted)  # what accelerate's prepare() does to the model
+    result["checked_after_wrap"] = check_kept_rows(wrapped)
+    result["bits_equal"] = result["gathered_equal"] = result["state_equal"] = 0
+    for name, mod in modules.items():  # the shards gathered, and each module's state, before any forward
+        gathered = mod.weight.full_tensor() if hasattr(mod.weight, "full_tensor") else mod.weight.data
+        result["gathered_equal"] += torch.equal(gathered.reshape(-1).view(torch.uint8), want[name])
+        result["state_equal"] += state_tensors(mod.quant_state) == want_state[name]
+    computed = {}
+
+    def capture(name):
+        def hook(module, args):  # what the module computes with: FSDP2 has gathered its layer
+            computed[name] = module.weight.detach().reshape(-1).view(torch.uint8).clone()
+        return hook
+
+    handles = [m.register_forward_pre_hook(capture(n)) for n, m in modules.items()]
+    ids = torch.tensor([[1, 20, 30, 40, 50, 60, 70, 80]])
+    with torch.no_grad():
+        logits = wrapped(input_ids=ids).logits
+        result["logits_equal"] = torch.equal(logits, whole(input_ids=ids).logits)
+    for h in handles:
+        h.remove()
+    result["computed"] = len(computed)
+    for name in modules:
+        same = name in computed and torch.equal(computed[name], want[name])
+        result["bits_equal"] += same
+        if not same:
+            result["mismatch"].append(name)
+    return result
+
+
 if __name__ == "__main__":
     argv = sys.argv[1:]
     recipe = load_recipe(argv)
@@ -101,6 +218,7 @@ if __name__ == "__main__":
     args = backends.training_args(recipe, target)  # ZeRO-3 on (transformers' DeepSpeed config), process group up
     rank, out = args.process_index, Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    run = check_fsdp if recipe.launch.backend == "fsdp" else check
     for folder in os.environ.get("QUANTLOAD_MODELS", recipe.model.model_name_or_path).split(os.pathsep):
-        row = check(argv + ["--model_name_or_path", folder], target, rank)
+        row = run(argv + ["--model_name_or_path", folder], target, rank)
         (out / f"rank{rank}-{Path(folder).name}.json").write_text(json.dumps(row))

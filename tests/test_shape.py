@@ -256,11 +256,11 @@ def test_planner_counts_the_dtype_the_model_loads_in(argv):
     quantized = recipe.model.use_4bit_quantization or recipe.model.use_8bit_quantization
     mode, why = weight_reading(recipe, quantized)  # the loader's rule; the plan states it
     assert why in loading.note
-    if mode == RANK0_READS:  # fsdp_cpu_ram_efficient_loading: rank 0 reads the whole model
+    if mode == RANK0_READS and not quantized:  # fsdp_cpu_ram_efficient_loading: rank 0 reads the whole model
         per_weight = loading.gb * GB / plan.params
     elif mode == EVERY_RANK and not quantized:  # every rank reads the whole model, in the load dtype
         per_weight = loading.gb * GB / recipe.launch.gpus_per_node / plan.params
-    else:  # quantized / zero.Init: streamed shard by shard, so the shard cap hides it
+    else:  # quantized / zero.Init: streamed shard by shard, so the shard cap hides it (4-bit FSDP2: rank 0 too)
         per_weight = sharding.load_bytes(recipe)
     assert per_weight == pytest.approx(load_dtype(recipe).itemsize)
 

@@ -419,8 +419,11 @@ def _peak(recipe: Recipe, shape: Shape, s: Setup, st: ModelStates, live: dict, n
     L = recipe.launch
     resident = sum(i.gb for i in st.items) * GB
     phases = {k: (resident + sum(x[1] for x in v)) / GB for k, v in live.items()}
-    if s.quant_bits == 4 and weight_reading(recipe, quantized=True)[0] == PARTITIONED:
-        # ZeRO-3 with zero3_init: each decoder layer partitioned once quantized (quantload.py), on each rank's GPU
+    mode4 = weight_reading(recipe, quantized=True)[0] if s.quant_bits == 4 else None
+    if mode4 in (PARTITIONED, RANK0_READS):
+        # ZeRO-3 with zero3_init: each decoder layer partitioned once quantized, on each rank's GPU; FSDP2 RAM-efficient:
+        # rank 0 quantizes each layer on its GPU and sends it, each rank keeps its rows in host memory until fully_shard
+        # moves them to its GPU one layer at a time (quantload.py): at most the same share + outside + one layer
         ld = partitioned_4bit_load(recipe, shape, s.shard_w, st.float_b)
         quantizing = ld.largest * s.load_bytes
         load_gb = (ld.share + ld.outside + ld.layer + quantizing) / GB
@@ -429,8 +432,11 @@ def _peak(recipe: Recipe, shape: Shape, s: Setup, st: ModelStates, live: dict, n
         live[name] = [("4-bit layers partitioned as they load (replaces the shards above)", load_gb * GB - resident,
                        f"share {ld.share / GB:.2f} GB + outside the layers {ld.outside / GB:.2f} GB + one layer "
                        f"{ld.layer / GB:.2f} GB + one weight being quantized {quantizing / GB:.2f} GB")]
-        notes.append(f"QLoRA + ZeRO-3 (zero3_init): each decoder layer's 4-bit weights are partitioned as soon as they "
-                     f"are quantized; while loading a GPU holds its share of the layers ({ld.share / GB:.1f} GB), what "
+        how = ("QLoRA + ZeRO-3 (zero3_init): each decoder layer's 4-bit weights are partitioned as soon as they are "
+               "quantized" if mode4 == PARTITIONED else
+               "QLoRA + FSDP2 (fsdp_cpu_ram_efficient_loading): rank 0 reads the checkpoint and sends each decoder layer "
+               "once quantized; each rank keeps its FSDP2 rows of the 4-bit weights")
+        notes.append(f"{how}; while loading a GPU holds {'' if mode4 == PARTITIONED else 'at most '}its share of the layers ({ld.share / GB:.1f} GB), what "
                      f"lies outside them whole ({ld.outside / GB:.1f} GB: embeddings, head) and the layer being "
                      f"quantized ({ld.layer / GB:.2f} GB)")
     elif s.quant_bits == 4 and ((L.backend == "deepspeed" and L.zero_stage == 3) or L.backend == "fsdp"):
@@ -466,7 +472,13 @@ def _cpu_ram(recipe: Recipe, shape: Shape, s: Setup, st: ModelStates) -> tuple[l
     load_float_b = s.load_bytes
     full_model = shape.params * load_float_b
     mode, why = weight_reading(recipe, quantized=s.quant_bits < 16)  # the loader's own rule (model.load_model)
-    if mode == RANK0_READS:
+    if mode == RANK0_READS and s.quant_bits == 4:
+        # rank 0 reads shard by shard; every rank keeps its rows of each 4-bit layer in host memory until fully_shard
+        ld = partitioned_4bit_load(recipe, shape, s.shard_w, st.float_b)
+        cpu.append(Item("loading", (min(full_model, CKPT_SHARD_GB * GB) + gpn * ld.share) / GB,
+                        f"{why}: one checkpoint shard at a time on rank 0, and {gpn} ranks x their rows of the 4-bit "
+                        f"layers ({ld.share / GB:.1f} GB) until FSDP2 moves them to the GPU"))
+    elif mode == RANK0_READS:
         cpu.append(Item("loading", full_model / GB, why))
     elif mode == PARTITIONED or (s.quant_bits < 16 and s.gpu):
         cpu.append(Item("loading", gpn * min(full_model, CKPT_SHARD_GB * GB) / GB,

@@ -12,7 +12,9 @@ What the loader does, by weight_reading's mode (measured at 253M parameters, doc
 - a load that converts (a bf16 checkpoint trained in fp32) holds its own copy, params x the load dtype's bytes;
 - zero3_init: rank 0 reads the checkpoint, and every rank keeps its 1/N partition in the 16-bit dtype DeepSpeed casts
   to; the mapping goes when loading ends;
-- RAM-efficient FSDP2: the other ranks build on the meta device and take untouched storage (0);
+- RAM-efficient FSDP2: the other ranks build on the meta device and take untouched storage (0); 4-bit weights: rank 0
+  reads and quantizes, sending each layer once quantized, and every rank keeps its FSDP2 rows of the layer's packed
+  weights (quantload.py), what lies outside the layers whole;
 - 4-bit: every rank reads the whole checkpoint and keeps the quantized model (the views into the checkpoint that stay
   are copied, so the mapping goes: heap.own_checkpoint_views); under ZeRO-3 with zero3_init it keeps its partition of
   each decoder layer once the layer is quantized (quantload.py), and what lies outside the layers whole.
@@ -91,17 +93,25 @@ def rank_loading(recipe: Recipe, shape: Shape, s: Setup, float_b: int) -> list[R
         return RankLoading(ranks, max(reading, own + o), own + o, items + [over])
     read = ("checkpoint pages read", F / GB, f"the {F / 1e6:,.0f} MB checkpoint, mapped while it loads")
     others = f"ranks 1-{N - 1}" if N > 2 else "rank 1"
-    if s.quant_bits < 16 and mode == PARTITIONED:
+    if s.quant_bits < 16 and mode in (PARTITIONED, RANK0_READS):
         ld = partitioned_4bit_load(recipe, shape, N, float_b)
         tmp = ld.largest * QUANTIZE_BYTES_PER_ELEMENT / GB
-        items = [read,
-                 ("its partition of the layers", ld.share / GB, f"{shape.layers} decoder layers (4-bit linear weights, the rest "
-                  f"in {float_b}-byte floats) / {N} ranks, each partitioned once quantized (quantload.py)"),
+        how = "partitioned" if mode == PARTITIONED else "sent to the other ranks and kept by FSDP2 rows"
+        share = ("its partition of the layers", ld.share / GB, f"{shape.layers} decoder layers (4-bit linear weights, the "
+                 f"rest in {float_b}-byte floats) / {N} ranks, each {how} once quantized (quantload.py)")
+        outside = ("outside the layers", ld.outside / GB, "embeddings, final norm, head, whole: "
+                   + ("copied out of the mapping at the end (heap.own_checkpoint_views), partitioned later by the engine"
+                      if mode == PARTITIONED else "sent by rank 0 once loading ends, sharded later by FSDP2"))
+        items = [read, share,
                  ("one layer whole", ld.layer / GB, "the layer being quantized, until its last weight is set"),
                  ("quantizing one weight", tmp, f"the largest, {ld.largest / 1e6:.1f}M elements x {QUANTIZE_BYTES_PER_ELEMENT} B"),
-                 ("outside the layers", ld.outside / GB, "embeddings, final norm, head: copied out of the mapping at the end "
-                  "(heap.own_checkpoint_views), partitioned later by the engine")]
-        return [group("every rank", F / GB + ld.share / GB + max(ld.layer / GB + tmp, ld.outside / GB), ld.kept / GB, items)]
+                 outside]
+        reader = group("every rank" if mode == PARTITIONED else "rank 0",
+                       F / GB + ld.share / GB + max(ld.layer / GB + tmp, ld.outside / GB), ld.kept / GB, items)
+        if mode == PARTITIONED or N == 1:
+            return [reader]
+        # the others read nothing: each tensor arrives whole in a buffer, of a layer's packed weights only the rows kept
+        return [reader, group(others, ld.kept / GB, ld.kept / GB, [share, outside])]
     if s.quant_bits < 16:
         lin = shape.linear_params
         q = (lin * quant_bytes_per_param(recipe) + (shape.params - lin) * float_b) / GB
