@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from .errors import RecipeError
 from .prepkey import describe_changes, entry_key, key_inputs
-from .procs import gone_from_this_host, identity, now_iso
+from .procs import gone_from_this_host, identity, now_iso, read_holder
 from .recipe import Recipe
 
 log = logging.getLogger("sftrecipes")
@@ -183,13 +183,7 @@ class Entry:
 
     def read_lock(self) -> dict | None:
         """The holder; None when there is none, {} while unreadable (being written)."""
-        try:
-            held = json.loads(self.lock.read_bytes())
-            return held if isinstance(held, dict) else {}
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError):
-            return {}
+        return read_holder(self.lock)
 
     def take_lock(self, stale: dict | None = None) -> str | None:
         """The token of the lock this process took, None when another holds it. `stale`: a holder found gone or silent,

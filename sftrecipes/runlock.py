@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 
 from .errors import RecipeError
-from .procs import gone_from_this_host, identity, now_iso
+from .procs import gone_from_this_host, identity, now_iso, read_holder
 
 log = logging.getLogger("sftrecipes")
 
@@ -29,13 +29,7 @@ class LockHeld(RecipeError):
 
 def read_lock(out: Path) -> dict | None:
     """The holder recorded in <out>/.sftrecipes.lock; None when there is no lock, {} when it is unreadable."""
-    try:
-        held = json.loads((out / LOCK).read_text())
-        return held if isinstance(held, dict) else {}
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError):
-        return {}
+    return read_holder(out / LOCK)
 
 
 def describe(held: dict) -> str:

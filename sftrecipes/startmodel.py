@@ -31,7 +31,7 @@ import uuid
 from pathlib import Path
 
 from .errors import RecipeError
-from .procs import gone_from_this_host, identity, now_iso
+from .procs import gone_from_this_host, identity, now_iso, read_holder
 
 log = logging.getLogger("sftrecipes")
 
@@ -120,13 +120,7 @@ class _Lock:
         self._thread: threading.Thread | None = None
 
     def read(self) -> dict | None:
-        try:
-            value = json.loads(self.path.read_text())
-            return value if isinstance(value, dict) else {}
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError):
-            return {}  # being written
+        return read_holder(self.path)  # None: no lock; {}: being written
 
     def age(self) -> float:
         try:
