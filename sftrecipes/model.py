@@ -513,7 +513,7 @@ def load_model(recipe: Recipe, tokenizer, hardware: str, every_rank_reads: bool 
     # 4-bit under FSDP2, RAM-efficient: rank 0 sends each layer once quantized, every rank keeps its FSDP2 rows
     rows = (dist.get_rank(), dist.get_world_size()) if qc is not None and rank is not None else None
     # steady_heap: what a rank holds after loading is the model, not the order its temporaries were freed in
-    with steady_heap(), partition_4bit_layers(partition) as part, send_4bit_layers(rank == 0 and rows is not None, rows) as sent:
+    with steady_heap(), partition_4bit_layers(partition) as zero3, send_4bit_layers(rank == 0 and rows is not None, rows) as sent:
         model = AutoModelForCausalLM.from_pretrained(weights_dir(m.model_name_or_path), **kwargs)  # an adapter: merged
         if qc is not None and not rank:  # what was not quantized is still a view into the checkpoint's mapping: let it go
             own_checkpoint_views(model)
@@ -521,18 +521,13 @@ def load_model(recipe: Recipe, tokenizer, hardware: str, every_rank_reads: bool 
             sent.send_rest(model)
         elif rank and rows is not None:
             received = receive_4bit_layers(model, rows)
-    if sent is not None:
-        part = sent
-        line = (f"fsdp_cpu_ram_efficient_loading: {sent.partitioned} of {sent.layers} decoder layers sent to the other "
-                "ranks as their 4-bit weights loaded, each rank keeping its FSDP2 rows")
-    elif part is not None:
-        line = f"zero3_init: {part.partitioned} of {part.layers} decoder layers partitioned as their 4-bit weights loaded"
+    part = zero3 or sent  # at most one of them acted
     if part is not None and dist.get_rank() == 0:
         if part.layers and part.partitioned == part.layers:
-            log.info("%s", line)
+            log.info("%s", part.summary())
         else:  # a weight the checkpoint lacks, or a loader that no longer calls the setter quantload wraps
             log.warning("%s; the rest stayed whole until the backend shards them (more memory while loading than "
-                        "planned)", line)
+                        "planned)", part.summary())
     log_attention(recipe, hardware, model.config._attn_implementation, why)  # what the loaded model really runs
     if rank and rows is not None:  # the 4-bit layers came from rank 0 (receive_4bit_layers), whole where not sent by layer
         model.__dict__.pop("hf_device_map", None)

@@ -83,6 +83,9 @@ class LayerPartitioner:
                     del self.remaining[head]
                 return
 
+    def summary(self) -> str:
+        return f"zero3_init: {self.partitioned} of {self.layers} decoder layers partitioned as their 4-bit weights loaded"
+
     def _partition(self, layer) -> None:
         import deepspeed  # noqa: PLC0415 - only ZeRO-3 runs get here
 
@@ -174,9 +177,9 @@ def _comm_device() -> torch.device:
 class LayerSender(LayerPartitioner):
     """Rank 0's side of the FSDP2 4-bit load: at each decoder layer's last weight, the layer's parameters go to the
     other ranks (one header, then each tensor by broadcast), and rank 0 keeps of each packed weight its own rows
-    (`keep`: (rank, world); None keeps them whole: a sharding FSDP2 does not cut over the whole world)."""
+    (`keep`: (rank, world), FSDP2's cut over the whole world: check_kept_rows holds it after wrapping)."""
 
-    def __init__(self, keep: tuple[int, int] | None):
+    def __init__(self, keep: tuple[int, int]):
         super().__init__(ds_config=None)
         self.keep = keep
         self.sent: set[str] = set()  # parameter names sent
@@ -186,6 +189,10 @@ class LayerSender(LayerPartitioner):
         out = super()._layers(model)
         self.heads = {id(layer): head for head, (_, layer) in out.items()}
         return out
+
+    def summary(self) -> str:
+        return (f"fsdp_cpu_ram_efficient_loading: {self.partitioned} of {self.layers} decoder layers sent to the other "
+                "ranks as their 4-bit weights loaded, each rank keeping its FSDP2 rows")
 
     def _partition(self, layer) -> None:
         head = self.heads[id(layer)]
@@ -210,7 +217,7 @@ class LayerSender(LayerPartitioner):
         for name, owner, local in params:
             p = owner.get_parameter(local)
             dist.broadcast(p.data.to(dev).contiguous(), src=0)  # a copy only where the tensor is not on the device
-            if head and is_4bit(p) and self.keep:
+            if head and is_4bit(p):
                 p.data = keep_rows(p.data, *self.keep)
                 owner.get_submodule(local.rpartition(".")[0]).kept_rows = kept_rows(p.shape[0], *self.keep)
             self.sent.add(name)
@@ -223,7 +230,7 @@ class LayerSender(LayerPartitioner):
 
 
 @contextlib.contextmanager
-def send_4bit_layers(enabled: bool, keep: tuple[int, int] | None):
+def send_4bit_layers(enabled: bool, keep: tuple[int, int] | None):  # keep: None where not enabled
     """Within (rank 0's from_pretrained of a 4-bit model under FSDP2 with RAM-efficient loading): each decoder layer
     sent to the other ranks once its last weight is set, then kept by rows. The caller sends the rest
     (LayerSender.send_rest) once loading is done. Yields the LayerSender (None where not enabled)."""
@@ -234,7 +241,7 @@ def send_4bit_layers(enabled: bool, keep: tuple[int, int] | None):
         yield sender
 
 
-def receive_4bit_layers(model, keep: tuple[int, int] | None) -> int:
+def receive_4bit_layers(model, keep: tuple[int, int]) -> int:
     """The other ranks' side: the model built on the meta device (4-bit modules, nothing read) takes rank 0's units
     as they come, keeping of each packed weight of a layer only its rows (`keep`), until the last unit; then its
     buffers are given storage (model._broadcast_buffers fills them). The number of layer units taken."""
@@ -253,11 +260,11 @@ def receive_4bit_layers(model, keep: tuple[int, int] | None) -> int:
             mod_name, _, local = row["name"].rpartition(".")
             mod = model.get_submodule(mod_name)
             if "state" in row:
-                data = keep_rows(buf, *keep) if head and keep else buf
+                data = keep_rows(buf, *keep) if head else buf
                 state = _state_on(row["state"], dev)
                 new = bnb.nn.Params4bit(data=data, requires_grad=False, quant_state=state, module=mod,
                                         bnb_quantized=True, **row["settings"])
-                if head and keep:
+                if head:
                     mod.kept_rows = kept_rows(row["shape"][0], *keep)
                 mod.quant_state = state  # as bitsandbytes' own quantization sets it: FSDP2 drops the parameter's
             else:

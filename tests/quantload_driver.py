@@ -37,10 +37,37 @@ def params4bit(model) -> dict:
 
 
 def whole_bytes(model) -> int:
-    """Packed bytes of the 4-bit weights this rank holds whole: loaded (not on the meta device) and not yet handed to
-    DeepSpeed."""
-    return sum(p.numel() * p.element_size() for p in params4bit(model).values()
-               if p.device.type != "meta" and not hasattr(p, "ds_tensor"))
+    """Packed bytes of the 4-bit weights this rank holds whole: loaded (not on the meta device), not yet handed to
+    DeepSpeed (ZeRO-3) and not kept by rows (FSDP2)."""
+    return sum(p.numel() * p.element_size() for m in model.modules()
+               if quantload.is_4bit(p := m._parameters.get("weight")) and p.device.type != "meta"
+               and not hasattr(p, "ds_tensor") and not hasattr(m, "kept_rows"))
+
+
+def load_both(argv: list[str], target: str, partitioner: type, whole_flag: str):
+    """The model loaded as train.py loads it (4-bit layers partitioned as they load), recording at each layer's
+    hand-over the 4-bit bytes this rank holds whole; then loaded whole (`whole_flag` false). (parted, whole,
+    held_at_handover, each decoder layer's packed bytes in the whole load)."""
+    recipe = load_recipe(argv)
+    tokenizer = load_tokenizer(recipe)[0]
+    held_at_handover = []
+    handover = partitioner._partition
+
+    def recording(self, layer):
+        held_at_handover.append(whole_bytes(self.model))
+        handover(self, layer)
+
+    partitioner._partition = recording
+    try:
+        parted = models.load_model(recipe, tokenizer, target)
+    finally:
+        partitioner._partition = handover
+    whole = models.load_model(load_recipe(argv + [whole_flag, "false"]), tokenizer, target)
+    ref = params4bit(whole)
+    prefix, layers = meta.decoder_layers(whole)
+    layer_bytes = [sum(p.numel() * p.element_size() for n, p in ref.items() if n.startswith(f"{prefix}.{i}."))
+                   for i in range(len(layers))]
+    return parted, whole, held_at_handover, layer_bytes
 
 
 def state_tensors(qs, prefix="") -> dict:
@@ -58,26 +85,8 @@ def state_tensors(qs, prefix="") -> dict:
 
 def check(argv: list[str], target: str, rank: int) -> dict:
     """One model: loaded partitioned, then whole, and compared on this rank."""
-    recipe = load_recipe(argv)
-    tokenizer = load_tokenizer(recipe)[0]
-    held_at_handover = []
-    handover = quantload.LayerPartitioner._partition
-
-    def recording(self, layer):
-        held_at_handover.append(whole_bytes(self.model))
-        handover(self, layer)
-
-    quantload.LayerPartitioner._partition = recording
-    try:
-        parted = models.load_model(recipe, tokenizer, target)
-    finally:
-        quantload.LayerPartitioner._partition = handover
-    whole = models.load_model(load_recipe(argv + ["--launch.zero3_init", "false"]), tokenizer, target)
-
+    parted, whole, held_at_handover, layer_bytes = load_both(argv, target, quantload.LayerPartitioner, "--launch.zero3_init")
     mine, ref = params4bit(parted), params4bit(whole)
-    prefix, layers = meta.decoder_layers(whole)
-    layer_bytes = [sum(p.numel() * p.element_size() for n, p in ref.items() if n.startswith(f"{prefix}.{i}."))
-                   for i in range(len(layers))]
     result = {"rank": rank, "params4bit": len(mine), "layer_bytes": layer_bytes, "partitioned": 0, "bits_equal": 0,
               "state_equal": 0, "partition_elements": 0, "whole_elements": 0, "held_at_handover": held_at_handover,
               "whole_4bit_bytes": whole_bytes(whole), "mismatch": []}
@@ -139,28 +148,10 @@ def check_fsdp(argv: list[str], target: str, rank: int) -> dict:
 
     from sftrecipes.quantload import check_kept_rows, kept_rows
 
-    recipe = load_recipe(argv)
-    tokenizer = load_tokenizer(recipe)[0]
-    held_at_handover = []
-    send = quantload.LayerSender._partition
-
-    def recording(self, layer):
-        held_at_handover.append(sum(p.numel() * p.element_size() for m in self.model.modules()
-                                    if (p := getattr(m, "weight", None)) is not None and type(p).__name__ == "Params4bit"
-                                    and p.device.type != "meta" and not hasattr(m, "kept_rows")))
-        send(self, layer)
-
-    quantload.LayerSender._partition = recording
-    try:
-        parted = models.load_model(recipe, tokenizer, target)
-    finally:
-        quantload.LayerSender._partition = send
-    whole = models.load_model(load_recipe(argv + ["--launch.fsdp_cpu_ram_efficient_loading", "false"]), tokenizer, target)
+    parted, whole, held_at_handover, layer_bytes = load_both(argv, target, quantload.LayerSender,
+                                                             "--launch.fsdp_cpu_ram_efficient_loading")
     world = torch.distributed.get_world_size()
-    prefix, layers = meta.decoder_layers(whole)
     ref = params4bit(whole)
-    layer_bytes = [sum(p.numel() * p.element_size() for n, p in ref.items() if n.startswith(f"{prefix}.{i}."))
-                   for i in range(len(layers))]
     result = {"rank": rank, "params4bit": len(ref), "layer_bytes": layer_bytes, "held_at_handover": held_at_handover,
               "whole_4bit_bytes": whole_bytes(whole), "kept": 0, "rows_as_chunked": 0, "pages_mine": 0,
               "pages_outside": 0, "problems": [], "mismatch": []}

@@ -140,6 +140,10 @@ def test_twin_runs_through_its_launcher(twin_runs, family_models, name):
     if name.endswith("qlora-zero3"):  # zero3_init: each decoder layer partitioned once its 4-bit weights loaded
         layers = json.loads((ROOT / base / "config.json").read_text())["num_hidden_layers"]
         assert f"zero3_init: {layers} of {layers} decoder layers partitioned as their 4-bit weights loaded" in log, log[-3000:]
+    if name.endswith("qlora-fsdp"):  # FSDP2: rank 0 sent each decoder layer once quantized, every rank kept its rows
+        layers = json.loads((ROOT / base / "config.json").read_text())["num_hidden_layers"]
+        assert (f"fsdp_cpu_ram_efficient_loading: {layers} of {layers} decoder layers sent to the other ranks as their "
+                "4-bit weights loaded") in log, log[-3000:]
     assert_loadable(out, summary, base, quantized="qlora" in name)
 
 
