@@ -30,7 +30,7 @@ if __name__ == "__main__":  # first thing: a SIGTERM/SIGUSR1 while this process 
     lifecycle.hold_signals()
 
 from sftrecipes.checkpoints import TrainingStopped  # noqa: E402
-from sftrecipes.errors import RecipeError
+from sftrecipes.errors import RecipeError, say_error
 from sftrecipes.options_doc import help_text  # noqa: E402
 from sftrecipes.prepcache import PreparationFailed  # noqa: E402
 from sftrecipes.recipe import load_recipe  # noqa: E402
@@ -238,15 +238,15 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             run(recipe, life)
     except RecipeError as e:
-        print(f"error: {e}", file=sys.stderr)
+        say_error(e)
         lifecycle.note_refusal(str(e))  # under launch: it exits 2 too when every rank refused
         return 2
     except PreparationFailed as e:  # the process preparing the data failed or went silent: one line, every rank
-        print(f"error: {e}", file=sys.stderr)
+        say_error(e)
         return 1
     except TrainingStopped as e:
         if not e.every_rank or os.environ.get("RANK", "0") == "0":  # a verdict of every rank: said once
-            print(f"error: {e}", file=sys.stderr)
+            say_error(e)
         return leave_process_group(1) if e.every_rank else 1
     except lifecycle.Preempted as e:
         if os.environ.get("RANK", "0") == "0":

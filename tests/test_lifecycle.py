@@ -193,3 +193,22 @@ def test_a_second_run_is_refused_and_a_frozen_rank_ends_the_run(tiny_model, tmp_
         for pid in processes_of(out):
             os.kill(pid, signal.SIGKILL)
         first.kill()
+
+
+def test_error_lines_of_ranks_writing_at_once_are_never_glued():
+    """Every rank that refuses a recipe says `error: ...` to the same pipe at once (CI once read two ranks' lines glued
+    into one). Eight processes each say 300 lines of 450 bytes to one pipe: every line read back is whole."""
+    code = ("import sys; from sftrecipes.errors import say_error\n"
+            "for i in range(300): say_error(sys.argv[1] * 440 + f' {i:04d}')\n")
+    r, w = os.pipe()
+    procs_ = [subprocess.Popen([sys.executable, "-c", code, chr(ord("a") + k)], stderr=w, cwd=ROOT) for k in range(8)]
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        out = f.read().decode()
+    assert [p.wait() for p in procs_] == [0] * 8
+    lines = out.splitlines()
+    assert len(lines) == 8 * 300
+    for k in range(8):
+        c = chr(ord("a") + k)
+        mine = [line for line in lines if line.startswith(f"error: {c}")]
+        assert mine == [f"error: {c * 440} {i:04d}" for i in range(300)], [m for m in mine if len(m) != 451][:2]
