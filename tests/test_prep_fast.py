@@ -188,6 +188,36 @@ def test_every_familys_tokenizer_and_template(family_models, tmp_path, flags):
             assert seen(ref)["bos_removed"], family
 
 
+def test_ids_without_offsets_are_the_tokenizer_calls_ids(family_models):
+    """tokenization.encode's road without offsets (the Rust encode_batch_fast) gives every family's tokenizer call's ids,
+    with and without special tokens, special tokens in the text split or not; and a tokenizer with its own encoding
+    is called as it is."""
+    texts = ["<|im_start|>user\nHi there<|im_end|>\n", "", "  two  spaces\tand a tab \u00e9\u4e2d ", "</s><s>a<unk>b"]
+    for family, folder in {"tiny": TINY, **family_models}.items():
+        tok, _, _ = load_tokenizer(load_recipe(["recipes/tiny/lora.yaml", "--model_name_or_path", str(folder), "--output_dir", "/tmp/x"]))
+        assert tokenization._plain_fast(tok), family
+        for split in (False, True):
+            tok.split_special_tokens = split
+            for special in (False, True):
+                want = tok(texts, add_special_tokens=special)["input_ids"]
+                tok.split_special_tokens = not split  # encode sets the backend's state from the tokenizer's, as the call does
+                tok._tokenizer.encode_special_tokens = not split
+                tok.split_special_tokens = split
+                assert tokenization.encode(tok, texts, special, False) == (want, None), (family, split, special)
+        tok.split_special_tokens = False
+
+    class OwnEncoding(type(tok)):
+        def _encode_plus(self, *a, **kw):
+            calls.append(kw.get("text", a[0] if a else None))
+            return super()._encode_plus(*a, **kw)
+
+    calls = []
+    tok.__class__ = OwnEncoding
+    assert not tokenization._plain_fast(tok)
+    assert tokenization.encode(tok, texts, False, False)[0] == tok(texts, add_special_tokens=False)["input_ids"]
+    assert calls and calls[0] == texts
+
+
 def test_worker_processes_prepare_the_same_rows_and_raise_the_same_error(tiny_model, tmp_path, monkeypatch):
     rows = MESSAGES * 3
     monkeypatch.setattr(tokenization, "BATCH_ROWS", 7)  # several batches a worker, the last one short
