@@ -219,21 +219,26 @@ append_concat_token and appends a second end of turn to ChatML text data (these 
 false); TRL keeps a row whose only trained label is at position 0, the project needs one past it; the project drops
 and counts the rows the cut leaves untrainable (here every label is trained, so neither drops a row).
 
-Where the time goes (py-spy on one process of ours, 10,000 multi-turn rows, 2026-12-04): the tokenizer's Rust encode
-~73% (~0.4 ms for a 157-token row; ~60% on short rows), rendering ~10% (plain turns of the project's templates in
-Python, tokenizer.render_plain_turns; other templates through transformers' render_jinja_template without
-apply_chat_template's per-call work), the batch's columns as one Arrow table ~7%, the rest datasets' batches. TRL
-takes ~1.6 ms a row whatever its length (a template render and a tokenizer call per row, then three more passes over
-the rows: labels, truncation, the drop of fully masked rows): on multi-turn rows that is about four encodes, so one
-process of ours is bounded near 4x TRL by the encode alone and two near 8x, with both cores to themselves; 10x on
-such rows takes more cores than this machine has (tokenization.workers uses them all, one worker per 4,000 rows).
-The ratio is highest on short rows, where TRL's per-row work is nearly all its time.
+Where the time goes (cProfile on one process of ours, 20,000 multi-turn rows, quiet machine, 2026-12-05): the Rust
+tokenizer's encode ~62% (`encode_batch_fast`: ~0.135 ms for a 157-token row; tokenization.encode takes it where no
+offsets are needed, as here), rendering ~22% (plain turns of the project's templates in Python,
+tokenizer.render_plain_turns; other templates through transformers' render_jinja_template without
+apply_chat_template's per-call work), the ids as Python lists ~8%, the batch's columns as one Arrow table ~5%, the
+rest datasets' batches. Before `encode_batch_fast` the same rows went through the tokenizer's call, which has the
+Rust side track offsets and transformers convert each row's encoding: one process prepared 4,200 rows/s of 20,000
+rows (now 6,300-6,800), two workers 8,900 (now 10,100-11,100). TRL takes 0.54-0.61 ms a multi-turn row here (a
+template render and a tokenizer call per row, then three more passes over the rows: labels, truncation, the drop of
+fully masked rows): the encode alone bounds one process of ours near 4.5x TRL and two near 9x, with both cores to
+themselves; 10x on such rows takes more cores than this machine has, or a faster encoder than the tokenizers
+library's (tokenization.workers uses every core, one worker per 4,000 rows). The ratio is highest on short rows,
+where TRL's per-row work is nearly all its time.
 
 Worker processes (dataset_num_proc unset): datasets' pool costs ~0.5 s to start here (forks, the tokenizer and recipe
-pickled to each, shards written and joined), so a split gets one worker per 4,000 rows (~2 s of work each, 4x the
-start), at most the usable cores and 16; below 8,000 rows it is prepared in this process. While other work holds a
-core, as through the run above (load 2-3 on 2 cores), the second worker gains nothing: the worker and one-process
-columns are alike, and every figure, TRL's included, is below an idle machine's.
+pickled to each, shards written and joined), so a split gets one worker per 4,000 rows (~2 s of work each at the speed
+when it was set, 4x the start; at today's ~6,500 rows/s a worker's 4,000 rows take ~0.6 s, near the start, so the
+threshold is due a new measurement), at most the usable cores and 16; below 8,000 rows it is prepared in this process. While other work holds a
+core (load 2-3 on 2 cores, as through the 2026-12-04 run: 3.0-5.8x then, TRL at 485-1,138 rows/s), the second
+worker gains little, and every figure, TRL's included, is below an idle machine's.
 
 Before this change (git HEAD faa6c2b, measured once on the 50,000 multi-turn rows beside the same kind of load):
 297 rows/s. Besides preparing each row on its own, it read the status columns back one row at a time (finish_split's
@@ -285,8 +290,10 @@ def main(argv: list[str] | None = None) -> int:
             agree[shape, n] = agreement(by["ours"][-1]["out"], by["trl"][-1]["out"])
             print(f"{n:>8,} {shape:<10} rows  tokens and labels the same as TRL's: {agree[shape, n]}", flush=True)
     load_after = os.getloadavg()
-    load = (f"Load average (1 min) {load_before[0]:.1f} at the start, {load_after[0]:.1f} at the end"
-            + (": other work shared the machine, so every figure is lower than on an idle one." if max(load_before[0], load_after[0]) > 0.5 else "."))
+    # the end's figure counts this bench's own runs (one or two busy processes): only load above them is other work
+    load = (f"Load average (1 min) {load_before[0]:.1f} at the start, {load_after[0]:.1f} at the end (this bench's runs count "
+            "in it)" + (": other work shared the machine, so every figure is lower than on an idle one."
+                        if load_before[0] > 1.0 or load_after[0] > 2.5 else "."))
     text = report(results, agree, argv, time.time() - t0, load)
     print(text)
     if not args.no_docs:
