@@ -178,7 +178,10 @@ def test_70b_qlora_zero3_on_2x40gb_matches_the_peft_guide():
     outside = (shape.params - sum(layer.params for layer in shape.decoder)) * 2 / 1e9  # embeddings, head, final norm
     one_layer = whole / shape.layers  # (outside is 1.5% of the whole)
     largest = 8192 * 28672 * 2 / 1e9  # the MLP's weight in bf16 while it is quantized
-    assert parted == pytest.approx((whole - outside) / 2 + outside + one_layer + largest, rel=0.01)
+    # the layers' quantization states stay whole on every rank (absmax in 8 bits per 64 weights + fp32 per 256 absmax:
+    # the recipe's nested quantization), only the packed bytes and the rest are halved
+    states = 80 * (2 * 8192**2 + 2 * 8192 * 1024 + 3 * 8192 * 28672) * (1 / 64 + 4 / (64 * 256)) / 1e9
+    assert parted == pytest.approx((whole - outside - states) / 2 + states + outside + one_layer + largest, rel=0.01)
     assert plan.peak_phase == "backward, last layer" and plan.gpu_total_gb < upstream.gpu_total_gb - 5
     assert any("partitioned as soon as they are quantized" in n for n in plan.notes) and plan.fits is True
 

@@ -426,17 +426,19 @@ def _peak(recipe: Recipe, shape: Shape, s: Setup, st: ModelStates, live: dict, n
         # moves them to its GPU one layer at a time (quantload.py): at most the same share + outside + one layer
         ld = partitioned_4bit_load(recipe, shape, s.shard_w, st.float_b)
         quantizing = ld.largest * s.load_bytes
-        load_gb = (ld.share + ld.outside + ld.layer + quantizing) / GB
+        load_gb = (ld.share + ld.states + ld.outside + ld.layer + quantizing) / GB
         name = "loading (4-bit, partitioned per layer)"
         phases[name] = load_gb
         live[name] = [("4-bit layers partitioned as they load (replaces the shards above)", load_gb * GB - resident,
-                       f"share {ld.share / GB:.2f} GB + outside the layers {ld.outside / GB:.2f} GB + one layer "
+                       f"share {ld.share / GB:.2f} GB + quantization states, whole, {ld.states / GB:.2f} GB + outside "
+                       f"the layers {ld.outside / GB:.2f} GB + one layer "
                        f"{ld.layer / GB:.2f} GB + one weight being quantized {quantizing / GB:.2f} GB")]
         how = ("QLoRA + ZeRO-3 (zero3_init): each decoder layer's 4-bit weights are partitioned as soon as they are "
                "quantized" if mode4 == PARTITIONED else
                "QLoRA + FSDP2 (fsdp_cpu_ram_efficient_loading): rank 0 reads the checkpoint and sends each decoder layer "
                "once quantized; each rank keeps its FSDP2 rows of the 4-bit weights")
-        notes.append(f"{how}; while loading a GPU holds {'' if mode4 == PARTITIONED else 'at most '}its share of the layers ({ld.share / GB:.1f} GB), what "
+        notes.append(f"{how}; while loading a GPU holds {'' if mode4 == PARTITIONED else 'at most '}its share of the layers ({ld.share / GB:.1f} GB), "
+                     f"their quantization states whole ({ld.states / GB:.2f} GB), what "
                      f"lies outside them whole ({ld.outside / GB:.1f} GB: embeddings, head) and the layer being "
                      f"quantized ({ld.layer / GB:.2f} GB)")
     elif s.quant_bits == 4 and ((L.backend == "deepspeed" and L.zero_stage == 3) or L.backend == "fsdp"):
@@ -475,9 +477,10 @@ def _cpu_ram(recipe: Recipe, shape: Shape, s: Setup, st: ModelStates) -> tuple[l
     if mode == RANK0_READS and s.quant_bits == 4:
         # rank 0 reads shard by shard; every rank keeps its rows of each 4-bit layer in host memory until fully_shard
         ld = partitioned_4bit_load(recipe, shape, s.shard_w, st.float_b)
-        cpu.append(Item("loading", (min(full_model, CKPT_SHARD_GB * GB) + gpn * ld.share) / GB,
+        cpu.append(Item("loading", (min(full_model, CKPT_SHARD_GB * GB) + gpn * (ld.share + ld.states)) / GB,
                         f"{why}: one checkpoint shard at a time on rank 0, and {gpn} ranks x their rows of the 4-bit "
-                        f"layers ({ld.share / GB:.1f} GB) until FSDP2 moves them to the GPU"))
+                        f"layers with the layers' quantization states ({(ld.share + ld.states) / GB:.1f} GB) until FSDP2 "
+                        "moves them to the GPU"))
     elif mode == RANK0_READS:
         cpu.append(Item("loading", full_model / GB, why))
     elif mode == PARTITIONED or (s.quant_bits < 16 and s.gpu):

@@ -99,19 +99,21 @@ def rank_loading(recipe: Recipe, shape: Shape, s: Setup, float_b: int) -> list[R
         how = "partitioned" if mode == PARTITIONED else "sent to the other ranks and kept by FSDP2 rows"
         share = ("its partition of the layers", ld.share / GB, f"{shape.layers} decoder layers (4-bit linear weights, the "
                  f"rest in {float_b}-byte floats) / {N} ranks, each {how} once quantized (quantload.py)")
+        states = ("quantization states", ld.states / GB, "the layers' absmax (and nested statistics), whole on every rank: "
+                  "bitsandbytes reads them after each gather")
         outside = ("outside the layers", ld.outside / GB, "embeddings, final norm, head, whole: "
                    + ("copied out of the mapping at the end (heap.own_checkpoint_views), partitioned later by the engine"
                       if mode == PARTITIONED else "sent by rank 0 once loading ends, sharded later by FSDP2"))
-        items = [read, share,
+        items = [read, share, states,
                  ("one layer whole", ld.layer / GB, "the layer being quantized, until its last weight is set"),
                  ("quantizing one weight", tmp, f"the largest, {ld.largest / 1e6:.1f}M elements x {QUANTIZE_BYTES_PER_ELEMENT} B"),
                  outside]
         reader = group("every rank" if mode == PARTITIONED else "rank 0",
-                       F / GB + ld.share / GB + max(ld.layer / GB + tmp, ld.outside / GB), ld.kept / GB, items)
+                       F / GB + (ld.share + ld.states) / GB + max(ld.layer / GB + tmp, ld.outside / GB), ld.kept / GB, items)
         if mode == PARTITIONED or N == 1:
             return [reader]
         # the others read nothing: each tensor arrives whole in a buffer, of a layer's packed weights only the rows kept
-        return [reader, group(others, ld.kept / GB, ld.kept / GB, [share, outside])]
+        return [reader, group(others, ld.kept / GB, ld.kept / GB, [share, states, outside])]
     if s.quant_bits < 16:
         lin = shape.linear_params
         q = (lin * quant_bytes_per_param(recipe) + (shape.params - lin) * float_b) / GB

@@ -95,30 +95,36 @@ class Partitioned4bitLoad:
     """Bytes one rank holds while a 4-bit model loads with each decoder layer partitioned once quantized (ZeRO-3 with
     zero3_init: quantload.partition_4bit_layers): its share of the layers, what lies outside them whole (embeddings,
     the final norm, the head, a vision tower: the DeepSpeed engine partitions them later), the one layer being
-    quantized whole, and the largest weight in its loaded 16-bit form while bitsandbytes quantizes it."""
+    quantized whole, and the largest weight in its loaded 16-bit form while bitsandbytes quantizes it. The packed
+    bytes are partitioned, but each weight's quantization state stays whole on every rank (bitsandbytes reads it
+    after each gather: quantload.py), so `states` is not divided by the ranks."""
 
     share: float  # the rank's partition of every decoder layer (4-bit linear weights, the rest in floats)
+    states: float  # the layers' quantization states (absmax and nested statistics), whole on every rank
     outside: float  # the parameters outside the decoder layers, whole (a vision tower's linear weights in 4-bit)
     layer: float  # the largest decoder layer, whole, while its last weight is set
     largest: int  # elements of the largest linear weight (quantized one at a time)
 
     @property
     def kept(self) -> float:
-        """Held once loaded: the share and what lies outside the layers."""
-        return self.share + self.outside
+        """Held once loaded: the share, the quantization states and what lies outside the layers."""
+        return self.share + self.states + self.outside
 
 
 def partitioned_4bit_load(recipe: Recipe, shape, ranks: int, float_b: int) -> Partitioned4bitLoad:
     """The figures of Partitioned4bitLoad for `shape` over `ranks` (bitsandbytes quantizes nn.Linear weights only:
     experts, routers, norms and embeddings stay in float_b-byte floats)."""
     qb = quant_bytes_per_param(recipe)
+    packed = 0.5 if recipe.model.use_4bit_quantization else qb  # the rest of qb: the state beside the packed bytes
 
     def layer_bytes(layer) -> float:
         lin = sum(w.numel for w in layer.weights if w.kind == "linear")
         return lin * qb + (layer.params - lin) * float_b
 
     layers = [layer_bytes(layer) for layer in shape.decoder]
-    outside_lin = shape.linear_params - sum(w.numel for layer in shape.decoder for w in layer.weights if w.kind == "linear")
+    layer_lin = sum(w.numel for layer in shape.decoder for w in layer.weights if w.kind == "linear")
+    states = layer_lin * (qb - packed)
+    outside_lin = shape.linear_params - layer_lin
     outside = outside_lin * qb + (shape.params - sum(layer.params for layer in shape.decoder) - outside_lin) * float_b
     largest = max((w.numel for layer in shape.decoder for w in layer.weights if w.kind == "linear"), default=0)
-    return Partitioned4bitLoad(sum(layers) / ranks, outside, max(layers, default=0.0), largest)
+    return Partitioned4bitLoad((sum(layers) - states) / ranks, states, outside, max(layers, default=0.0), largest)
