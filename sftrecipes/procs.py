@@ -39,6 +39,7 @@ def proc_state(pid: int) -> str:
         return "gone"
     return "stopped" if fields[0] in ("T", "t") else "running"
 
+
 def identity() -> dict:
     """This process as a lock or record names it: host, pid and the pid's start time."""
     return {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": proc_start(os.getpid())}

@@ -162,17 +162,10 @@ class _Lock:
         aside = self.path.parent / f"{self.path.name}.stale-{uuid.uuid4().hex}"
         with contextlib.suppress(OSError):
             os.rename(self.path, aside)
-            if (self.read_file(aside) or {}).get("token") != held.get("token"):  # another process broke it first
+            if (read_holder(aside) or {}).get("token") != held.get("token"):  # another process broke it first
                 with contextlib.suppress(FileExistsError, OSError):
                     os.link(aside, self.path)
             aside.unlink(missing_ok=True)
-
-    @staticmethod
-    def read_file(path: Path) -> dict | None:
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError):
-            return None
 
 
 def ensure(name_or_path: str, stale_s: float = 0.0) -> Path | None:
@@ -188,7 +181,7 @@ def ensure(name_or_path: str, stale_s: float = 0.0) -> Path | None:
         rec = _record(dest)
         if rec is not None and rec.get("adapter_sha256") == want:
             if waited or os.environ.get("RANK", "0") == "0":  # (every rank checks; rank 0 says it)
-                    log.info("model: starting from the LoRA adapter %s merged into its base %s: %s (%s)", adapter,
+                log.info("model: starting from the LoRA adapter %s merged into its base %s: %s (%s)", adapter,
                          rec.get("base"), dest, f"merged by another process, waited {time.monotonic() - start:.0f}s"
                          if waited else "reused: merged from this adapter before")
             return dest
