@@ -45,7 +45,7 @@ def run(recipe, life=None):
     # (exit 2) before torch is imported
     from sftrecipes import (  # noqa: PLC0415 - as above
         backends, checkpoints, data, finalsave, folders, hub, lora, methods, metrics, model as models, nonfinite, precision,
-        preference, preflight, probes, quantload, startmodel,
+        preference, preflight, probes, quantload, startmodel, stream as streams,
     )
     from sftrecipes.plan.pitfalls import pitfalls  # noqa: PLC0415 - as above
     from sftrecipes.tokenizer import load_tokenizer  # noqa: PLC0415 - as above
@@ -61,6 +61,8 @@ def run(recipe, life=None):
     life.started(args)  # every rank up: the lock is this run's
     resume = checkpoints.resolve_resume(recipe.trl.get("resume_from_checkpoint"), args.output_dir)
     checkpoints.match_resume(resume, recipe, args)  # its backend and global batch at this process count, or one line why not
+    if resume and recipe.method == "sft" and recipe.data.streaming:
+        streams.read_position(resume)  # a checkpoint without the stream's position: one line, before anything loads
     folders.check_model_files(recipe.model)  # tokenizer files present, safetensors whole: named here, not deep in a loader
     startmodel.ensure(recipe.model.model_name_or_path, recipe.run.heartbeat_timeout)  # an adapter: merged into its base once
     models.choose_attention(recipe, target)  # a kernel the model cannot run: refused here, before anything loads
@@ -84,7 +86,12 @@ def run(recipe, life=None):
     #    (sftrecipes/prepcache.py); one process prepares, the others wait on its files: no collective, so no
     #    ddp_timeout, however long it takes
     tokenizer, end_of_turn, added_tokens = load_tokenizer(recipe)
-    if recipe.method == "sft":
+    stream, data_callbacks = None, []
+    if recipe.method == "sft" and recipe.data.streaming:  # read as training goes; the position is in each checkpoint
+        stream, eval_ds, prompt, data_counts = streams.streamed_datasets(recipe, tokenizer, end_of_turn, resume)
+        train_ds = stream.dataset(streams.rows_per_step(args))
+        data_callbacks = [streams.StreamCallback(stream)]
+    elif recipe.method == "sft":
         train_ds, eval_ds, prompt, data_counts = data.prepared_datasets(recipe, tokenizer, end_of_turn)
     else:  # pairs (dpo) or labelled completions (kto) in TRL's shapes, tokenized by its trainer (preference.py)
         train_ds, eval_ds, prompt, data_counts = preference.preference_datasets(recipe, tokenizer)
@@ -106,18 +113,21 @@ def run(recipe, life=None):
         callbacks=[memory, dtypes := precision.precision_probe(recipe),
                    throughput := metrics.ThroughputCallback(peak_tflops=recipe.launch.peak_tflops),
                    guard := nonfinite.nonfinite_guard(recipe.run.nan_patience), life.callback(),
-                   quantload.kept_rows_check()],
+                   quantload.kept_rows_check(), *data_callbacks],
         **methods.trainer_kwargs(recipe, lambda **kw: models.load_model(recipe, tokenizer, target, **kw)),  # dpo/kto: ref_model
     )
     if recipe.method != "sft":
         data_counts = methods.tokenized_counts(recipe, trainer, data_counts)  # what TRL's tokenizing cut, logged
     dtypes.trainer = trainer
+    for callback in data_callbacks:
+        callback.trainer = trainer
     if recipe.method == "sft" or not recipe.trl_value("disable_dropout"):  # (dpo/kto turn every dropout off by default)
         lora.module_dropout(trainer.model, recipe)  # lora_dropout on the modules of an adapter that also adapts parameters
     if recipe.model.use_peft_lora and args.process_index == 0:
         log.info("%s", lora.describe_adapter(trainer.model, recipe))  # what LoRA adapted: modules, experts, router
     backends.size_deepspeed_buckets(trainer)  # reduce / prefetch buckets by the hidden size, as the planner counts
-    checkpoints.make_checkpoints_atomic(trainer)  # a marker written last; rotation never drops the last complete one
+    checkpoints.make_checkpoints_atomic(  # a marker written last; rotation never drops the last complete one
+        trainer, stream and (lambda folder: stream.save(folder, trainer.state.global_step, args)))  # where the stream goes on
     precision.apply_precision_policy(trainer, recipe)  # trainable params fp32 under mixed precision (logged)
     precision.autocast_under_fsdp2(trainer, recipe)  # the autocast accelerate gives DDP and FSDP1 but not FSDP2
 
@@ -134,6 +144,8 @@ def run(recipe, life=None):
     life.stop_if_preempted(trainer)  # rank 0 writes preempted.json; main() exits 75
     backend = probes.describe_backend(trainer)  # before save/generate, which gather shards
     memory_phases = memory.gather(trainer.accelerator)
+    if stream is not None:
+        data_counts = streams.summary_counts(stream, data_counts)
 
     # 5. final save (adapter for LoRA, full weights otherwise), then check it holds every expected tensor
     trainer.accelerator.unwrap_model(trainer.model).config.use_cache = True  # off for training only (model.load_model)

@@ -117,6 +117,10 @@ def training_kwargs(recipe: Recipe, target: str) -> dict:
         kw["pad_to_multiple_of"] = SDPA_PACKED_PAD
         log.info("pad_to_multiple_of: %d (packing under sdpa on a GPU: a bounded set of batch shapes lets cuDNN reuse its "
                  "attention graphs; set pad_to_multiple_of to override)", SDPA_PACKED_PAD)
+    if recipe.method == "sft" and recipe.data.streaming:  # stream.py: rows cut, masked and packed as they are read;
+        kw["dataset_kwargs"] = {"skip_prepare_dataset": True}  # the collator still flattens bfd rows (packing stays on)
+        kw["ignore_data_skip"] = True  # the stream starts at the checkpoint's position: no batches to skip (the RNG
+        #                                states are restored all the same)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1 and kw.pop("ddp_backend", None):
         log.info("ddp_backend: unused in a single process (no process group); ignoring it for this run")

@@ -286,9 +286,10 @@ def rotate(output_dir: Path, limit: int | None, keep: Path | None = None) -> lis
     return doomed
 
 
-def make_checkpoints_atomic(trainer) -> None:
+def make_checkpoints_atomic(trainer, also=None) -> None:
     """Every checkpoint gets its marker only after all ranks wrote their files; rotation happens after that and by
-    the rule above (transformers rotates before anything marks a checkpoint complete)."""
+    the rule above (transformers rotates before anything marks a checkpoint complete). also(folder): what the main
+    process writes into each checkpoint before its marker (a streamed run's position: stream.py)."""
     original = trainer._save_checkpoint
 
     def save_checkpoint(model, trial):
@@ -302,6 +303,8 @@ def make_checkpoints_atomic(trainer) -> None:
             trainer.args.save_total_limit = limit
         trainer.accelerator.wait_for_everyone()
         if trainer.args.should_save:
+            if also is not None:
+                also(run_dir / f"checkpoint-{trainer.state.global_step}")
             write_marker(run_dir / f"checkpoint-{trainer.state.global_step}", run_record(trainer))
             rotate(run_dir, limit, keep=trainer.state.best_model_checkpoint)
         trainer.accelerator.wait_for_everyone()

@@ -154,6 +154,10 @@ def _prepare(argv: list[str]) -> int:
         print(f"prepare: method {recipe.method}: TRL's {recipe.method.upper()}Trainer tokenizes the rows in the run "
               "itself, so nothing is cached in data_cache_dir; nothing more to prepare")
         return 0
+    if recipe.data.streaming:
+        print("prepare: streaming: the training rows are prepared as the run reads them (stream.py), so nothing is "
+              "cached in data_cache_dir; nothing more to prepare")
+        return 0
     tokenizer, eot, _ = load_tokenizer(recipe)
     *_, counts = prepared_datasets(recipe, tokenizer, eot)
     p = counts["preparation"]

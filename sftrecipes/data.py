@@ -31,10 +31,14 @@ FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv
 
 
 def _load_split(name: str, split: str, key: str = "dataset_name", split_key: str = "splits", config: str | None = None,
-                missing_ok: bool = False):
-    """One split of a hub id, local folder, save_to_disk folder or file; None when missing and missing_ok."""
+                missing_ok: bool = False, streaming: bool = False):
+    """One split of a hub id, local folder, save_to_disk folder or file; None when missing and missing_ok. streaming:
+    a datasets.IterableDataset read as it is iterated (a save_to_disk folder, memory-mapped, as one)."""
     path = Path(name).expanduser()
     try:
+        if streaming and path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "dataset_info.json").exists()):
+            ds = _load_split(name, split, key, split_key, config, missing_ok)
+            return None if ds is None else ds.to_iterable_dataset()
         if path.is_file():
             builder = FILE_BUILDERS.get(path.suffix)
             if builder is None:
@@ -43,7 +47,7 @@ def _load_split(name: str, split: str, key: str = "dataset_name", split_key: str
                 if missing_ok:
                     return None
                 raise RecipeError(f"{split_key}: '{split}' asked of the single file '{name}', which is one 'train' split; use a folder with {split}.jsonl")
-            return datasets.load_dataset(builder, data_files={"train": str(path)}, split="train")
+            return datasets.load_dataset(builder, data_files={"train": str(path)}, split="train", streaming=streaming)
         if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "dataset_info.json").exists()):
             ds = datasets.load_from_disk(str(path))
             if isinstance(ds, datasets.DatasetDict):
@@ -53,7 +57,7 @@ def _load_split(name: str, split: str, key: str = "dataset_name", split_key: str
                     raise RecipeError(f"{split_key}: '{split}' not in '{name}' (has {', '.join(ds)}); fix {split_key}")
                 return ds[split]
             return ds
-        return datasets.load_dataset(str(path) if path.is_dir() else name, config, split=split)
+        return datasets.load_dataset(str(path) if path.is_dir() else name, config, split=split, streaming=streaming)
     except RecipeError:
         raise
     except ValueError as e:
@@ -68,11 +72,12 @@ def _load_split(name: str, split: str, key: str = "dataset_name", split_key: str
         raise RecipeError(f"{key}: '{name}' needs the hub, which is unreachable ({e}); use a local copy") from None
 
 
-def load_source(src: Source, split: str, required: bool = True):
-    """One split of a source with its columns renamed (`columns`); None when missing and not required."""
+def load_source(src: Source, split: str, required: bool = True, streaming: bool = False):
+    """One split of a source with its columns renamed (`columns`); None when missing and not required. streaming: a
+    datasets.IterableDataset (stream.py; `dataset_name` only, which has no `columns`)."""
     key = src.split_key if split == src.split else src.eval_key
     ds = _load_split(src.path, split, "dataset_name" if src.key == "dataset_name" else f"{src.key}.path", key, src.config,
-                     missing_ok=not required)
+                     missing_ok=not required, streaming=streaming)
     if ds is None or not src.columns:
         return ds
     missing = [c for c in src.columns if c not in ds.column_names]
@@ -128,7 +133,7 @@ def log_mixture(seed: int, draws: list[dict]) -> None:
         + (f" ({d['eval_split']})" if d["eval_split"] else "") for d in draws))
 
 
-def _describe_format(recipe: Recipe, src: Source, fmt: str, row: dict | None) -> str:
+def describe_format(recipe: Recipe, src: Source, fmt: str, row: dict | None) -> str:
     template = recipe.model.chat_template_format
     conv = row is not None and is_conversational(fmt, row)
     if fmt == "prompt_completion":
@@ -184,7 +189,7 @@ def build_datasets(recipe: Recipe, tokenizer, eot: str):
         if fmt == "conversations" and not sharegpt_logged:
             log.info("data: conversations (ShareGPT) 'from' -> role: %s", ", ".join(f"{k} -> {v}" for k, v in SHAREGPT_ROLES.items()))
             sharegpt_logged = True
-        log.info("data: %s %s (%s): %s", src.key, src.path, src.split, _describe_format(recipe, src, fmt, first))
+        log.info("data: %s %s (%s): %s", src.key, src.path, src.split, describe_format(recipe, src, fmt, first))
         if raw_eval is not None and len(raw_eval) and not eval_parts:  # the first eval row of the run, else the first train row
             prompt = sample_prompt(fmt, raw_eval[0], recipe)
         elif prompt is None and len(raw):

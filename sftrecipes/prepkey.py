@@ -45,6 +45,9 @@ NOT_KEYED = {
     "padding_free": "TRL's collator, on the prepared rows",
     "pad_to_multiple_of": "TRL's collator, on the prepared rows",
     "dataset_kwargs": "refused (sources.check_trl_data_keys)",
+    "streaming": "a streamed training split is prepared as it is read (stream.py), never cached; its eval split is "
+                 "prepared without it",
+    "streaming_buffer_rows": "as streaming",
 }
 
 # A local source's files up to SMALL_FILE are hashed, up to HASHED_BYTES in all (every rank reads them, from a

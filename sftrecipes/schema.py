@@ -168,6 +168,23 @@ class DataOptions:
         "prepared (HF_DATASETS_CACHE). For runs on several nodes put it on a shared filesystem: then one process of the "
         "whole job prepares; on node-local disks each node prepares its own copy.",
     )
+    streaming: bool = opt(
+        False,
+        "Read the training split as training goes instead of preparing it first (sets larger than memory or than a "
+        "preparation's patience): datasets' streaming reader, streaming_buffer_rows rows at a time rendered, tokenized, "
+        "cut and counted as a prepared split is, shuffled within the buffer under the seed (rows, then packed rows) and "
+        "packed by TRL's packing within the buffer. The stream never ends: at its end the next data epoch starts, so "
+        "max_steps is required. Each checkpoint records the position in the stream (stream_position.json): a resumed "
+        "run continues with the very next row. Every rank reads the whole stream and trains on its share of each "
+        "batch. One dataset_name (not a datasets: mixture), method sft; the eval split is prepared whole as usual. "
+        "The counts (read, truncated, dropped, kept, packed rows) are logged per logging window.",
+    )
+    streaming_buffer_rows: int = opt(
+        10000,
+        "streaming: rows read, prepared, shuffled and packed together. Larger: better shuffling and packing, more "
+        "memory and a longer wait for the first step (~0.15 ms a row); a resumed run prepares at most one buffer "
+        "again. A checkpoint is resumed with the buffer size it was streamed in.",
+    )
 
 
 # The keys of one `datasets:` entry (validated in validation.py, applied in data.py).

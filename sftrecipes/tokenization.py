@@ -307,14 +307,19 @@ def workers(recipe: Recipe, n_rows: int) -> int | None:
     return n if n > 1 else None
 
 
+def check_loss_format(recipe: Recipe, fmt: str, first: dict | None, name: str) -> None:
+    """assistant_only_loss needs conversations: one line when the split (its first row: first) is text."""
+    if recipe.trl_value("assistant_only_loss") and not (fmt in CONVERSATIONAL or (first is not None and is_conversational(fmt, first))):
+        raise RecipeError(f"assistant_only_loss: {name} is {fmt} text, without assistant turns; remove assistant_only_loss"
+                          + (" (prompt/completion data trains on the completion only by default)" if fmt == "prompt_completion" else ""))
+
+
 def tokenize_split(recipe: Recipe, tokenizer, eot: str, dataset, name: str, fmt: str, source: str | None = None,
                    rows: list[int] | None = None):
     """Format, tokenize and cut one split; rows keep a `_status` (KEPT, FULLY_MASKED, CUT_AWAY, CUT_KEPT),
     `_bos_removed` and `_unrendered` until finish_split counts and drops. source: the dataset as errors name it;
     rows: the source row of each row (a mixture's draw), for errors."""
-    if recipe.trl_value("assistant_only_loss") and not (fmt in CONVERSATIONAL or (len(dataset) and is_conversational(fmt, dataset[0]))):
-        raise RecipeError(f"assistant_only_loss: {name} is {fmt} text, without assistant turns; remove assistant_only_loss"
-                          + (" (prompt/completion data trains on the completion only by default)" if fmt == "prompt_completion" else ""))
+    check_loss_format(recipe, fmt, dataset[0] if len(dataset) else None, name)
     structs = arrow_structs(dataset.features)
     if structs[0]:
         log.info("data: %s: tool-call arguments are stored as an Arrow struct (every argument name of the column in every "

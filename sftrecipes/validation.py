@@ -105,6 +105,7 @@ def validate(r: Recipe) -> None:
     if d.datasets:
         _validate_datasets(d.datasets)
     _validate_method(r)
+    _validate_streaming(r)
 
     # quantization
     if m.use_4bit_quantization and m.use_8bit_quantization:
@@ -251,6 +252,29 @@ def _validate_method(r: Recipe) -> None:
                 f"{key}: a key of {CONFIGS[o.methods[0]]} (method {', '.join(o.methods)}); method {r.method} trains with "
                 f"{TRAINERS[r.method]}, whose {CONFIGS[r.method]} has no {key}: remove it, or set method: {o.methods[0]}"
             )
+
+
+def _validate_streaming(r: Recipe) -> None:
+    """streaming (stream.py): what an endless stream of one dataset needs, before anything loads."""
+    d = r.data
+    if d.streaming_buffer_rows < 1:
+        raise RecipeError(f"streaming_buffer_rows: must be >= 1, got {d.streaming_buffer_rows}; 10000 is a good start")
+    if not d.streaming:
+        if "streaming_buffer_rows" in r.explicit:
+            raise RecipeError("streaming_buffer_rows: only applies to streaming; set streaming: true, or remove streaming_buffer_rows")
+        return
+    if r.method != "sft":
+        raise RecipeError(f"streaming: method {r.method} tokenizes its rows in TRL's trainer, which streams nothing here; "
+                          "set streaming: false (method sft streams)")
+    if d.datasets:
+        raise RecipeError("streaming: a datasets: mixture draws rows by each source's size, which a stream does not "
+                          "know; stream one dataset_name (mix the files beforehand), or set streaming: false")
+    if r.trl_value("max_steps") is None or r.trl_value("max_steps") <= 0:
+        raise RecipeError("streaming: needs max_steps (a stream has no length to count epochs in; at its end the next data "
+                          "epoch starts); set max_steps, e.g. max_steps: 1000")
+    if r.trl_value("dataloader_num_workers"):
+        raise RecipeError(f"dataloader_num_workers: {r.trl_value('dataloader_num_workers')} loader processes would each "
+                          "read the whole stream; set dataloader_num_workers: 0 with streaming (rows are prepared a buffer at a time)")
 
 
 def _validate_datasets(entries: list[dict]) -> None:

@@ -12,6 +12,7 @@ import shutil
 from types import SimpleNamespace
 from unittest import mock
 
+import datasets
 import pytest
 import torch
 from peft import get_peft_model
@@ -22,7 +23,8 @@ from test_lifecycle import fake_agent_preemption
 from transformers import AutoModelForCausalLM, TrainerControl, TrainerState
 
 import train
-from sftrecipes import backends, data, emit, heartbeats, methods, model as models, nonfinite, plan, preflight, runlock, tokenization
+from sftrecipes import (backends, data, emit, heartbeats, methods, model as models, nonfinite, plan, preflight, runlock,
+                        stream as streams, tokenization)
 from sftrecipes.errors import RecipeError
 from sftrecipes.lora import lora_config
 from sftrecipes.recipe import load_recipe
@@ -294,6 +296,26 @@ def obs_data_cache_dir(tiny_model, tmp_path):
     tok, eot, _ = load_tokenizer(r)
     entry = data.prepared_datasets(r, tok, eot)[3]["preparation"]["path"]  # (tests/test_prepcache.py: the cache itself)
     assert os.path.dirname(entry) == str(tmp_path / "prepared") and os.path.isfile(os.path.join(entry, "complete"))
+
+
+def obs_streaming(tiny_model, tmp_path):
+    """The training rows come from the stream (an endless IterableDataset of prepared, packed rows; stream.py) and
+    SFTTrainer neither prepares them again nor skips batches on a resume (tests/test_stream.py: the rows themselves)."""
+    r = recipe("--chat_template_format", "chatml", "--streaming", "True", "--max_steps", "3", "--packing", "True", "--max_length", "128")
+    tok, eot, _ = load_tokenizer(r)
+    ds = streams.streamed_datasets(r, tok, eot)[0].dataset(8)
+    assert isinstance(ds, datasets.IterableDataset) and set(next(iter(ds))) == {"input_ids", "labels", "seq_lengths"}
+    kw = backends.training_kwargs(r, "cpu")
+    assert kw["dataset_kwargs"] == {"skip_prepare_dataset": True} and kw["ignore_data_skip"] is True
+    assert "dataset_kwargs" not in backends.training_kwargs(recipe(), "cpu")
+
+
+def obs_streaming_buffer_rows(tiny_model, tmp_path):
+    r = recipe("--chat_template_format", "chatml", "--streaming", "True", "--max_steps", "3", "--streaming_buffer_rows", "7")
+    tok, eot, _ = load_tokenizer(r)
+    stream = streams.streamed_datasets(r, tok, eot)[0]
+    next(stream.rows())
+    assert stream.counts["read"] == 7 and stream.history[0].rows == stream.counts["kept"] == 7  # (unpacked here)
 
 
 def obs_add_special_tokens(tiny_model, tmp_path):

@@ -1,5 +1,5 @@
 """Exact resume through the command a user runs (`python -m sftrecipes launch RECIPE`), on a single process, DDP, ZeRO-3
-and FSDP with 2 CPU ranks, and a DPO run on FSDP. One chain per case:
+and FSDP with 2 CPU ranks, a DPO run on FSDP and a DDP run on streamed data. One chain per case:
 
 1. straight: an uninterrupted run without checkpoints (the reference weights; saving must not change training);
 2. killed: the launcher is SIGKILLed (its pid, as a user or scheduler kills it) at a random moment after a checkpoint;
@@ -45,6 +45,9 @@ CASES = {  # recipe + flags, the preemption signal
     # DPO through TRL's DPOTrainer on the FSDP2 twin (full fine-tune: the reference is a second copy, sharded like the
     # policy): the preemption callback, the checkpoint and the resume are the same under a preference trainer
     "dpo-fsdp": (["recipes/tiny/fsdp.yaml", "--method", "dpo", "--dataset_name", "data/tiny_dpo"], signal.SIGTERM),
+    # streamed data (stream.py): the position in the stream is part of each checkpoint; buffers of 40 rows, and the
+    # 20 steps of 8 packed rows take the stream into its second data epoch
+    "ddp-stream": (["recipes/tiny/ddp.yaml", "--streaming", "true", "--streaming_buffer_rows", "40"], signal.SIGTERM),
 }
 STEPS = 20  # room for the latest preemption: killed <= 3 steps after checkpoint-4 (resumed from <= 6), signalled <= 1 step
 #            after the next checkpoint (8), forwarded by launch within 0.1 s, every rank stopped <= 2 steps later: ~12
@@ -176,6 +179,10 @@ def test_kill_preempt_resume_gives_the_uninterrupted_weights(tiny_model, tmp_pat
     summary = json.loads((out / "run_summary.json").read_text())
     assert summary["resumed_from"] == str(ckpt) and summary["steps"] == STEPS
     assert not (out / "preempted.json").exists() and not (out / ".sftrecipes.lock").exists()
+    if "--streaming" in argv:  # the stream's position was in each checkpoint, and the resumed run started there
+        assert summary["data"]["preparation"]["how"] == "streamed" and summary["data"]["preparation"]["data_epoch"] >= 1
+        assert all((c / "stream_position.json").is_file() for c in out.glob("checkpoint-*")), sorted(out.iterdir())
+        assert log_of(out).count("resuming the stream at data epoch") == 2 * world and "data: stream at step" in log_of(out)
     a, b = final_weights(tmp_path / "straight"), final_weights(out)
     assert a.keys() == b.keys() and len(a) > 0
     worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)

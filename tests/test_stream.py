@@ -1,0 +1,126 @@
+"""Streamed training data (`streaming: true`, sftrecipes/stream.py): the rows a stream gives are the rows the prepared
+split holds (every data format, cuts, masks, drops and counts), a stream resumed from any position a checkpoint
+records gives the very rows the uninterrupted stream gives next (unpacked and every packing strategy, across
+buffers and data epochs, through the JSON file), and a checkpoint of another stream is refused in one line.
+Training through it, killed, preempted and resumed to the uninterrupted weights: tests/test_resume.py (ddp-stream);
+on another process count: tests/test_faults.py."""
+
+import itertools
+import json
+import types
+
+import pytest
+from test_prep_fast import AOL, CUT, SHAPES, _no_map_cache  # noqa: F401 - autouse: every map prepares
+
+from sftrecipes import data, stream as streams
+from sftrecipes.errors import RecipeError
+from sftrecipes.recipe import load_recipe
+from sftrecipes.tokenizer import load_tokenizer
+
+TINY = ".assets/tiny-llama"
+ONE = types.SimpleNamespace(per_device_train_batch_size=1, gradient_accumulation_steps=1, world_size=1)  # 1 row a step
+
+
+def recipe_of(tmp_path, rows, flags=(), name="d.jsonl"):
+    f = tmp_path / name
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return load_recipe(["--model_name_or_path", TINY, "--dataset_name", str(f), "--splits", "train", "--output_dir",
+                        str(tmp_path / "o"), "--chat_template_format", "chatml", "--streaming", "true", "--max_steps", "5",
+                        *flags])
+
+
+def first_epoch(stream) -> tuple[list[dict], dict]:
+    """The rows of data epoch 0 and their counts: read into epoch 1, whose first buffer's counts_before are epoch 0's."""
+    stream.keep_rows = 10**9  # every buffer stays in the history
+    rows = []
+    for row in stream.rows():
+        if stream.epoch == 1:
+            break
+        rows.append(row)
+    second = next(b for b in stream.history if b.epoch == 1 and b.buffer == 0)
+    assert len(rows) == second.first
+    return rows, second.counts_before
+
+
+def pairs(input_ids, labels) -> list[tuple]:
+    return sorted(zip(map(tuple, input_ids), map(tuple, labels)))
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_a_streams_rows_and_counts_are_the_prepared_splits(tiny_model, tmp_path, shape):
+    """Unpacked, one data epoch in buffers of 5-7 rows (the last one short): the same (input_ids, labels) rows as the
+    prepared split, and the same counts (read, cut, dropped, masked, kept, fields the template left out)."""
+    rows = SHAPES[shape]
+    conversational = shape in ("messages", "conversations", "pc_chat", "tools")
+    buffer = next(b for b in (5, 6, 7) if len(rows) % b)  # several buffers, the last one short
+    flags = ["--packing", "false", "--streaming_buffer_rows", str(buffer), *CUT, *(AOL if conversational else ())]
+    r = recipe_of(tmp_path, rows, flags)
+    tok, eot, _ = load_tokenizer(r)
+    prepared, _, _, counts = data.load_datasets(r, tok, eot)
+    stream, *_ = streams.streamed_datasets(r, tok, eot)
+    got, got_counts = first_epoch(stream)
+    assert len(got) == counts["train"]["kept"] > 0
+    assert pairs([g["input_ids"] for g in got], [g["labels"] for g in got]) == pairs(prepared["input_ids"], prepared["labels"])
+    for key in ("read", "truncated", "dropped_after_cut", "fully_masked", "kept", "duplicate_bos_removed", "not_rendered"):
+        assert got_counts[key] == counts["train"][key], key
+    assert got_counts["read"] == len(rows)
+    if shape == "messages":  # the case shows what it compares: cuts, drops and masks happened
+        assert got_counts["truncated"] and got_counts["fully_masked"] and got_counts["dropped_after_cut"]
+
+
+@pytest.mark.parametrize("packing", ["false", "bfd", "bfd_split", "wrapped"])
+def test_a_stream_resumed_anywhere_gives_the_rows_the_uninterrupted_one_gives(tiny_model, tmp_path, packing):
+    """data/tiny_chat (320 rows) in buffers of 48, over three data epochs; resumed through stream_position.json at the
+    start, inside the first buffer, at a buffer's end, at the end of a data epoch and deep in the third: the next rows
+    are the uninterrupted stream's, and the counts go on from the checkpoint's. Each data epoch is shuffled anew."""
+    flags = ["--packing", "false"] if packing == "false" else ["--packing", "true", "--packing_strategy", packing]
+    r = load_recipe(["recipes/tiny/lora.yaml", "--streaming", "true", "--streaming_buffer_rows", "48", "--max_length", "96",
+                     "--output_dir", str(tmp_path / "o"), *flags])
+    tok, eot, _ = load_tokenizer(r)
+    stream, *_ = streams.streamed_datasets(r, tok, eot)
+    stream.keep_rows = 10**9  # keep every buffer: any position can be asked for
+    rows, epoch_starts = [], []
+    for row in stream.rows():
+        if stream.epoch == 3:
+            break
+        if stream.epoch > len(epoch_starts) - 1:
+            epoch_starts.append(stream.history[-1].first)
+        rows.append(row)
+    assert len(epoch_starts) == 3 and all(r2["input_ids"] for r2 in rows)
+    first_buffer = stream.history[0].rows
+    epoch0, epoch1 = rows[epoch_starts[0]:epoch_starts[1]], rows[epoch_starts[1]:epoch_starts[2]]
+    assert epoch0[:20] != epoch1[:20]  # shuffled anew
+    if packing == "false":  # the same rows in another order
+        assert pairs(*zip(*((x["input_ids"], x["labels"]) for x in epoch0))) == pairs(*zip(*((x["input_ids"], x["labels"]) for x in epoch1)))
+    for at in (0, 3, first_buffer, epoch_starts[1], epoch_starts[2] + 11, len(rows) - 4):
+        folder = tmp_path / f"checkpoint-{at}"
+        folder.mkdir()
+        stream.save(folder, at, ONE)  # rows per step 1 from step 0: `at` rows trained on
+        resumed, *_ = streams.streamed_datasets(r, tok, eot, resume_from=str(folder))
+        resumed.keep_rows = 10**9
+        want = rows[at:at + 30]
+        assert len(want) >= 4 and list(itertools.islice(resumed.rows(), len(want))) == want, (packing, at)
+        before = next(b for b in reversed(stream.history) if b.first <= at)
+        assert resumed.history[0].counts_before == before.counts_before
+        assert resumed.consumed(at + 2, ONE) == at + 2  # (its step count goes on from the checkpoint's)
+
+
+def test_a_checkpoint_of_another_stream_is_refused_in_one_line(tiny_model, tmp_path):
+    r = load_recipe(["recipes/tiny/lora.yaml", "--streaming", "true", "--streaming_buffer_rows", "48",
+                     "--output_dir", str(tmp_path / "o")])
+    tok, eot, _ = load_tokenizer(r)
+    stream, *_ = streams.streamed_datasets(r, tok, eot)
+    list(itertools.islice(stream.rows(), 10))
+    ckpt = tmp_path / "checkpoint-10"
+    ckpt.mkdir()
+    with pytest.raises(RecipeError, match=r"^streaming: checkpoint-10 has no stream_position.json .* resume with streaming: false"):
+        streams.read_position(str(ckpt))
+    stream.save(ckpt, 10, ONE)
+    for flags, pattern in ((["--streaming_buffer_rows", "64"], r"^streaming_buffer_rows: checkpoint-10 was streamed with buffer_rows 48, this run has 64; resume with 48"),
+                           (["--seed", "7"], r"^seed: checkpoint-10 was streamed with seed 42, this run has 7"),
+                           (["--dataset_name", str(tmp_path / "other.jsonl")], r"^dataset_name: the data of checkpoint-10 was data/tiny_chat")):
+        (tmp_path / "other.jsonl").write_text((open("data/tiny_chat/train.jsonl").read()))  # same rows, another source
+        other = load_recipe(["recipes/tiny/lora.yaml", "--streaming", "true", "--streaming_buffer_rows", "48",
+                             "--output_dir", str(tmp_path / "o"), *flags])
+        with pytest.raises(RecipeError, match=pattern):
+            streams.streamed_datasets(other, tok, eot, resume_from=str(ckpt))
