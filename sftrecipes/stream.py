@@ -45,6 +45,7 @@ from .tokenization import (CUT_AWAY, CUT_KEPT, FULLY_MASKED, KEPT, _prepare_batc
 log = logging.getLogger("sftrecipes")
 
 POSITION_FILE = "stream_position.json"
+YIELD_ROWS = 256  # rows of a prepared buffer made Python objects at a time
 # the streams the IterableDatasets read, by key (gen_kwargs stay a short string; a dataset's copies share it)
 _STREAMS: dict[str, Stream] = {}
 
@@ -134,8 +135,8 @@ class Stream:
                 + (f", packed ({self.packing}) within the buffer" if self.packing else "")
                 + "; counts are logged per logging window")
 
-    def _prepare(self, table: pa.Table, epoch: int, buffer: int) -> tuple[list[dict], dict]:
-        """A buffer's rows as the trainer gets them, and its counts."""
+    def _prepare(self, table: pa.Table, epoch: int, buffer: int) -> tuple[pa.Table, dict]:
+        """A buffer's rows as the trainer gets them (an Arrow table), and its counts."""
         t0 = time.perf_counter()
         first = buffer * self.buffer_rows
         indices = list(range(first, first + table.num_rows))
@@ -165,7 +166,7 @@ class Stream:
             if self.packing == "wrapped":  # rows cut across samples: one may hold no trainable label
                 counts["fully_masked_packed_rows"] = sum(not _trainable(r) for r in rows.column("labels").to_pylist())
         self.seconds += time.perf_counter() - t0
-        return rows.to_pylist(), counts
+        return rows, counts
 
     def rows(self):
         """Every row the trainer gets, from `start` on, without end."""
@@ -183,12 +184,13 @@ class Stream:
             for table in source.iter(batch_size=self.buffer_rows):
                 after = copy.deepcopy(source.state_dict())
                 out, counts = self._prepare(table, epoch, buffer)
-                self._remember(_Buffer(epoch, buffer, state, seq, len(out), copy.deepcopy(self.counts)))
+                n = out.num_rows
+                self._remember(_Buffer(epoch, buffer, state, seq, n, copy.deepcopy(self.counts)))
                 _add(self.counts, counts)
-                for row in out[skip:]:
-                    yield row
-                seq += len(out) - min(skip, len(out))
-                given += len(out)
+                for start in range(min(skip, n), n, YIELD_ROWS):  # as Python rows a slice at a time, not all at once
+                    yield from out.slice(start, YIELD_ROWS).to_pylist()
+                seq += n - min(skip, n)
+                given += n
                 skip, buffer, state = 0, buffer + 1, after
             if given == 0 and whole:
                 raise RecipeError(self._nothing_kept())
