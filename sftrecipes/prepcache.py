@@ -4,7 +4,9 @@ No collective, so no ddp_timeout, however long the preparation takes.
 
     <data_cache_dir>/<key>/
         lock             the preparer (host, pid, token), taken atomically; a dead or silent holder's is taken over
-        heartbeat.json   rewritten by the preparer's thread every few seconds (phase, beat counter)
+        heartbeat.json   rewritten by the preparer's thread every few seconds (phase, beat counter, rows prepared
+                         of rows to prepare: progress-<token>/)
+        progress-<token>/  rows to prepare per split, rows prepared per preparing process (tokenization.py writes them)
         waiting/         one file per process waiting on this entry (and `.seen` once it read the error)
         error.json       a failed attempt: its one line, for every waiting process to exit with
         prepared/        train/, eval/ (save_to_disk), prepared.json (counts, sample prompt, data log lines),
@@ -12,7 +14,8 @@ No collective, so no ddp_timeout, however long the preparation takes.
         complete         written last: the entry may be read
 
 Every process of a run (and any other run or `prepare` sharing the cache) calls `obtain`: the first to take the lock
-prepares; the others poll for `complete` and log progress, exit with the preparer's error line when it writes one,
+prepares; the others poll for `complete` and log every PROGRESS_S how far it is (rows prepared of rows to prepare,
+the time left at the rate they saw), exit with the preparer's error line when it writes one,
 and fail with one line when its heartbeat, having beaten, stops changing for longer than the bound
 (run.heartbeat_timeout, 120 s when that is 0). A lock no process works under is taken over: its holder gone from this
 host, its heartbeat older than the bound on arrival, or one that never changes while watched (a killed attempt's). Torch-free: `datasets` is imported when an entry is saved or loaded.
@@ -120,12 +123,66 @@ def _me() -> dict:
     return {**identity(), "rank": int(os.environ.get("RANK", "0"))}
 
 
+# ----------------------------------------------------------------------------------------------- progress
+
+_progress: Path | None = None  # the progress/ folder of the entry this process prepares now (None: none)
+
+
+def progress_dir() -> Path | None:
+    """Where the preparation under way in this process counts its rows (tokenization.tokenize_split), or None."""
+    return _progress
+
+
+def note_total(folder: Path, split: str, rows: int) -> None:
+    """`rows` of `split` are to be prepared (the process that maps the split)."""
+    _write_json(folder / f"total-{_safe(split)}.json", {"split": split, "rows": rows})
+
+
+def note_done(folder: Path, split: str, rows: int) -> None:
+    """This process has prepared `rows` rows of `split` so far (each preparing process, worker or not)."""
+    _write_json(folder / f"done-{os.getpid()}-{_safe(split)}.json", {"rows": rows})
+
+
+def _safe(split: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in split)
+
+
+def read_progress(folder: Path) -> tuple[int, int] | None:
+    """(rows prepared, rows to prepare) so far of every split announced in `folder`; None before the first."""
+    done = total = 0
+    found = False
+    with contextlib.suppress(OSError):
+        for f in folder.iterdir():
+            rec = _read_json(f) if f.suffix == ".json" else None
+            if rec and f.name.startswith("total-"):
+                total, found = total + int(rec.get("rows", 0)), True
+            elif rec and f.name.startswith("done-"):
+                done += int(rec.get("rows", 0))
+    return (done, total) if found else None
+
+
+def describe_progress(beat: dict, seen: dict, now: float) -> str:
+    """A waiting process's words for the preparer's progress: rows prepared of rows to prepare and the time left at
+    the rate seen since this process first saw rows move (seen: {'t', 'done'} of that first sight, kept by the
+    caller); the phase alone while no split has been announced."""
+    phase = beat.get("phase") or "starting"
+    done, total = beat.get("done"), beat.get("total")
+    if not total:
+        return phase
+    words = f"{phase}: {done:,} of {total:,} rows ({100 * done / total:.0f}%)"
+    if "t" in seen and done > seen["done"] and now > seen["t"]:
+        rate = (done - seen["done"]) / (now - seen["t"])
+        words += f", ~{max(total - done, 0) / rate:.0f}s left at {rate:,.0f} rows/s"
+    return words
+
+
 class _Heartbeat:
     """The preparer's heartbeat.json, rewritten in place from a thread (same inode: readers on a shared filesystem see
-    it at their next open): its beat counter changes at every beat, the phase says what it does."""
+    it at their next open): its beat counter changes at every beat, the phase says what it does, done/total the rows
+    prepared of the rows to prepare (its progress folder)."""
 
-    def __init__(self, path: Path, token: str, interval: float):
-        self.path, self.token, self.interval = path, token, interval
+    def __init__(self, path: Path, token: str, interval: float, progress: Path | None = None):
+        self.path, self.token, self.interval, self.progress = path, token, interval, progress
         self.phase, self.count, self._stop = "starting", 0, threading.Event()
         self.path.write_bytes(self._record())
         self._thread = threading.Thread(target=self._loop, name="sftrecipes-prepcache", daemon=True)
@@ -133,6 +190,9 @@ class _Heartbeat:
 
     def _record(self) -> bytes:
         rec = {**_me(), "token": self.token, "beat": self.count, "phase": self.phase, "time": round(time.time(), 1)}
+        counted = read_progress(self.progress) if self.progress is not None else None
+        if counted is not None:
+            rec["done"], rec["total"] = counted
         return json.dumps(rec).ljust(_RECORD).encode()
 
     def _loop(self) -> None:
@@ -311,7 +371,7 @@ def obtain(recipe: Recipe, tokenizer, eot: str | None, build: Callable[[], tuple
                         return _build_entry(entry, recipe, inputs, build, taken, start)
                     continue
                 seen.add(token)
-                watched = {"token": token, "beat": None, "changed": time.monotonic(), "moved": -1}
+                watched = {"token": token, "beat": None, "changed": time.monotonic(), "moved": -1, "rate": {}}
                 if not registered:
                     entry.waiting.mkdir(exist_ok=True)
                     (entry.waiting / me).write_text(json.dumps(_me()))
@@ -322,7 +382,7 @@ def obtain(recipe: Recipe, tokenizer, eot: str | None, build: Callable[[], tuple
             now = time.monotonic()
             if beat and beat.get("token") == token and (beat.get("beat"), beat.get("phase")) != watched["beat"]:
                 watched.update(beat=(beat.get("beat"), beat.get("phase")), changed=now, phase=beat.get("phase"),
-                               moved=watched["moved"] + 1)
+                               moved=watched["moved"] + 1, last=beat)
             elif now - watched["changed"] > entry.stale_s:
                 # gone from this host, or never beaten since this process arrived (a killed attempt's lock younger
                 # than the bound on arrival): taken over; beaten, then silent: the preparer of this run froze or died
@@ -338,10 +398,13 @@ def obtain(recipe: Recipe, tokenizer, eot: str | None, build: Callable[[], tuple
                     f"data: the process preparing {entry.dir} (host {held.get('host')}, pid {held.get('pid')}) has not "
                     f"beaten for {now - watched['changed']:.0f}s (bound: run.heartbeat_timeout, {entry.stale_s:g}s); if it "
                     f"is gone, run again (its lock is taken over), else raise heartbeat_timeout")
+            if beat and beat.get("token") == token and beat.get("done") and "t" not in watched["rate"]:
+                watched["rate"] = {"t": now, "done": beat["done"]}  # the rate is measured from here
             if now - last_said >= PROGRESS_S:
                 last_said = now
                 log.info("data: still waiting for host %s pid %s to prepare %s (%s; %.0fs so far)", held.get("host"),
-                         held.get("pid"), entry.dir, watched.get("phase") or "starting", now - start)
+                         held.get("pid"), entry.dir, describe_progress(watched.get("last") or {}, watched["rate"], now),
+                         now - start)
             time.sleep(POLL_S)
     finally:
         if registered and not (entry.waiting / f"{me}.seen").exists():
@@ -380,10 +443,16 @@ def _build_entry(entry: Entry, recipe: Recipe, inputs: dict, build: Callable[[],
         return _use(entry, entry.key, "reused", start)
     for old in entry.dir.glob(".tmp-*"):  # a killed attempt's
         shutil.rmtree(old, ignore_errors=True)
-    heart = _Heartbeat(entry.heartbeat, token, min(max(entry.stale_s / 10, 0.5), 5.0))
+    global _progress
+    for old in entry.dir.glob("progress-*"):  # a killed attempt's counts
+        shutil.rmtree(old, ignore_errors=True)
+    progress = entry.dir / f"progress-{token}"  # this attempt's (a process's counts of an earlier one never add up here)
+    progress.mkdir()
+    heart = _Heartbeat(entry.heartbeat, token, min(max(entry.stale_s / 10, 0.5), 5.0), progress)
     capture = _Capture()
     log.addHandler(capture)
     begun = time.monotonic()
+    _progress = progress
     try:
         if os.environ.get(SLOW_ENV):
             heart.phase = f"sleeping {SLOW_ENV}"
@@ -422,7 +491,9 @@ def _build_entry(entry: Entry, recipe: Recipe, inputs: dict, build: Callable[[],
             _wait_for_acks(entry)
         raise
     finally:
+        _progress = None
         heart.stop()
+        shutil.rmtree(progress, ignore_errors=True)
         entry.release(token)
     if entry.is_complete():
         entry.heartbeat.unlink(missing_ok=True)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -31,6 +32,7 @@ from transformers.tokenization_utils_base import PaddingStrategy, PreTrainedToke
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 from trl.data_utils import pack_dataset
 
+from . import prepcache
 from .chat import NOT_RENDERED, Chat, arrow_structs, describe_not_rendered, template_key
 from .errors import RecipeError
 from .formats import CONVERSATIONAL, check_template, detect_format, from_sharegpt, is_conversational
@@ -281,9 +283,24 @@ def _table(recipe: Recipe, texts, ids, labels, bos_removed, unrendered, status) 
 
 
 def _prepare_batch(batch: dict, indices: list[int], tokenizer, recipe: Recipe, eot: str, fmt: str, ends: tuple, source: str,
-                   rows: list[int] | None, structs: tuple[bool, bool]) -> dict:
+                   rows: list[int] | None, structs: tuple[bool, bool], progress: tuple[str, str] | None = None) -> dict:
     """A batch of rows made into _prepare_row's columns (mapped over a split, batched). A batch that fails is prepared
-    again row by row by _prepare_row, whose error (a RecipeError naming the row) is the one raised."""
+    again row by row by _prepare_row, whose error (a RecipeError naming the row) is the one raised. progress: (the
+    cache entry's progress folder, the split) where this process counts the rows it prepared (prepcache.py)."""
+    table = _prepare_batch_rows(batch, indices, tokenizer, recipe, eot, fmt, ends, source, rows, structs)
+    if progress is not None:
+        folder, split = progress
+        key = (folder, split)
+        _DONE[key] = _DONE.get(key, 0) + len(indices)
+        prepcache.note_done(Path(folder), split, _DONE[key])
+    return table
+
+
+_DONE: dict[tuple[str, str], int] = {}  # rows this process prepared, per (progress folder, split)
+
+
+def _prepare_batch_rows(batch: dict, indices: list[int], tokenizer, recipe: Recipe, eot: str, fmt: str, ends: tuple,
+                        source: str, rows: list[int] | None, structs: tuple[bool, bool]) -> dict:
     try:
         return _fast_batch(batch, indices, tokenizer, recipe, eot, fmt, ends, source, rows, structs)
     except Exception as fast_error:  # the reference below raises what this batch's rows raise
@@ -325,13 +342,17 @@ def tokenize_split(recipe: Recipe, tokenizer, eot: str, dataset, name: str, fmt:
         log.info("data: %s: tool-call arguments are stored as an Arrow struct (every argument name of the column in every "
                  "call, null where a call has none): null arguments are dropped; store arguments as JSON strings to keep "
                  "explicit nulls", source or name)
+    progress = prepcache.progress_dir()  # under a cache entry's preparation: rows counted for the waiting processes
+    if progress is not None:
+        prepcache.note_total(progress, name, len(dataset))
     return dataset.map(
         _prepare_batch,
         with_indices=True,
         batched=True,
         batch_size=BATCH_ROWS,
         fn_kwargs={"tokenizer": tokenizer, "recipe": recipe, "eot": eot, "fmt": fmt, "ends": end_ids(tokenizer, eot),
-                   "source": source or name, "rows": rows, "structs": structs},
+                   "source": source or name, "rows": rows, "structs": structs,
+                   "progress": (str(progress), name) if progress is not None else None},
         remove_columns=dataset.column_names,
         num_proc=workers(recipe, len(dataset)),
         desc=f"Formatting and tokenizing {name}",

@@ -7,6 +7,7 @@ tolerance for 16-bit. Bad inputs (torn, missing, wrong base, unknown) are one-li
 import hashlib
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -85,14 +86,22 @@ def assert_equal_tensors(ours: dict, ref: dict):
 # -------------------------------------------------------------------------------------------- full-model checkpoints
 
 @pytest.mark.parametrize("name", ["zero2-full", "offload", "fsdp1", "fsdp"])
-def test_full_checkpoint_exports_exactly(runs, tmp_path, name, capsys):
+def test_full_checkpoint_exports_exactly(runs, tmp_path, name, capsys, monkeypatch):
     """ZeRO-2 and ZeRO-3 (offload) full fine-tunes: the fp32 master weights, equal to zero_to_fp32's; FSDP1/FSDP2
-    sharded checkpoints: equal to torch's DCP converter. verify=True compares logits and prints the difference."""
+    sharded checkpoints: equal to torch's DCP converter. verify=True compares logits and prints the difference. The
+    progress bar (from 1 GiB; from 0 bytes here) counts every byte written."""
     from transformers import AutoModelForCausalLM
 
+    from sftrecipes.export import rewrite
+
+    monkeypatch.setattr(rewrite, "PROGRESS_BYTES", 0)
     ckpt = runs(name) / "checkpoint-3"
     out = ex.export(ckpt, tmp_path / "out", verify=True)
-    assert "verify: max abs logits difference 0 " in capsys.readouterr().out
+    said = capsys.readouterr()
+    assert "verify: max abs logits difference 0 " in said.out
+    written = sum((out / f).stat().st_size for f in os.listdir(out) if f.endswith(".safetensors"))
+    bar = re.findall(r"export: writing out: 100%\|[^|]*\| ([\d.]+)k?/([\d.]+)k", said.err)
+    assert bar and bar[-1][0] == bar[-1][1] and abs(float(bar[-1][1]) * 1024 - written) < 0.02 * written, (said.err[-500:], written)
     ours = load_file(out / "model.safetensors")
     if name.startswith("fsdp"):
         ref = ex.upstream_state_dict("dcp", ckpt / "pytorch_model_fsdp_0")

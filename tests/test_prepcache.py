@@ -224,6 +224,59 @@ def test_the_preparers_error_is_every_waiters_line(tok_eot, tmp_path):
     assert [f.name for f in entry.waiting.iterdir() if f.name.endswith(".seen")] == [f"{socket.gethostname()}-{os.getpid()}.seen"]
 
 
+def test_a_waiting_process_says_how_far_the_preparer_is_and_the_time_left(tok_eot, tmp_path, caplog, monkeypatch):
+    """The stand-in's beats carry rows prepared of rows to prepare (as _Heartbeat writes them from the progress
+    folder): the waiting process's lines give the share and the time left at the rate it saw."""
+    caplog.set_level(logging.INFO, logger="sftrecipes")
+    monkeypatch.setattr(prepcache, "PROGRESS_S", 0.5)
+    r, entry = _entry(tmp_path, tok_eot)
+
+    def run():
+        for beat in range(1, 9):
+            time.sleep(0.3)
+            entry.heartbeat.write_text(json.dumps({"token": "t1", "beat": beat, "phase": "loading and tokenizing",
+                                                   "done": 1000 * beat, "total": 20000}))
+        entry.error.write_text(json.dumps({"attempt": "t1", "kind": "recipe", "message": "stop here"}))
+
+    t = threading.Thread(target=run)
+    t.start()
+    with pytest.raises(RecipeError, match="stop here"):
+        prepcache.obtain(r, *tok_eot, _never)
+    t.join()
+    said = re.findall(r"still waiting .*\(loading and tokenizing: ([\d,]+) of 20,000 rows \((\d+)%\), ~(\d+)s left at ([\d,]+) rows/s", caplog.text)
+    assert said, caplog.text
+    for done, share, left, rate in said:  # ~3,300 rows/s: the stand-in's 1,000 rows every 0.3 s
+        done, rate = int(done.replace(",", "")), int(rate.replace(",", ""))
+        assert int(share) == round(100 * done / 20000) and 1500 < rate < 4000, said
+        assert abs(int(left) - (20000 - done) / rate) <= 1, said
+    assert prepcache.describe_progress({"phase": "saving"}, {}, 1.0) == "saving"
+
+
+def test_the_preparer_counts_its_rows_in_every_worker(tok_eot, tmp_path, monkeypatch):
+    """Under a preparation (prepcache's progress folder set), tokenize_split announces the rows of the split and each
+    process that maps it counts what it prepared; the heartbeat record carries the sums."""
+    from sftrecipes import data  # noqa: PLC0415
+
+    rows = [json.loads(line) for line in open(ROOT / "data/tiny_chat/train.jsonl")] * 30  # 9,600 rows: 2 workers
+    f = tmp_path / "rows.jsonl"
+    f.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    r = load_recipe(BASE + ["--dataset_name", str(f), "--splits", "train", "--data_cache_dir", str(tmp_path / "cache")])
+    folder = tmp_path / "progress-t"
+    folder.mkdir()
+    monkeypatch.setattr(prepcache, "_progress", folder)
+    datasets.disable_caching()
+    try:
+        data.load_datasets(r, *tok_eot)
+    finally:
+        datasets.enable_caching()
+    assert prepcache.read_progress(folder) == (9600, 9600)
+    assert len([p for p in folder.iterdir() if p.name.startswith("done-")]) == 2  # one per worker
+    beat = prepcache._Heartbeat(tmp_path / "heartbeat.json", "t", 60.0, folder)
+    beat.stop()
+    record = json.loads((tmp_path / "heartbeat.json").read_text())
+    assert (record["done"], record["total"]) == (9600, 9600)
+
+
 @pytest.mark.parametrize("how", ["dead on this host", "silent elsewhere", "never beating while watched"])
 def test_a_lock_no_process_works_under_is_taken_over(tok_eot, tmp_path, caplog, how):
     """A killed attempt's lock: its process gone from this host, its heartbeat older than the bound by this host's

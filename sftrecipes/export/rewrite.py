@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from ..model import DTYPES
@@ -16,6 +17,9 @@ from .adapters import _apply
 from .readers import _SafetensorsSource
 from .verify import check_model_folder, verify_logits
 from .writer import TOKENIZER_FILES, _nbytes, _shard_files, _shards, _Staging, _write_index
+
+
+PROGRESS_BYTES = 1 << 30  # models this large get a progress bar while they are written
 
 
 def rewrite_model(base_dir: Path, out_dir: str | Path, plan: dict[str, dict], dtype: str | None, tok_src: Path,
@@ -58,8 +62,11 @@ def rewrite_model(base_dir: Path, out_dir: str | Path, plan: dict[str, dict], dt
     with _Staging(Path(out_dir)) as st:
         st.needed = sum(_nbytes(d, shape) for _, d, shape in layout)
         fnames = _shard_files(shards)
-        for fname, shard in zip(fnames, shards):
-            st.write_safetensors(fname, shard, get)
+        # a bar with the time left where writing takes a while (stderr; none for small models, tests' among them)
+        with tqdm(total=st.needed, unit="B", unit_scale=True, unit_divisor=1024, desc=f"{verb}: writing {Path(out_dir).name}",
+                  disable=st.needed < PROGRESS_BYTES) as bar:
+            for fname, shard in zip(fnames, shards):
+                st.write_safetensors(fname, shard, get, bar.update)
         _write_index(st.tmp, shards, fnames)
         for f in TOKENIZER_FILES:
             if (tok_src / f).is_file():

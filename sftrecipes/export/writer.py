@@ -143,10 +143,13 @@ class _Staging:
         self.hashes: dict[str, str] = {}
         self.needed = 0  # bytes the tensors take, when known (for the message on a full disk)
 
-    def write_safetensors(self, fname: str, layout: list, get) -> None:
+    def write_safetensors(self, fname: str, layout: list, get, written=None) -> None:
+        """One shard, tensor by tensor from get(name); written(bytes) after each (a progress bar's update)."""
         writer = SafetensorsStreamWriter(self.tmp / fname, layout)
-        for name, dtype, _ in layout:
+        for name, dtype, shape in layout:
             writer.write(name, get(name).to(dtype))
+            if written is not None:
+                written(_nbytes(dtype, shape))
         writer.close()
         self.hashes[fname] = writer.sha256.hexdigest()
 
