@@ -39,8 +39,8 @@ from .formats import check_template, detect_format, sample_prompt
 from .prepkey import content_fingerprint
 from .recipe import Recipe
 from .sources import check_eval_split, sources
-from .tokenization import (CUT_AWAY, CUT_KEPT, FULLY_MASKED, KEPT, _prepare_batch, _trainable, check_loss_format,
-                           end_ids, finish_split, log_bos, tokenize_split)
+from .tokenization import (CUT_KEPT, KEPT, _prepare_batch, _trainable, check_loss_format, count_marks, end_ids,
+                           finish_split, log_bos, tokenize_split)
 
 log = logging.getLogger("sftrecipes")
 
@@ -142,15 +142,9 @@ class Stream:
         indices = list(range(first, first + table.num_rows))
         out = _prepare_batch(_decoded(table, rows=False), indices, self.tokenizer, self.recipe, self.eot, self.fmt, self.ends,
                              self.where, None, self.structs)
-        status = np.asarray(out["_status"].to_numpy(zero_copy_only=False), dtype=np.int64)
-        n = np.bincount(status, minlength=4)
-        unrendered = np.asarray(out["_unrendered"].to_numpy(zero_copy_only=False), dtype=np.int64)
-        counts = {**empty_counts(), "read": table.num_rows, "truncated": int(n[CUT_AWAY] + n[CUT_KEPT]),
-                  "dropped_after_cut": int(n[CUT_AWAY]), "fully_masked": int(n[FULLY_MASKED]),
-                  "kept": int(n[KEPT] + n[CUT_KEPT]),
-                  "duplicate_bos_removed": int(np.asarray(out["_bos_removed"].to_numpy(zero_copy_only=False)).sum()),
-                  "not_rendered": {f: int(((unrendered & bit) != 0).sum()) for f, bit in NOT_RENDERED.items()}}
-        kept = np.flatnonzero(np.isin(status, (KEPT, CUT_KEPT)))
+        marks = [out[c].to_numpy(zero_copy_only=False) for c in ("_status", "_bos_removed", "_unrendered")]
+        counts = {**empty_counts(), **count_marks(*marks)}
+        kept = np.flatnonzero(np.isin(marks[0], (KEPT, CUT_KEPT)))
         rng = np.random.default_rng([self.seed, epoch, buffer])
         rows = out.select(["input_ids", "labels"]).take(pa.array(kept[rng.permutation(len(kept))], pa.int64()))
         if self.packing and rows.num_rows:

@@ -380,21 +380,26 @@ def _packed_rows(recipe: Recipe, dataset, is_eval: bool) -> dict | None:
     return {"strategy": strategy, "rows": len(packed), "fully_masked_rows": masked}
 
 
+def count_marks(status, bos_removed, unrendered) -> dict:
+    """What the marks of prepared rows (`_status`, `_bos_removed`, `_unrendered` of each) count: read, truncated,
+    dropped after the cut, fully masked, kept, duplicate BOS removed, and per field the rows whose template left it
+    out. A split's (finish_split) and a streamed buffer's (stream.py)."""
+    status = np.asarray(status, dtype=np.int64)
+    n = np.bincount(status, minlength=4)
+    unrendered = np.asarray(unrendered, dtype=np.int64)
+    return {"read": int(len(status)), "truncated": int(n[CUT_AWAY] + n[CUT_KEPT]), "dropped_after_cut": int(n[CUT_AWAY]),
+            "fully_masked": int(n[FULLY_MASKED]), "kept": int(n[KEPT] + n[CUT_KEPT]),
+            "duplicate_bos_removed": int(np.asarray(bos_removed, dtype=bool).sum()),
+            "not_rendered": {field: int(((unrendered & bit) != 0).sum()) for field, bit in NOT_RENDERED.items()}}
+
+
 def finish_split(recipe: Recipe, dataset, name: str, formats: dict[str, int], is_eval: bool = False):
     """Count what the cut and the masks did, drop samples with nothing to train, log ONE line. Returns
     (dataset with text/input_ids/labels, counts)."""
     marks = dataset.select_columns(["_status", "_bos_removed", "_unrendered"]).with_format("numpy")[:]  # one read, not one a row
     status = np.asarray(marks["_status"], dtype=np.int64)
-    n = np.bincount(status, minlength=4)
-    bos_removed = int(np.asarray(marks["_bos_removed"], dtype=bool).sum())
-    unrendered = np.asarray(marks["_unrendered"], dtype=np.int64)
-    counts = {
-        "read": int(len(status)), "formats": formats, "truncated": int(n[CUT_AWAY] + n[CUT_KEPT]),
-        "dropped_after_cut": int(n[CUT_AWAY]), "fully_masked": int(n[FULLY_MASKED]),
-        "kept": int(n[KEPT] + n[CUT_KEPT]), "max_length": recipe.trl_value("max_length"),
-        "truncation_mode": recipe.trl_value("truncation_mode"), "duplicate_bos_removed": bos_removed,
-        "not_rendered": {field: int(((unrendered & bit) != 0).sum()) for field, bit in NOT_RENDERED.items()},
-    }
+    counts = {**count_marks(status, marks["_bos_removed"], marks["_unrendered"]), "formats": formats,
+              "max_length": recipe.trl_value("max_length"), "truncation_mode": recipe.trl_value("truncation_mode")}
     if counts["read"] == 0:
         raise RecipeError(f"dataset_name: the {name} has no rows; check the data and splits")
     if counts["kept"] == 0:

@@ -6,27 +6,17 @@ Training through it, killed, preempted and resumed to the uninterrupted weights:
 on another process count: tests/test_faults.py."""
 
 import itertools
-import json
 import types
 
 import pytest
-from test_prep_fast import AOL, CUT, SHAPES, _no_map_cache  # noqa: F401 - autouse: every map prepares
+from test_prep_fast import AOL, CHATML, CUT, SHAPES, _no_map_cache, setup  # noqa: F401 - autouse: every map prepares
 
 from sftrecipes import data, stream as streams
 from sftrecipes.errors import RecipeError
 from sftrecipes.recipe import load_recipe
 from sftrecipes.tokenizer import load_tokenizer
 
-TINY = ".assets/tiny-llama"
 ONE = types.SimpleNamespace(per_device_train_batch_size=1, gradient_accumulation_steps=1, world_size=1)  # 1 row a step
-
-
-def recipe_of(tmp_path, rows, flags=(), name="d.jsonl"):
-    f = tmp_path / name
-    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return load_recipe(["--model_name_or_path", TINY, "--dataset_name", str(f), "--splits", "train", "--output_dir",
-                        str(tmp_path / "o"), "--chat_template_format", "chatml", "--streaming", "true", "--max_steps", "5",
-                        *flags])
 
 
 def first_epoch(stream) -> tuple[list[dict], dict]:
@@ -54,8 +44,7 @@ def test_a_streams_rows_and_counts_are_the_prepared_splits(tiny_model, tmp_path,
     conversational = shape in ("messages", "conversations", "pc_chat", "tools")
     buffer = next(b for b in (5, 6, 7) if len(rows) % b)  # several buffers, the last one short
     flags = ["--packing", "false", "--streaming_buffer_rows", str(buffer), *CUT, *(AOL if conversational else ())]
-    r = recipe_of(tmp_path, rows, flags)
-    tok, eot, _ = load_tokenizer(r)
+    r, tok, eot, *_ = setup(tmp_path, rows, [*CHATML, "--streaming", "true", "--max_steps", "5", *flags])
     prepared, _, _, counts = data.load_datasets(r, tok, eot)
     stream, *_ = streams.streamed_datasets(r, tok, eot)
     got, got_counts = first_epoch(stream)
