@@ -1,5 +1,5 @@
-"""What a rank's heap keeps after loading: a fixed glibc mmap threshold while the weights load, then the freed heap
-handed back.
+"""What a rank's heap keeps: a fixed glibc mmap threshold while the weights load (and in a training run on to the end
+of its first steps), then the freed heap handed back.
 
 glibc adapts its mmap threshold as large blocks are freed: after the first freed block of a few MB (a tensor read,
 converted or quantized and dropped), blocks of that size come from the heap instead, where a freed one stays resident
@@ -11,7 +11,9 @@ enough to be cut from: so in a rank's fresh process, where loading happens, not 
 heap blocks); the same load then peaks at 0.72-0.75 GB in every run. After loading, the heap's freed memory is
 returned (malloc_trim) and the thresholds are set where glibc's own adaptation ends up in a process that has freed large
 blocks: mmap at 32 MiB, trim at 64 MiB (with the trim threshold left at its start, every training step gave back the
-heap's top and faulted it in again: measured against bare TRL in make bench-dpo).
+heap's top and faulted it in again: measured against bare TRL in make bench-dpo). A training run holds the threshold
+fixed on through wrapping and its first steps (hold_steady/release, called by probes.PhaseMemory), where the same
+adaptation kept up to 2.5 GB of freed blocks resident per rank, so that what those phases measure is what they use.
 
 Nothing is changed where the C library is not glibc, or where MALLOC_MMAP_THRESHOLD_ is set (the user's choice)."""
 
@@ -40,24 +42,55 @@ def _glibc():
         return None
 
 
+_held = False  # hold_steady() acted and release() has not run yet
+
+
+def hold_steady() -> bool:
+    """Fix the mmap threshold (LOADING_THRESHOLD) until release(): every large block is then its own mapping, handed
+    back to the kernel when freed, so the process's RSS follows what is live. A training run holds it from loading to
+    the end of its first steps (probes.PhaseMemory), so each phase's peak is the memory the phase uses, not the heap
+    glibc kept from earlier ones: at 253M parameters on 2 ranks the ZeRO-3 LoRA twin's first steps peaked at 1.04-1.09 GB
+    with the adaptive threshold and 0.91 GB held steady, FSDP2 full fine-tuning's at 3.80-3.93 GB and 2.19-2.20 GB
+    (docs/loading.md). Not for a whole run: every large block faulted in anew cost 16-32% of those twins' steps. True
+    where it acts (glibc, no MALLOC_MMAP_THRESHOLD_ of the user's)."""
+    global _held
+    libc = _glibc()
+    if _held or libc is None or not libc.mallopt(M_MMAP_THRESHOLD, LOADING_THRESHOLD):
+        return _held
+    _held = True
+    return True
+
+
+def release() -> None:
+    """End hold_steady(): the heap's free memory goes back to the kernel and the thresholds are left where glibc's own
+    adaptation ends up in a process that has freed large blocks."""
+    global _held
+    libc = _glibc()
+    if not _held or libc is None:
+        return
+    _held = False
+    libc.malloc_trim(0)
+    libc.mallopt(M_MMAP_THRESHOLD, AFTER_THRESHOLD)
+    if "MALLOC_TRIM_THRESHOLD_" not in os.environ:
+        # a threshold set by hand stops glibc's adaptation of both: left at its 128 KiB start, the heap's top was
+        # handed back and faulted in again in every step (DPO, tiny model, 150 steps: 424 page faults per step more
+        # than with it raised, 187 more than bare TRL; make bench-dpo)
+        libc.mallopt(M_TRIM_THRESHOLD, AFTER_TRIM)
+
+
 @contextlib.contextmanager
 def steady_heap():
-    """Within: large blocks are mapped and unmapped on their own (a fixed mmap threshold). On leaving: the heap's free
-    memory goes back to the kernel and the threshold is left at glibc's adaptive ceiling. True inside where it acts."""
-    libc = _glibc()
-    if libc is None or not libc.mallopt(M_MMAP_THRESHOLD, LOADING_THRESHOLD):
-        yield False
-        return
+    """Within: large blocks are mapped and unmapped on their own (hold_steady). On leaving: release(), unless a hold
+    from outside (a training run's, to the end of its first steps) was already on. True inside where it acts."""
+    outer = _held
+    acting = hold_steady()
     try:
-        yield True
+        yield acting
     finally:
-        libc.malloc_trim(0)
-        libc.mallopt(M_MMAP_THRESHOLD, AFTER_THRESHOLD)
-        if "MALLOC_TRIM_THRESHOLD_" not in os.environ:
-            # a threshold set by hand stops glibc's adaptation of both: left at its 128 KiB start, the heap's top was
-            # handed back and faulted in again in every step (DPO, tiny model, 150 steps: 424 page faults per step more
-            # than with it raised, 187 more than bare TRL; make bench-dpo)
-            libc.mallopt(M_TRIM_THRESHOLD, AFTER_TRIM)
+        if not outer:
+            release()
+        elif acting:  # held on: what the block freed on the heap still goes back (what a rank holds after loading)
+            _glibc().malloc_trim(0)
 
 
 def _file_mappings(suffix: str) -> list[tuple[int, int]]:

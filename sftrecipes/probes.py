@@ -15,6 +15,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers import TrainerCallback
 
+from . import heap
+
 
 def _elements(module) -> tuple[int, int, int]:
     """(parameter elements this rank stores, elements of the whole model, elements of its trainable parameters)
@@ -181,7 +183,10 @@ class PhaseMemory(TrainerCallback):
     train() up to its first callback: accelerate's prepare, FSDP sharding, ZeRO partitioning, rank-0 broadcast, a
     resume's checkpoint read), first_steps (the first FIRST_STEPS optimizer steps: optimizer states, activations,
     gathers) and later_steps (to the end of training). `baseline_mb` is the RSS just before loading: python, torch,
-    the tokenized data. A callback so the trainer's events close the training phases."""
+    the tokenized data. From loading to the end of the first steps glibc's mmap threshold is held fixed
+    (heap.hold_steady), so that these phases measure what they hold and not the freed heap glibc keeps; the later steps
+    run with glibc's own adaptation, their peak that heap included. A callback so the trainer's events close the
+    training phases."""
 
     def __init__(self):
         self.baseline_mb = self.baseline_mapped_mb = None
@@ -192,6 +197,10 @@ class PhaseMemory(TrainerCallback):
 
     def start(self, name: str) -> None:
         self.close()
+        if name == "loading":
+            heap.hold_steady()  # to the end of the first steps: each phase's RSS is what it uses (heap.hold_steady)
+        elif name == "later_steps":
+            heap.release()
         if self.baseline_mb is None:
             self.baseline_mb, self.baseline_mapped_mb = rss_mb(), _mapped_mb(_status())
         self.exact = _reset_peak() and self.exact
@@ -224,6 +233,7 @@ class PhaseMemory(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self.close()
+        heap.release()  # a run shorter than its first steps
 
     def gather(self, acc) -> list[dict]:
         """Every rank's phases (all ranks call: a collective), by rank. `grew_mb` of a phase is its peak less the
