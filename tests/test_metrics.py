@@ -159,7 +159,8 @@ def test_phase_memory_peaks_are_each_phases_own(tmp_path):
 
 def test_loading_heap_hands_back_the_temporaries_it_frees():
     """While the weights load (heap.steady_heap), 8 MB temporaries freed between live small blocks go back to the
-    kernel; after loading (glibc's threshold at its adaptive ceiling, as a long-running process has it) the same pattern
+    kernel, and in a training run's hold (heap.hold_steady, to the end of its first steps) after the block too; after
+    loading or the hold's release (glibc's threshold at its adaptive ceiling, as a long-running process has it) the same pattern
     stays resident: the order of frees decided what a rank held after loading (docs/loading.md). In a fresh interpreter,
     as a rank loads at its start: in this long-lived pytest process earlier tests leave free heap chunks that large
     blocks are cut from whatever the threshold (CI failed on that)."""
@@ -183,14 +184,22 @@ def test_loading_heap_hands_back_the_temporaries_it_frees():
             del big[:6]
             return 48 - (before - rss_mb())
 
+        if HELD:  # a training run's hold (PhaseMemory: loading to the end of the first steps) around the loading's block
+            hold_steady()
         with steady_heap() as acting:
             inside = kept_after_free()
-        print(json.dumps([acting, inside, kept_after_free()]))
+        still = kept_after_free()  # after the block: held on, or glibc's adaptive threshold
+        release()
+        print(json.dumps([acting, inside, still, kept_after_free()]))
     """
     env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
-    acting, inside, after = json.loads(out.stdout.splitlines()[-1])
-    assert acting and inside < 4 and after > 40, (acting, inside, after)
+    for held in (False, True):
+        prog = code.replace("from sftrecipes.heap import steady_heap", "from sftrecipes.heap import hold_steady, release, "
+                            "steady_heap\n        HELD = " + str(held))
+        out = subprocess.run([sys.executable, "-c", prog], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+        acting, inside, still, after = json.loads(out.stdout.splitlines()[-1])
+        assert acting and inside < 4 and after > 40, (held, acting, inside, still, after)
+        assert (still < 4) if held else (still > 40), (held, acting, inside, still, after)  # the hold outlives the block
 
 
 # ----------------------------------------------------------------------------------------------- one process
