@@ -10,8 +10,8 @@ Each twin runs through its own launcher (scripts/run_tiny-<twin>.sh, 2 ranks) wi
 Every figure is read from the run's own `run_summary.json` -> `memory`: per rank, the RSS before loading (baseline)
 and each phase's peak from the kernel's high-water mark reset at the phase's start (loading, wrapping, first_steps;
 sftrecipes.probes.PhaseMemory). A cell is `min-max` over the repeats of the phase's peak less the baseline (MB).
-Beside loading's peak and what is held at its end: the planner's figure for the same recipe (Plan.rank_loading,
-sftrecipes/plan/ranks.py) and its distance from the farthest run. --from-results re-plans an earlier results.json.
+Beside loading's peak, what is held at its end and the first steps' peak: the planner's figure for the same recipe
+(Plan.rank_loading, Plan.rank_steps: sftrecipes/plan/ranks.py) and its distance from the farthest run. --from-results re-plans an earlier results.json.
 Results go to docs/loading.md between the loading-bench markers (the rest of the file is kept).
 """
 
@@ -50,14 +50,16 @@ def overrides(model: Path, steps: int) -> list[str]:
             "--sample_max_new_tokens", "0", "--logging_steps", "1"]
 
 
-def planned(twin: str, model: Path, steps: int) -> dict[int, tuple[float, float]]:
-    """The planner's loading figures for the twin as run: rank -> (peak, held after loading), MB of RSS growth."""
+def planned(twin: str, model: Path, steps: int) -> dict[int, tuple[float, float, float]]:
+    """The planner's figures for the twin as run: rank -> (loading's peak, held after loading, the first steps' peak),
+    MB of RSS growth."""
     from sftrecipes.plan import plan_recipe
     from sftrecipes.plan.ranks import loading_of
     from sftrecipes.recipe import load_recipe
 
     plan = plan_recipe(load_recipe([f"recipes/tiny/{twin}.yaml", *overrides(model, steps)]), _alternatives=False)
-    return {rank: (g.peak_gb * 1e3, g.held_gb * 1e3) for rank in (0, 1) for g in [loading_of(plan.rank_loading, rank)]}
+    return {rank: (g.peak_gb * 1e3, g.held_gb * 1e3, plan.rank_steps.peak_gb * 1e3)
+            for rank in (0, 1) for g in [loading_of(plan.rank_loading, rank)]}
 
 
 def run_twin(twin: str, model: Path, out: Path, steps: int) -> tuple[list[dict], float]:
@@ -96,17 +98,18 @@ def table(results: dict[str, list[list[dict]]], params: int, weights_mb: float, 
              "the planner's figure for the rank on the cpu target (`plan`, sftrecipes/plan/ranks.py) and its distance "
              "from the farthest run, as a share of that run's figure.", "",
              "| twin | rank | baseline | loading | planned | held after loading (of it mapped) | planned | wrapping "
-             "| first steps | spread of the peak |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| first steps | planned | spread of the peak |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for twin, runs in results.items():
         for rank in (0, 1):
             rows = [next(r for r in run if r["rank"] == rank) for run in runs]
             cells = [span([r[p]["grew_mb"] for r in rows]) for p in PHASES]
             held_mb = [r["loading"]["end_mb"] - r["baseline_mb"] for r in rows]
             mapped = span([r["loading"]["end_mapped_mb"] - r["baseline_mapped_mb"] for r in rows])
-            peak_plan, held_plan = plans[twin][rank]
+            peak_plan, held_plan, steps_plan = plans[twin][rank]
             cells[1:1] = [against([r["loading"]["grew_mb"] for r in rows], peak_plan), f"{span(held_mb)} ({mapped})",
                           against(held_mb, held_plan)]
+            cells.append(against([r["first_steps"]["grew_mb"] for r in rows], steps_plan))
             peaks = [max(r[p]["peak_mb"] for p in PHASES) for r in rows]
             lines.append(f"| {twin if rank == 0 else ''} | {rank} | {span([r['baseline_mb'] for r in rows])} | "
                          + " | ".join(cells) + f" | {spread(peaks):.1%} |")

@@ -16,7 +16,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import ROOT, accelerate_run, free_port, run_cli
+from conftest import ROOT, accelerate_run, free_port, launch_twin, run_cli
 from sftrecipes.plan import plan_recipe
 from sftrecipes.plan.ranks import loading_of
 from sftrecipes.recipe import load_recipe
@@ -266,3 +266,36 @@ def test_ram_efficient_loading_only_rank0_reads(tmp_path):
     assert grew[False][1] - grew[True][1] > 0.5 * fp32_mb, grew
     # and rank 1 stays well below rank 0, which holds the full model while broadcasting
     assert grew[True][1] < 0.75 * grew[True][0], grew
+
+
+# every CPU twin backend of the calibration (bench/bench_loading.py runs the same at 253M for docs/loading.md)
+CALIBRATED = ("ddp", "zero1", "zero2", "zero3", "offload", "fsdp1", "fsdp", "qlora-fsdp", "qlora-zero3")
+LOADING_PEAK_MISSES = ("zero3", "offload", "qlora-fsdp", "qlora-zero3")  # at 25.7M: 10-25 MB above the plan
+
+
+@pytest.mark.real_processes
+@pytest.mark.parametrize("twin", CALIBRATED)
+def test_plan_holds_rank_by_rank(twin, tmp_path):
+    """The planner's per-rank figures for the cpu target against a 2-rank run of the twin through its launcher, at the
+    largest size this suite affords (the medium Llama, 25.7M parameters, 51 MB in bf16; ~12 s a run): loading's peak,
+    what a rank holds after loading and the peak of its first steps, each as growth over the rank's RSS before loading,
+    within 10% on every rank, or 10 MB where a rank grows by little more than what loading leaves besides weights
+    (a mapped 16-bit checkpoint: ~10 MB; a receiving FSDP2 rank: 36 MB, planned 41). Loading's peak of
+    the twins in LOADING_PEAK_MISSES is not held to it at this size: a transient of 10-25 MB above the plan, not yet
+    attributed (docs/loading.md, "Misses"); at 253M the same peaks are within 10%."""
+    from sftrecipes.paths import ASSETS
+    from sftrecipes.tiny import ensure_tiny_model
+
+    medium = ensure_tiny_model(ASSETS / "medium-llama", "medium")
+    flags = ["--model_name_or_path", str(medium), "--max_steps", "3", "--max_length", "64", "--per_device_train_batch_size",
+             "1", "--gradient_accumulation_steps", "1", "--save_strategy", "no", "--sample_max_new_tokens", "0"]
+    summary, _ = launch_twin(twin, tmp_path / twin, flags, env={"MAIN_PROCESS_PORT": str(free_port())})
+    plan = plan_recipe(load_recipe([f"recipes/tiny/{twin}.yaml", *flags]), _alternatives=False)
+    assert len(summary["memory"]) == 2 and all(m["exact"] for m in summary["memory"])
+    for m in summary["memory"]:
+        g = loading_of(plan.rank_loading, m["rank"])
+        peak = [] if twin in LOADING_PEAK_MISSES else [("loading", g.peak_gb, m["loading"]["peak_mb"])]
+        for what, planned_gb, measured in (*peak, ("held after loading", g.held_gb, m["loading"]["end_mb"]),
+                                           ("first steps", plan.rank_steps.peak_gb, m["first_steps"]["peak_mb"])):
+            want, got = planned_gb * 1e3, measured - m["baseline_mb"]
+            assert abs(want - got) <= max(0.10 * got, 10), (twin, m["rank"], what, round(want), round(got), m)

@@ -26,7 +26,7 @@ from ..backends import PARTITIONED, RANK0_READS, weight_reading
 from ..recipe import Recipe
 from ..shape import Shape, checkpointing_off, model_shape
 from ..startmodel import adapter_of, base_of
-from .ranks import RankLoading, rank_loading
+from .ranks import RankLoading, RankSteps, rank_loading, rank_steps
 from .reference import ADAPTER, COPY, FREE, Reference, describe, forwards, reference
 from .sharding import GB, Setup, partitioned_4bit_load, quant_bytes_per_param, setup, trainable_bytes
 
@@ -40,6 +40,7 @@ FRAGMENTATION = 0.10
 PROCESS_CPU_GB = 2.0  # host RAM of one rank besides tensors: python, torch, CUDA host libraries, dataloader
 CKPT_SHARD_GB = 10.0  # hub checkpoints ship in ~5-10 GB safetensors shards; a rank reading shard by shard holds one
 DS_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's zero_optimization.sub_group_size default (the emitted configs keep it)
+DS_MAX_REUSE_DISTANCE = 1_000_000_000  # zero_optimization.stage3_max_reuse_distance default (the emitted configs keep it)
 
 
 @dataclass
@@ -83,6 +84,7 @@ class Plan:
     live: dict[str, list[Item]] = field(default_factory=dict)  # per phase: what is live besides the model states
     # the cpu target (device and host are one process): each group of ranks' RSS growth while loading (ranks.py)
     rank_loading: list[RankLoading] = field(default_factory=list)
+    rank_steps: RankSteps | None = None  # the cpu target: a rank's RSS growth at the peak of its first steps
     method: str = "sft"  # what the run trains (recipe.method)
     reference: str = ""  # a preference run's reference and what it holds per GPU, in words (reference.describe)
     reference_kind: str = ""  # reference.Reference.kind
@@ -132,7 +134,15 @@ def estimate(recipe: Recipe) -> Plan:
         weights_shard_gb=(st.frozen + st.trainable * st.p_b) / s.shard_w / GB, active_params=shape.active_params,
         live={k: _items(v) for k, v in live.items()},
         rank_loading=[] if s.gpu else rank_loading(recipe, shape, s, st.float_b),
+        rank_steps=None if s.gpu else rank_steps(recipe, *_step_peak(phases), _offloaded_per_rank(recipe, shape, s, st) / GB,
+                                                     s.quant_bits < 16),
         method=recipe.method, reference=describe(recipe, st.ref), reference_kind=st.ref.kind)
+
+
+def _step_peak(phases: dict[str, float]) -> tuple[float, str]:
+    """The largest phase of a training step (not loading's): GB and its name."""
+    name = max((k for k in phases if not k.startswith("loading")), key=phases.get)
+    return phases[name], name
 
 
 def _outside_notes(shape: Shape, st: ModelStates, lora: bool) -> list[str]:
@@ -293,6 +303,14 @@ def _live_phases(recipe: Recipe, shape: Shape, s: Setup, st: ModelStates, act: A
     def not_yet(present: float) -> tuple:  # grads are freed after each step (zero_grad(set_to_none)) unless accumulating
         return ("gradients not yet produced", 0 if grads_always else present - st.grads_total, "set_to_none after each step")
 
+    # ZeRO-3 from the second step: the layers it keeps gathered from their forward to their backward (the head's
+    # backward comes first); in the last layer's backward the larger of them and the current layer + prefetch
+    kept_for_reuse = _zero3_kept_for_reuse(recipe, shape, ckpt) * st.gather_b
+    n_kept = _zero3_kept_layers(recipe, shape, ckpt)
+    reuse = ("gathered params (ZeRO-3)", kept_for_reuse,
+            f"{n_kept} decoder layer{'s' * (n_kept != 1)} kept gathered from forward to backward (reused within "
+            f"stage3_max_reuse_distance, {DS_MAX_REUSE_DISTANCE:.0e} elements)")
+    gath_last = reuse if kept_for_reuse > gathered else ("gathered params (ZeRO-3/FSDP)", gathered, "current layer + prefetch")
     one_layer = ("one layer in backward", in_layer, ("recomputed: " if ckpt else "grad temporaries; ") + layer_note
                  + (f"; or its weight grads, {g_layer / GB:.2f} GB, if larger" if not s.lora else ""))
     gath = ("gathered params (ZeRO-3/FSDP)", gathered, "current layer + prefetch")
@@ -311,9 +329,9 @@ def _live_phases(recipe: Recipe, shape: Shape, s: Setup, st: ModelStates, act: A
              if act.full_logits else
              ("LM head (TRL chunked log-probs)", act.head_saved + act.head_backward,
               f"no [tokens, vocab] logits: a {act.head_rows} x {TRL_VOCAB_TILE} tile buffer + fp32 grads")),
-            ("gathered lm_head", head_gather, ""), not_yet(0), buckets],
+            ("gathered lm_head", head_gather, ""), *([reuse] if kept_for_reuse else []), not_yet(0), buckets],
         "backward, last layer": [
-            ("activations", act.shared + act.saved_all, acts_note), one_layer, gath,
+            ("activations", act.shared + act.saved_all, acts_note), one_layer, gath_last,
             not_yet(g_head), buckets],
         "backward, first layer": [
             ("activations", act.shared + act.saved_first, "first layer's only"), one_layer, gath,
@@ -370,6 +388,30 @@ def _gathered(recipe: Recipe, shape: Shape, s: Setup, st: ModelStates) -> tuple[
             gathered = shape.params * st.gather_b  # unsharded params stay from forward to backward
     head_gather = (shape.head_params or shape.embed_params) * st.gather_b if s.gathers else 0.0
     return gathered, head_gather
+
+
+def _zero3_kept_layers(recipe: Recipe, shape: Shape, ckpt: bool) -> int:
+    """How many decoder layers (from the last down) ZeRO-3 keeps gathered from their forward to their backward. From
+    the second step, once its trace of the step is complete, DeepSpeed releases a module's parameters after use only
+    if they do not come back within stage3_max_reuse_distance elements of the trace ahead
+    (partitioned_param_coordinator.__params_to_release). Ahead of layer k's forward lie the layers above it (forward),
+    the head (forward and backward), the layers above it again in backward (with checkpointing: their recomputed
+    forward and their backward) and then layer k's own recompute or backward. So at 70B (856M elements a layer) only
+    the last layer stays; at 253M (16 layers of 16M) every layer does, the whole model gathered on each rank."""
+    L = recipe.launch
+    if not (L.backend == "deepspeed" and L.zero_stage == 3):
+        return 0
+    head, passes, above, kept = shape.head_params or shape.embed_params, 3 if ckpt else 2, 0, 0
+    for layer in reversed(shape.decoder):
+        if passes * above + 2 * head + layer.params >= DS_MAX_REUSE_DISTANCE:
+            break
+        kept, above = kept + 1, above + layer.params
+    return kept
+
+
+def _zero3_kept_for_reuse(recipe: Recipe, shape: Shape, ckpt: bool) -> int:
+    """Elements of the decoder layers _zero3_kept_layers counts."""
+    return sum(layer.params for layer in shape.decoder[len(shape.decoder) - _zero3_kept_layers(recipe, shape, ckpt):])
 
 
 def _gradient_buckets(recipe: Recipe, shape: Shape, s: Setup, st: ModelStates) -> float:
@@ -500,12 +542,7 @@ def _cpu_ram(recipe: Recipe, shape: Shape, s: Setup, st: ModelStates) -> tuple[l
         else:
             cpu[-1] = Item("loading (policy + reference copy)", 2 * cpu[-1].gb,
                            cpu[-1].note + "; then the reference copy the same way, the policy still in host RAM")
-    off = 0.0
-    if s.offload_opt:
-        off += st.trainable * (12 if s.deepspeed16 else st.o_b + (0 if L.backend == "fsdp" else 4)) / s.shard_o
-    if s.offload_params:
-        off += (st.frozen + st.trainable * st.p_b) / s.shard_w + (st.trainable * st.g_b / s.shard_g if L.backend == "fsdp" else 0)
-        off += st.ref.per_rank if st.ref.kind == COPY else 0.0  # the reference's engine / FSDP keeps the offload
+    off = _offloaded_per_rank(recipe, shape, s, st)
     if off:
         cpu.append(Item("offloaded states", gpn * off / GB, "per rank x ranks on the node (pinned)"))
     if L.backend == "fsdp" and L.fsdp_state_dict_type == "FULL_STATE_DICT":
@@ -513,6 +550,20 @@ def _cpu_ram(recipe: Recipe, shape: Shape, s: Setup, st: ModelStates) -> tuple[l
                         "the whole model gathered on rank 0's CPU"))
     # loading and training do not overlap: the node peak is processes + max(loading, offload + saving)
     return cpu, cpu[0].gb + max(cpu[1].gb, sum(i.gb for i in cpu[2:]))
+
+
+def _offloaded_per_rank(recipe: Recipe, shape: Shape, s: Setup, st: ModelStates) -> float:
+    """Bytes one rank keeps in host memory for the offloaded states. DeepSpeed's offloaded optimizer steps on the CPU
+    with an fp32 master partition, Adam's m and v and an fp32 gradient partition of its own (stage3's
+    subgroup_gradient_buffer, stage_1_and_2's single_partition_of_fp32_groups[i].grad): 16 B/param / ranks, measured
+    on the ZeRO-3 offload twin at 253M (2 ranks: 0.5 GB more than 12 B/param would be)."""
+    L, off = recipe.launch, 0.0
+    if s.offload_opt:
+        off += st.trainable * (16 if s.deepspeed16 else st.o_b + (0 if L.backend == "fsdp" else 8)) / s.shard_o
+    if s.offload_params:
+        off += (st.frozen + st.trainable * st.p_b) / s.shard_w + (st.trainable * st.g_b / s.shard_g if L.backend == "fsdp" else 0)
+        off += st.ref.per_rank if st.ref.kind == COPY else 0.0  # the reference's engine / FSDP keeps the offload
+    return off
 
 
 def full_state_dict_bytes(recipe: Recipe, shape: Shape, s: Setup) -> float:

@@ -1,5 +1,7 @@
-"""The cpu target, rank by rank, while the weights load: what each rank's resident memory grows by, planned from the
-loader's own rule (backends.weight_reading) and the checkpoint as it is stored (torch-free). On the cpu target the
+"""The cpu target, rank by rank: what each rank's resident memory grows by while the weights load, planned from the
+loader's own rule (backends.weight_reading) and the checkpoint as it is stored (torch-free), and at the peak of its
+first steps (rank_steps: the per-GPU accounting of estimate.py on the rank, with what a GPU node offloads to host
+memory, since here both are the process). On the cpu target the
 device is the process itself, so what a GPU rank would hold on the device and what its host holds while reading are
 one RSS; bench/bench_loading.py measures the same two figures per rank (the phase's peak and what is held at its end,
 less the RSS before loading) and prints them beside these.
@@ -39,6 +41,22 @@ from .sharding import GB, Setup, partitioned_4bit_load, quant_bytes_per_param
 # mapping goes, so a rank's peak is the larger of reading (pages + its own weights + a quantization's temporaries)
 # and the end (its own weights + this).
 LOAD_OVERHEAD_GB = 0.025
+# under DeepSpeed the RSS before loading already holds 20 MB more (deepspeed and what accelerate's plugin builds are
+# imported before the weights load: a baseline of 549-550 MB against 528-529 on the other backends), and loading then
+# leaves 5-7 MB beside the weights (measured at 253M: ZeRO-3 held 260 MB for a 252.7 MB partition; at 25.7M the same)
+DEEPSPEED_LOAD_OVERHEAD_GB = 0.004
+# a quantized load maps bitsandbytes' native library (its pages counted in the RSS of every rank, a receiving one
+# too): 8 MB of mapped pages more than a 16-bit load leaves, measured on both QLoRA twins at 25.7M and 253M
+QUANT_LIBRARY_GB = 0.008
+# what the first steps add to a rank's RSS besides the tensors the per-GPU accounting counts (estimate._live_phases)
+# and what loading left: the optimizer's and autograd's objects, oneDNN's primitive cache (the kernels built for each
+# new shape), gloo's buffers, the trainer's own state. Measured with the heap held steady (heap.hold_steady) on every
+# CPU twin at 25.7M and 253M parameters, 2 ranks (bench/bench_loading.py, tests/test_twins.py): 57-95 MB over the
+# planned tensors and the loading overhead on every backend but ZeRO-3, which holds 18-25 MB more at both sizes (not
+# attributed yet: ZeRO-3 hangs its coordinator's state and hooks on every parameter and module); it does not follow
+# the model's size
+STEPS_OVERHEAD_GB = 0.075
+ZERO3_STEPS_OVERHEAD_GB = 0.018
 # bitsandbytes 0.50.2's CPU quantization of one weight: 14 bytes per element of temporaries besides the weight (its
 # float copies and codes), measured at 4.2M and 16.8M elements after the first call's own setup
 # (tests/test_plan.py::test_cpu_quantization_temporaries_per_element_as_planned); one weight at a time
@@ -55,6 +73,35 @@ class RankLoading:
     peak_gb: float
     held_gb: float
     items: list[tuple[str, float, str]] = field(default_factory=list)  # (what, GB, why) making the peak
+
+
+@dataclass
+class RankSteps:
+    """Every rank's RSS growth at the peak of its first steps on the cpu target (each rank alike: the per-GPU
+    accounting is the same on every rank)."""
+
+    peak_gb: float
+    items: list[tuple[str, float, str]] = field(default_factory=list)
+
+
+def load_overhead_gb(recipe: Recipe) -> float:
+    """What loading leaves in a rank's RSS besides the weights, by backend (LOAD_OVERHEAD_GB, DEEPSPEED_LOAD_OVERHEAD_GB)."""
+    return DEEPSPEED_LOAD_OVERHEAD_GB if recipe.launch.backend == "deepspeed" else LOAD_OVERHEAD_GB
+
+
+def rank_steps(recipe: Recipe, tensor_peak_gb: float, peak_phase: str, offloaded_gb: float, quantized: bool) -> RankSteps:
+    """A rank's RSS growth at the peak of its first steps on the cpu target, where the device is the process: the
+    per-GPU tensors at the step's peak phase, what a GPU run would offload to host memory (the same process here),
+    what loading left and what the steps add besides tensors (STEPS_OVERHEAD_GB)."""
+    items = [(f"tensors at the peak ({peak_phase})", tensor_peak_gb, "the per-GPU accounting above, on this rank"),
+             ("offloaded states", offloaded_gb, "host memory on a GPU node: the same process here"),
+             ("loading overhead", load_overhead_gb(recipe) + (QUANT_LIBRARY_GB if quantized else 0.0),
+              "left by loading (measured)"),
+             ("steps overhead", STEPS_OVERHEAD_GB, "optimizer and autograd objects, oneDNN's kernels, gloo (measured)"),
+             ("ZeRO-3's own", ZERO3_STEPS_OVERHEAD_GB if recipe.launch.backend == "deepspeed" and recipe.launch.zero_stage == 3
+              else 0.0, "what ZeRO-3 holds more than ZeRO-1/2 (measured, not attributed yet)")]
+    items = [i for i in items if i[1] > 0]
+    return RankSteps(sum(i[1] for i in items), items)
 
 
 def loading_of(groups: list[RankLoading], rank: int) -> RankLoading:
@@ -86,11 +133,14 @@ def rank_loading(recipe: Recipe, shape: Shape, s: Setup, float_b: int) -> list[R
     N = s.world
     mode, why = weight_reading(recipe, quantized=s.quant_bits < 16)
     F, stored_b, tensors = checkpoint_bytes(recipe.model.model_name_or_path, shape)
-    o = LOAD_OVERHEAD_GB
-    over = ("loading overhead", o, "modules imported and objects built by from_pretrained (measured)")
+    o = load_overhead_gb(recipe)
+    over = [("loading overhead", o, "modules imported and objects built by from_pretrained (measured)")]
+    if s.quant_bits < 16:
+        o += QUANT_LIBRARY_GB
+        over.append(("bitsandbytes' library", QUANT_LIBRARY_GB, "its native library's mapped pages (measured)"))
 
     def group(ranks: str, reading: float, own: float, items: list) -> RankLoading:
-        return RankLoading(ranks, max(reading, own + o), own + o, items + [over])
+        return RankLoading(ranks, max(reading, own + o), own + o, items + over)
     read = ("checkpoint pages read", F / GB, f"the {F / 1e6:,.0f} MB checkpoint, mapped while it loads")
     others = f"ranks 1-{N - 1}" if N > 2 else "rank 1"
     if s.quant_bits < 16 and mode in (PARTITIONED, RANK0_READS):
