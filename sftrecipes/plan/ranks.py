@@ -43,7 +43,8 @@ from .sharding import GB, Setup, partitioned_4bit_load, quant_bytes_per_param
 LOAD_OVERHEAD_GB = 0.025
 # under DeepSpeed the RSS before loading already holds 20 MB more (deepspeed and what accelerate's plugin builds are
 # imported before the weights load: a baseline of 549-550 MB against 528-529 on the other backends), and loading then
-# leaves 5-7 MB beside the weights (measured at 253M: ZeRO-3 held 260 MB for a 252.7 MB partition; at 25.7M the same)
+# leaves 3-7 MB beside the weights (measured at 253M: ZeRO-1/2 3 MB beside the 10 MB of the checkpoint mapped, ZeRO-3
+# 7 MB beside its 252.7 MB partition, QLoRA ZeRO-3 5 MB beside bitsandbytes' library)
 DEEPSPEED_LOAD_OVERHEAD_GB = 0.004
 # a quantized load maps bitsandbytes' native library (its pages counted in the RSS of every rank, a receiving one
 # too): 8 MB of mapped pages more than a 16-bit load leaves, measured on both QLoRA twins at 25.7M and 253M
@@ -52,9 +53,9 @@ QUANT_LIBRARY_GB = 0.008
 # and what loading left: the optimizer's and autograd's objects, oneDNN's primitive cache (the kernels built for each
 # new shape), gloo's buffers, the trainer's own state. Measured with the heap held steady (heap.hold_steady) on every
 # CPU twin at 25.7M and 253M parameters, 2 ranks (bench/bench_loading.py, tests/test_twins.py): 57-95 MB over the
-# planned tensors and the loading overhead on every backend but ZeRO-3, which holds 18-25 MB more at both sizes (not
-# attributed yet: ZeRO-3 hangs its coordinator's state and hooks on every parameter and module); it does not follow
-# the model's size
+# planned tensors and the loading overhead on every backend but ZeRO-3 (and FSDP1 at 253M, 29-42 MB, whose plan of
+# 2.2 GB is within 2% of it anyway), and 18-25 MB more on ZeRO-3 at both sizes (not attributed yet: ZeRO-3 hangs its
+# coordinator's state and hooks on every parameter and module); it does not follow the model's size
 STEPS_OVERHEAD_GB = 0.075
 ZERO3_STEPS_OVERHEAD_GB = 0.018
 # bitsandbytes 0.50.2's CPU quantization of one weight: 14 bytes per element of temporaries besides the weight (its
