@@ -42,7 +42,7 @@ import mmap
 import torch
 from transformers import core_model_loading
 
-from . import meta
+from . import heap, meta
 from .errors import RecipeError
 
 log = logging.getLogger("sftrecipes")
@@ -79,8 +79,12 @@ class LayerPartitioner:
             if target_name.startswith(head):
                 names.discard(target_name)
                 if not names:
+                    # what the layer still views in the checkpoint's mapping (its norms) copied first: zero.Init's
+                    # broadcast writes into it, and a page written in the mapping would keep it from being dropped
+                    heap.own_checkpoint_views(layer)
                     self._partition(layer)
                     del self.remaining[head]
+                    heap.drop_checkpoint_pages()  # the layer's 16-bit weights were read: their pages leave this RSS
                 return
 
     def summary(self) -> str:

@@ -202,6 +202,37 @@ def test_loading_heap_hands_back_the_temporaries_it_frees():
         assert (still < 4) if held else (still > 40), (held, acting, inside, still, after)  # the hold outlives the block
 
 
+def test_checkpoint_pages_dropped_only_where_the_mapping_holds_nothing_of_its_own(tmp_path):
+    """heap.drop_checkpoint_pages, which a 4-bit load calls after each layer: the pages a rank has read of a
+    safetensors file mapped private and writable (as torch maps it) leave its RSS and read back unchanged from the file;
+    a mapping with a page written in it (copied on write) is left alone, the write kept."""
+    import mmap
+
+    from sftrecipes.heap import drop_checkpoint_pages
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(bytes(range(256)) * (16 << 12))  # 16 MiB
+
+    def resident_kb() -> int:  # this mapping's resident pages (/proc/self/smaps)
+        with open("/proc/self/smaps") as f:
+            lines = f.read().splitlines()
+        at = next(i for i, ln in enumerate(lines) if ln.endswith(str(path)))
+        return int(next(ln for ln in lines[at + 1:] if ln.startswith("Rss:")).split()[1])
+
+    with open(path, "r+b") as f:
+        m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    try:
+        assert sum(m[i + 1] for i in range(0, len(m), 4096)) == len(m) // 4096 and resident_kb() >= 16 << 10  # every page read
+        assert drop_checkpoint_pages() >= len(m)
+        assert resident_kb() < 1024 and m[4097] == 1  # gone from the RSS; read again from the file
+        sum(m[i + 1] for i in range(0, len(m), 4096))
+        m[8192] = 7  # a page of its own: the mapping is no longer the file's
+        dropped = drop_checkpoint_pages()
+        assert dropped < len(m) and resident_kb() > 8 << 10 and m[8192] == 7, dropped  # not dropped
+    finally:
+        m.close()
+
+
 # ----------------------------------------------------------------------------------------------- one process
 
 

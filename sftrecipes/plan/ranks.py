@@ -17,6 +17,8 @@ What the loader does, by weight_reading's mode (measured at 253M parameters, doc
 - RAM-efficient FSDP2: the other ranks build on the meta device and take untouched storage (0); 4-bit weights: rank 0
   reads and quantizes, sending each layer once quantized, and every rank keeps its FSDP2 rows of the layer's packed
   weights (quantload.py), what lies outside the layers whole;
+- a partitioned or sent 4-bit load drops each layer's checkpoint pages from the reading rank once the layer is
+  quantized (heap.drop_checkpoint_pages): it holds one layer's pages, not the file's;
 - 4-bit: every rank reads the whole checkpoint and keeps the quantized model (the views into the checkpoint that stay
   are copied, so the mapping goes: heap.own_checkpoint_views); under ZeRO-3 with zero3_init it keeps its partition of
   each decoder layer once the layer is quantized (quantload.py), and what lies outside the layers whole.
@@ -155,12 +157,18 @@ def rank_loading(recipe: Recipe, shape: Shape, s: Setup, float_b: int) -> list[R
         outside = ("outside the layers", ld.outside / GB, "embeddings, final norm, head, whole: "
                    + ("copied out of the mapping at the end (heap.own_checkpoint_views), partitioned later by the engine"
                       if mode == PARTITIONED else "sent by rank 0 once loading ends, sharded later by FSDP2"))
+        # the checkpoint's pages are dropped once each layer is quantized (heap.drop_checkpoint_pages): a reader holds
+        # those of one layer, and those of what lies outside the layers read before the first layer
+        layer_params = max(layer.params for layer in shape.decoder)
+        pages = min(F, (layer_params + shape.params - sum(layer.params for layer in shape.decoder)) * (stored_b or 2))
+        read = ("checkpoint pages read", pages / GB, f"one decoder layer's of the {F / 1e6:,.0f} MB checkpoint (and what "
+                "lies outside the layers): each layer's pages are dropped once it is quantized (heap.drop_checkpoint_pages)")
         items = [read, share, states,
                  ("one layer whole", ld.layer / GB, "the layer being quantized, until its last weight is set"),
                  ("quantizing one weight", tmp, f"the largest, {ld.largest / 1e6:.1f}M elements x {QUANTIZE_BYTES_PER_ELEMENT} B"),
                  outside]
         reader = group("every rank" if mode == PARTITIONED else "rank 0",
-                       F / GB + (ld.share + ld.states) / GB + max(ld.layer / GB + tmp, ld.outside / GB), ld.kept / GB, items)
+                       (pages + ld.share + ld.states) / GB + max(ld.layer / GB + tmp, ld.outside / GB), ld.kept / GB, items)
         if mode == PARTITIONED or N == 1:
             return [reader]
         # the others read nothing: each tensor arrives whole in a buffer, of a layer's packed weights only the rows kept
