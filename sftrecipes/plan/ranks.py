@@ -56,10 +56,11 @@ QUANT_LIBRARY_GB = 0.008
 # new shape), gloo's buffers, the trainer's own state. Measured with the heap held steady (heap.hold_steady) on every
 # CPU twin at 25.7M and 253M parameters, 2 ranks (bench/bench_loading.py, tests/test_twins.py): 57-95 MB over the
 # planned tensors and the loading overhead on every backend but ZeRO-3 (and FSDP1 at 253M, 29-42 MB, whose plan of
-# 2.2 GB is within 2% of it anyway), and 18-25 MB more on ZeRO-3 at both sizes (not attributed yet: ZeRO-3 hangs its
-# coordinator's state and hooks on every parameter and module); it does not follow the model's size
+# 2.2 GB is within 2% of it anyway), and 13-37 MB more on ZeRO-3 (not attributed yet: ZeRO-3 hangs its coordinator's
+# state and hooks on every parameter and module; the plan takes 12, where the QLoRA ZeRO-3 twin at 25.7M, whose first
+# steps peak at 126-139 MB, puts it); it does not follow the model's size
 STEPS_OVERHEAD_GB = 0.075
-ZERO3_STEPS_OVERHEAD_GB = 0.018
+ZERO3_STEPS_OVERHEAD_GB = 0.012
 # bitsandbytes 0.50.2's CPU quantization of one weight: 14 bytes per element of temporaries besides the weight (its
 # float copies and codes), measured at 4.2M and 16.8M elements after the first call's own setup
 # (tests/test_plan.py::test_cpu_quantization_temporaries_per_element_as_planned); one weight at a time
