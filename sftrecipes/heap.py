@@ -1,5 +1,5 @@
-"""What a rank's heap keeps: a fixed glibc mmap threshold while the weights load (and in a training run on to the end
-of its first steps), then the freed heap handed back.
+"""What a rank's heap keeps: a fixed glibc mmap threshold while the weights load (128 KiB) and in a training run on to
+the end of its first steps (1 MiB), then the freed heap handed back.
 
 glibc adapts its mmap threshold as large blocks are freed: after the first freed block of a few MB (a tensor read,
 converted or quantized and dropped), blocks of that size come from the heap instead, where a freed one stays resident
@@ -28,7 +28,11 @@ import torch
 
 M_MMAP_THRESHOLD = -3  # mallopt parameters (malloc.h)
 M_TRIM_THRESHOLD = -1
-LOADING_THRESHOLD = 1 << 20  # 1 MiB: blocks below it (small tensors, Python objects) keep the heap's reuse
+# while the weights load: glibc's own starting threshold, held. With 1 MiB, the sub-MiB tensors a 16-bit ZeRO-3 load
+# creates whole and frees once partitioned left holes in the heap until loading ended: at 25.7M parameters (weights
+# of 0.5-1.5 MB) rank 1's loading peaked 8-23 MB above what it then held; at 128 KiB, 3 MB above it
+LOADING_THRESHOLD = 128 << 10
+STEPS_THRESHOLD = 1 << 20  # held through wrapping and the first steps: smaller blocks (Python objects) keep the heap's reuse
 AFTER_THRESHOLD = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: where its adaptation ends up
 AFTER_TRIM = 2 * AFTER_THRESHOLD  # what glibc's adaptation sets the trim threshold to with it (malloc.c: free())
 
@@ -56,7 +60,7 @@ _held = False  # hold_steady() acted and release() has not run yet
 
 
 def hold_steady() -> bool:
-    """Fix the mmap threshold (LOADING_THRESHOLD) until release(): every large block is then its own mapping, handed
+    """Fix the mmap threshold (STEPS_THRESHOLD) until release(): every large block is then its own mapping, handed
     back to the kernel when freed, so the process's RSS follows what is live. A training run holds it from loading to
     the end of its first steps (probes.PhaseMemory), so each phase's peak is the memory the phase uses, not the heap
     glibc kept from earlier ones: at 253M parameters on 2 ranks the ZeRO-3 LoRA twin's first steps peaked at 1.04-1.09 GB
@@ -65,7 +69,7 @@ def hold_steady() -> bool:
     where it acts (glibc, no MALLOC_MMAP_THRESHOLD_ of the user's)."""
     global _held
     libc = _glibc()
-    if _held or libc is None or not libc.mallopt(M_MMAP_THRESHOLD, LOADING_THRESHOLD):
+    if _held or libc is None or not libc.mallopt(M_MMAP_THRESHOLD, STEPS_THRESHOLD):
         return _held
     _held = True
     return True
@@ -90,16 +94,19 @@ def release() -> None:
 
 @contextlib.contextmanager
 def steady_heap():
-    """Within: large blocks are mapped and unmapped on their own (hold_steady). On leaving: release(), unless a hold
-    from outside (a training run's, to the end of its first steps) was already on. True inside where it acts."""
+    """Within: blocks of LOADING_THRESHOLD and more are mapped and unmapped on their own (hold_steady, at the loading's
+    threshold). On leaving: release(), unless a hold from outside (a training run's, to the end of its first steps) was
+    already on; then the hold's own threshold again, and what the block freed on the heap goes back (what a rank holds
+    after loading). True inside where it acts."""
     outer = _held
-    acting = hold_steady()
+    acting = hold_steady() and bool(_glibc().mallopt(M_MMAP_THRESHOLD, LOADING_THRESHOLD))
     try:
         yield acting
     finally:
         if not outer:
             release()
-        elif acting:  # held on: what the block freed on the heap still goes back (what a rank holds after loading)
+        elif acting:
+            _glibc().mallopt(M_MMAP_THRESHOLD, STEPS_THRESHOLD)
             _glibc().malloc_trim(0)
 
 

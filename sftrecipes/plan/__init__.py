@@ -79,6 +79,8 @@ def format_plan(plan: Plan, warnings: list[str] | None = None) -> str:
         out += ["", "Per rank — RSS growth at the peak of the first steps (cpu target, every rank alike):"]
         out.append(f"  {'every rank: peak':<{w}} {plan.rank_steps.peak_gb * 1e3:8.0f} MB")
         out += [f"    {n:<{w - 2}} {gb * 1e3:8.1f} MB  {why}" for n, gb, why in plan.rank_steps.items]
+        out.append(f"  {'RSS before loading':<{w}} {plan.rank_steps.baseline_gb * 1e3:8.0f} MB  each rank's, which these "
+                   "figures grow from: python, torch, the libraries, the tokenized data (measured)")
     out += ["", "Per node — CPU RAM:"] + [line(i) for i in plan.cpu] + [f"  {'= peak per node':<{w}} {plan.cpu_total_gb:8.2f} GB"]
     if plan.comm:
         out += ["", "Communication per GPU per optimizer step:"] + [line(i) for i in plan.comm]

@@ -60,6 +60,11 @@ QUANT_LIBRARY_GB = 0.008
 # state and hooks on every parameter and module; the plan takes 12, where the QLoRA ZeRO-3 twin at 25.7M, whose first
 # steps peak at 126-139 MB, puts it); it does not follow the model's size
 STEPS_OVERHEAD_GB = 0.075
+# a rank's RSS before loading, which the figures above grow from: python, torch and the libraries train.py imports,
+# the tokenized data; measured 526-529 MB on the DDP and FSDP twins and 548-550 MB under DeepSpeed (deepspeed imported
+# first) at 25.7M and 253M alike (torch 2.13 CPU, x86_64): what a cpu-target rank costs before its model
+PROCESS_BASELINE_GB = 0.528
+DEEPSPEED_BASELINE_GB = 0.021
 ZERO3_STEPS_OVERHEAD_GB = 0.012
 # bitsandbytes 0.50.2's CPU quantization of one weight: 14 bytes per element of temporaries besides the weight (its
 # float copies and codes), measured at 4.2M and 16.8M elements after the first call's own setup
@@ -82,10 +87,16 @@ class RankLoading:
 @dataclass
 class RankSteps:
     """Every rank's RSS growth at the peak of its first steps on the cpu target (each rank alike: the per-GPU
-    accounting is the same on every rank)."""
+    accounting is the same on every rank), and the RSS it grows from."""
 
     peak_gb: float
     items: list[tuple[str, float, str]] = field(default_factory=list)
+    baseline_gb: float = 0.0
+
+
+def baseline_gb(recipe: Recipe) -> float:
+    """A rank's RSS before loading on the cpu target (PROCESS_BASELINE_GB, measured), by backend."""
+    return PROCESS_BASELINE_GB + (DEEPSPEED_BASELINE_GB if recipe.launch.backend == "deepspeed" else 0.0)
 
 
 def load_overhead_gb(recipe: Recipe) -> float:
@@ -105,7 +116,7 @@ def rank_steps(recipe: Recipe, tensor_peak_gb: float, peak_phase: str, offloaded
              ("ZeRO-3's own", ZERO3_STEPS_OVERHEAD_GB if recipe.launch.backend == "deepspeed" and recipe.launch.zero_stage == 3
               else 0.0, "what ZeRO-3 holds more than ZeRO-1/2 (measured, not attributed yet)")]
     items = [i for i in items if i[1] > 0]
-    return RankSteps(sum(i[1] for i in items), items)
+    return RankSteps(sum(i[1] for i in items), items, baseline_gb(recipe))
 
 
 def loading_of(groups: list[RankLoading], rank: int) -> RankLoading:
