@@ -305,8 +305,8 @@ def _live_phases(recipe: Recipe, shape: Shape, s: Setup, st: ModelStates, act: A
 
     # ZeRO-3 from the second step: the layers it keeps gathered from their forward to their backward (the head's
     # backward comes first); in the last layer's backward the larger of them and the current layer + prefetch
-    kept_for_reuse = _zero3_kept_for_reuse(recipe, shape, ckpt) * st.gather_b
     n_kept = _zero3_kept_layers(recipe, shape, ckpt)
+    kept_for_reuse = sum(layer.params for layer in shape.decoder[len(shape.decoder) - n_kept:]) * st.gather_b
     reuse = ("gathered params (ZeRO-3)", kept_for_reuse,
             f"{n_kept} decoder layer{'s' * (n_kept != 1)} kept gathered from forward to backward (reused within "
             f"stage3_max_reuse_distance, {DS_MAX_REUSE_DISTANCE:.0e} elements)")
@@ -407,11 +407,6 @@ def _zero3_kept_layers(recipe: Recipe, shape: Shape, ckpt: bool) -> int:
             break
         kept, above = kept + 1, above + layer.params
     return kept
-
-
-def _zero3_kept_for_reuse(recipe: Recipe, shape: Shape, ckpt: bool) -> int:
-    """Elements of the decoder layers _zero3_kept_layers counts."""
-    return sum(layer.params for layer in shape.decoder[len(shape.decoder) - _zero3_kept_layers(recipe, shape, ckpt):])
 
 
 def _gradient_buckets(recipe: Recipe, shape: Shape, s: Setup, st: ModelStates) -> float:

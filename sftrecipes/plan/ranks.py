@@ -99,9 +99,12 @@ def baseline_gb(recipe: Recipe) -> float:
     return PROCESS_BASELINE_GB + (DEEPSPEED_BASELINE_GB if recipe.launch.backend == "deepspeed" else 0.0)
 
 
-def load_overhead_gb(recipe: Recipe) -> float:
-    """What loading leaves in a rank's RSS besides the weights, by backend (LOAD_OVERHEAD_GB, DEEPSPEED_LOAD_OVERHEAD_GB)."""
-    return DEEPSPEED_LOAD_OVERHEAD_GB if recipe.launch.backend == "deepspeed" else LOAD_OVERHEAD_GB
+def loading_left(recipe: Recipe, quantized: bool) -> list[tuple[str, float, str]]:
+    """What loading leaves in a rank's RSS besides the weights (measured): by backend (LOAD_OVERHEAD_GB,
+    DEEPSPEED_LOAD_OVERHEAD_GB), and bitsandbytes' library after a quantized load (QUANT_LIBRARY_GB)."""
+    o = DEEPSPEED_LOAD_OVERHEAD_GB if recipe.launch.backend == "deepspeed" else LOAD_OVERHEAD_GB
+    return [("loading overhead", o, "modules imported and objects built by from_pretrained (measured)")] + (
+        [("bitsandbytes' library", QUANT_LIBRARY_GB, "its native library's mapped pages (measured)")] if quantized else [])
 
 
 def rank_steps(recipe: Recipe, tensor_peak_gb: float, peak_phase: str, offloaded_gb: float, quantized: bool) -> RankSteps:
@@ -110,8 +113,7 @@ def rank_steps(recipe: Recipe, tensor_peak_gb: float, peak_phase: str, offloaded
     what loading left and what the steps add besides tensors (STEPS_OVERHEAD_GB)."""
     items = [(f"tensors at the peak ({peak_phase})", tensor_peak_gb, "the per-GPU accounting above, on this rank"),
              ("offloaded states", offloaded_gb, "host memory on a GPU node: the same process here"),
-             ("loading overhead", load_overhead_gb(recipe) + (QUANT_LIBRARY_GB if quantized else 0.0),
-              "left by loading (measured)"),
+             ("loading overhead", sum(i[1] for i in loading_left(recipe, quantized)), "left by loading (measured)"),
              ("steps overhead", STEPS_OVERHEAD_GB, "optimizer and autograd objects, oneDNN's kernels, gloo (measured)"),
              ("ZeRO-3's own", ZERO3_STEPS_OVERHEAD_GB if recipe.launch.backend == "deepspeed" and recipe.launch.zero_stage == 3
               else 0.0, "what ZeRO-3 holds more than ZeRO-1/2 (measured, not attributed yet)")]
@@ -148,11 +150,8 @@ def rank_loading(recipe: Recipe, shape: Shape, s: Setup, float_b: int) -> list[R
     N = s.world
     mode, why = weight_reading(recipe, quantized=s.quant_bits < 16)
     F, stored_b, tensors = checkpoint_bytes(recipe.model.model_name_or_path, shape)
-    o = load_overhead_gb(recipe)
-    over = [("loading overhead", o, "modules imported and objects built by from_pretrained (measured)")]
-    if s.quant_bits < 16:
-        o += QUANT_LIBRARY_GB
-        over.append(("bitsandbytes' library", QUANT_LIBRARY_GB, "its native library's mapped pages (measured)"))
+    over = loading_left(recipe, s.quant_bits < 16)
+    o = sum(i[1] for i in over)
 
     def group(ranks: str, reading: float, own: float, items: list) -> RankLoading:
         return RankLoading(ranks, max(reading, own + o), own + o, items + over)
