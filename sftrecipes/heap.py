@@ -26,6 +26,8 @@ import platform
 
 import torch
 
+from . import pages
+
 M_MMAP_THRESHOLD = -3  # mallopt parameters (malloc.h)
 M_TRIM_THRESHOLD = -1
 # while the weights load: glibc's own starting threshold, held. With 1 MiB, the sub-MiB tensors a 16-bit ZeRO-3 load
@@ -132,25 +134,8 @@ def _unwritten_mappings(suffix: str) -> list[tuple[int, int]]:
     """This process's mappings of files whose name ends with suffix that hold no page of their own: read-only, or
     private and writable but never written (/proc/self/smaps: `Anonymous: 0 kB`, no page copied on write); [] without
     /proc. torch maps a safetensors file private and writable (rw-p)."""
-    spans, cur = [], None
-    try:
-        with open("/proc/self/smaps") as f:
-            for line in f:
-                head = line.split(maxsplit=5)
-                if "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):  # a mapping's first line
-                    cur = None
-                    if len(head) == 6 and head[5].rstrip("\n").endswith(suffix):
-                        start, end = (int(x, 16) for x in head[0].split("-"))
-                        cur = (start, end, "w" in head[1])
-                        if not cur[2]:
-                            spans.append((start, end))
-                elif cur is not None and cur[2] and head[0] == "Anonymous:":
-                    if int(head[1]) == 0:
-                        spans.append(cur[:2])
-                    cur = None
-    except OSError:
-        return []
-    return spans
+    return [(start, end) for start, end, perms, path, f in pages.smaps(("Anonymous",))
+            if path.endswith(suffix) and ("w" not in perms or f.get("Anonymous", 0) == 0)]
 
 
 def drop_checkpoint_pages() -> int:

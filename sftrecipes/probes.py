@@ -15,7 +15,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers import TrainerCallback
 
-from . import heap
+from . import heap, pages
 
 
 def _elements(module) -> tuple[int, int, int]:
@@ -171,6 +171,38 @@ def _mapped_mb(status: dict[str, float]) -> float | None:
     return status["RssFile"] + status["RssShmem"] if "RssFile" in status and "RssShmem" in status else None
 
 
+def file_pages_mb() -> tuple[float, float] | None:
+    """Of this process's RSS, the pages that are still a mapped file's (a mapping's Rss less its Anonymous: a page
+    written is this process's own copy), split into (libraries and other files, checkpoints: *.safetensors), MB; None
+    where /proc/self/smaps cannot be read. Shared memory (/dev/shm, memfd, SysV) is neither. How many pages of a file
+    a touch maps is the filesystem's: 64 KiB around the touched page where the page cache holds 4 KiB pages (the
+    kernel's fault-around), the whole folio, up to 2 MiB, where it holds large ones (Linux 6.18; measured: 141 MB of a
+    rank's libraries before loading on ext4 here, 267 MB from a tmpfs with huge=always, the same anonymous 387 MB)."""
+    libraries = checkpoints = 0
+    seen = False
+    for _start, _end, _perms, path, f in pages.smaps():
+        seen = True
+        if not path.startswith("/") or path.startswith(("/dev/shm/", "/memfd:", "/SYSV")):
+            continue
+        own = f.get("Rss", 0) - f.get("Anonymous", 0)
+        if path.removesuffix(" (deleted)").endswith(".safetensors"):
+            checkpoints += own
+        else:
+            libraries += own
+    return (libraries * 1024 / 1e6, checkpoints * 1024 / 1e6) if seen else None
+
+
+def growth_mb(m: dict, phase: str, key: str = "peak_mb") -> float:
+    """A rank's RSS growth in a phase (of PhaseMemory.gather's record m; key: the phase's peak_mb or end_mb) over its
+    RSS before loading, less the libraries' file pages the run mapped since (at the phase's end: they are only ever
+    added, so those at its peak are no more): the figure the planner plans on the cpu target, the same whatever
+    page-cache folios the filesystem gives the libraries (file_pages_mb). Records without the split: the growth."""
+    grew = m[phase][key] - m["baseline_mb"]
+    if "end_library_mb" in m[phase] and "baseline_library_mb" in m:
+        grew -= m[phase]["end_library_mb"] - m["baseline_library_mb"]
+    return grew
+
+
 def rss_mb() -> float:
     """This process's resident memory now, in MB."""
     return psutil.Process().memory_info().rss / 1e6
@@ -189,7 +221,7 @@ class PhaseMemory(TrainerCallback):
     training phases."""
 
     def __init__(self):
-        self.baseline_mb = self.baseline_mapped_mb = None
+        self.baseline_mb = self.baseline_mapped_mb = self.baseline_files = None
         self.phases: dict[str, dict] = {}
         self.exact = True  # False where the high-water mark could not be reset (then peaks are lifetime peaks)
         self._open = None
@@ -202,7 +234,7 @@ class PhaseMemory(TrainerCallback):
         elif name == "later_steps":
             heap.release()
         if self.baseline_mb is None:
-            self.baseline_mb, self.baseline_mapped_mb = rss_mb(), _mapped_mb(_status())
+            self.baseline_mb, self.baseline_mapped_mb, self.baseline_files = rss_mb(), _mapped_mb(_status()), file_pages_mb()
         self.exact = _reset_peak() and self.exact
         self._open = (name, rss_mb())
 
@@ -218,9 +250,11 @@ class PhaseMemory(TrainerCallback):
         peak = max(hwm, start, now)
         self.phases[name] = {"start_mb": round(start, 1), "peak_mb": round(peak, 1), "end_mb": round(now, 1),
                              "grew_mb": round(max(peak - self.baseline_mb, 0.0), 1)}
-        mapped = _mapped_mb(status)
+        mapped, files = _mapped_mb(status), file_pages_mb()
         if mapped is not None:  # of end_mb, the pages of mapped files (a memory-mapped checkpoint, libraries) and shm
             self.phases[name]["end_mapped_mb"] = round(mapped, 1)
+        if files is not None:  # of those, the libraries' and the checkpoint's (file_pages_mb)
+            self.phases[name]["end_library_mb"], self.phases[name]["end_checkpoint_mb"] = (round(x, 1) for x in files)
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self._open and self._open[0] == "wrapping":
@@ -242,5 +276,6 @@ class PhaseMemory(TrainerCallback):
         grew = [self.phases[k]["grew_mb"] for k in ("loading", "wrapping") if k in self.phases]
         mine = {"rank": acc.process_index, "baseline_mb": round(self.baseline_mb or 0.0, 1), "exact": self.exact,
                 **({"baseline_mapped_mb": round(self.baseline_mapped_mb, 1)} if self.baseline_mapped_mb is not None else {}),
+                **({"baseline_library_mb": round(self.baseline_files[0], 1)} if self.baseline_files is not None else {}),
                 "load_grew_mb": max(grew, default=0.0), **{k: self.phases[k] for k in PHASES if k in self.phases}}
         return sorted(gather_object([mine]) if acc.num_processes > 1 else [mine], key=lambda d: d["rank"])

@@ -233,6 +233,46 @@ def test_checkpoint_pages_dropped_only_where_the_mapping_holds_nothing_of_its_ow
         m.close()
 
 
+def test_file_pages_split_into_libraries_and_checkpoints(tmp_path):
+    """probes.file_pages_mb, which every phase records and growth_mb subtracts: a mapped file's pages count as the
+    libraries' or, for a *.safetensors file, the checkpoint's, and only while they are still the file's (a page written
+    in a private mapping is the process's own); anonymous memory is neither. growth_mb takes the libraries' growth out
+    of a phase's growth and nothing else. pages.fault_bytes: what one touch of a file's mapping makes resident here."""
+    import mmap
+
+    from sftrecipes.pages import PAGE, fault_bytes
+    from sftrecipes.probes import file_pages_mb, growth_mb
+
+    lib, ckpt = tmp_path / "libsomething.so", tmp_path / "model.safetensors"
+    for f in (lib, ckpt):
+        f.write_bytes(b"\1" * (8 << 20))
+    before = file_pages_mb()
+    maps = []
+    for f, writable in ((lib, False), (ckpt, True)):
+        with open(f, "r+b") as fh:
+            maps.append(mmap.mmap(fh.fileno(), 0, flags=mmap.MAP_PRIVATE,
+                                  prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)))
+    anon = bytearray(16 << 20)  # 16 MB of the process's own
+    try:
+        for m in maps:
+            assert sum(m[i] for i in range(0, len(m), PAGE)) == len(m) // PAGE  # every page read
+        read = file_pages_mb()
+        assert 8.0 <= read[0] - before[0] < 8.7 and 8.0 <= read[1] - before[1] < 8.7, (before, read)
+        maps[1][: 4 << 20] = b"\2" * (4 << 20)  # half the checkpoint's pages written: copies of the process's own
+        written = file_pages_mb()
+        assert abs(written[1] - read[1] + 4.19) < 0.2 and abs(written[0] - read[0]) < 0.2, (read, written)
+        touch = fault_bytes(ckpt)
+        assert touch % PAGE == 0 and PAGE <= touch <= 2 << 20, touch
+    finally:
+        for m in maps:
+            m.close()
+        del anon
+    record = {"baseline_mb": 500.0, "baseline_library_mb": 140.0,
+              "loading": {"peak_mb": 600.0, "end_mb": 560.0, "end_library_mb": 152.0, "end_checkpoint_mb": 30.0}}
+    assert growth_mb(record, "loading") == 88.0 and growth_mb(record, "loading", "end_mb") == 48.0
+    assert growth_mb({"baseline_mb": 500.0, "loading": {"peak_mb": 600.0}}, "loading") == 100.0  # an older record
+
+
 # ----------------------------------------------------------------------------------------------- one process
 
 
