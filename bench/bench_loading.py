@@ -9,7 +9,8 @@ Each twin runs through its own launcher (scripts/run_tiny-<twin>.sh, 2 ranks) wi
 (twin A, B, ..., then A, B, ... again) so that a drift of the host shows as a spread rather than as a backend's cost.
 Every figure is read from the run's own `run_summary.json` -> `memory`: per rank, the RSS before loading (baseline)
 and each phase's peak from the kernel's high-water mark reset at the phase's start (loading, wrapping, first_steps;
-sftrecipes.probes.PhaseMemory). A cell is `min-max` over the repeats of the phase's peak less the baseline (MB).
+sftrecipes.probes.PhaseMemory). A cell is `min-max` over the repeats of the phase's peak less the baseline and less
+the libraries' file pages mapped since (probes.growth_mb: how many pages a touch maps is the filesystem's), MB.
 Beside loading's peak, what is held at its end and the first steps' peak: the planner's figure for the same recipe
 (Plan.rank_loading, Plan.rank_steps: sftrecipes/plan/ranks.py) and its distance from the farthest run. --from-results re-plans an earlier results.json.
 Results go to docs/loading.md between the loading-bench markers (the rest of the file is kept).
@@ -50,15 +51,17 @@ def overrides(model: Path, steps: int) -> list[str]:
             "--sample_max_new_tokens", "0", "--logging_steps", "1"]
 
 
-def planned(twin: str, model: Path, steps: int) -> dict[int, tuple[float, float, float]]:
-    """The planner's figures for the twin as run: rank -> (loading's peak, held after loading, the first steps' peak),
-    MB of RSS growth."""
+def planned(twin: str, model: Path, steps: int) -> dict[int, tuple[float, float | None, float, float, float]]:
+    """The planner's figures for the twin as run: rank -> (loading's peak, its ceiling where the filesystem's folios
+    can raise it or None, held after loading, the first steps' peak, the RSS before loading less the libraries' file
+    pages), MB."""
     from sftrecipes.plan import plan_recipe
     from sftrecipes.plan.ranks import loading_of
     from sftrecipes.recipe import load_recipe
 
     plan = plan_recipe(load_recipe([f"recipes/tiny/{twin}.yaml", *overrides(model, steps)]), _alternatives=False)
-    return {rank: (g.peak_gb * 1e3, g.held_gb * 1e3, plan.rank_steps.peak_gb * 1e3)
+    return {rank: (g.peak_gb * 1e3, g.peak_up_to_gb * 1e3 if g.peak_up_to_gb is not None else None, g.held_gb * 1e3,
+                   plan.rank_steps.peak_gb * 1e3, plan.rank_steps.baseline_gb * 1e3)
             for rank in (0, 1) for g in [loading_of(plan.rank_loading, rank)]}
 
 
@@ -85,34 +88,43 @@ def spread(values: list[float]) -> float:
     return (max(values) - min(values)) / max(max(values), 1.0)
 
 
-def against(measured: list[float], plan: float) -> str:
-    """The planned figure and its distance from the run farthest from it, as a share of that run's: `plan (+d%)`."""
-    far = max(measured, key=lambda v: abs(plan - v))
-    return f"{plan:,.0f} ({(plan - far) / max(far, 1.0):+.0%})"
+def against(measured: list[float], plan: float, up_to: float | None = None) -> str:
+    """The planned figure and its distance from the run farthest from it, as a share of that run's: `plan (+d%)`;
+    with a ceiling, `plan–ceiling` and the distance from the nearer end (0 within)."""
+    def off(v: float) -> float:
+        return plan - v if up_to is None or v <= plan else min(up_to - v, 0.0)
+    far = max(measured, key=lambda v: abs(off(v)))
+    shown = f"{plan:,.0f}" if up_to is None else f"{plan:,.0f}–{up_to:,.0f}"
+    return f"{shown} ({off(far) / max(far, 1.0):+.0%})"
 
 
 def table(results: dict[str, list[list[dict]]], params: int, weights_mb: float, plans: dict[str, dict]) -> str:
+    from sftrecipes.probes import growth_mb
+
     lines = [f"Measured {datetime.date.today()} on {platform.machine()}, {os.cpu_count()} cores, 2 ranks, model "
              f"{params / 1e6:.0f}M parameters ({weights_mb:,.0f} MB in bf16), {len(next(iter(results.values())))} runs "
-             "per twin: each phase's peak RSS less the rank's RSS before loading, MB (min–max over the runs); planned: "
-             "the planner's figure for the rank on the cpu target (`plan`, sftrecipes/plan/ranks.py) and its distance "
-             "from the farthest run, as a share of that run's figure.", "",
-             "| twin | rank | baseline | loading | planned | held after loading (of it mapped) | planned | wrapping "
-             "| first steps | planned | spread of the peak |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "per twin: each phase's peak RSS less the rank's RSS before loading and less the libraries' file pages "
+             "mapped since (`probes.growth_mb`), MB (min–max over the runs); planned: the planner's figure for the rank "
+             "on the cpu target (`plan`, sftrecipes/plan/ranks.py) and its distance from the farthest run, as a share "
+             "of that run's figure. Baseline: the RSS before loading less the libraries' file pages (in brackets: "
+             "those pages, and after the first steps).", "",
+             "| twin | rank | baseline (libraries) | planned | loading | planned | held after loading (of it checkpoint "
+             "pages) | planned | wrapping | first steps | planned | spread of the peak |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for twin, runs in results.items():
         for rank in (0, 1):
             rows = [next(r for r in run if r["rank"] == rank) for run in runs]
-            cells = [span([r[p]["grew_mb"] for r in rows]) for p in PHASES]
-            held_mb = [r["loading"]["end_mb"] - r["baseline_mb"] for r in rows]
-            mapped = span([r["loading"]["end_mapped_mb"] - r["baseline_mapped_mb"] for r in rows])
-            peak_plan, held_plan, steps_plan = plans[twin][rank]
-            cells[1:1] = [against([r["loading"]["grew_mb"] for r in rows], peak_plan), f"{span(held_mb)} ({mapped})",
-                          against(held_mb, held_plan)]
-            cells.append(against([r["first_steps"]["grew_mb"] for r in rows], steps_plan))
+            peak_plan, up_to, held_plan, steps_plan, base_plan = plans[twin][rank]
+            own = [r["baseline_mb"] - r["baseline_library_mb"] for r in rows]
+            libs = (f"{span([r['baseline_library_mb'] for r in rows])} → "
+                    f"{span([r['first_steps']['end_library_mb'] for r in rows])}")
+            loading, held = [growth_mb(r, "loading") for r in rows], [growth_mb(r, "loading", "end_mb") for r in rows]
+            steps = [growth_mb(r, "first_steps") for r in rows]
+            cells = [f"{span(own)} ({libs})", against(own, base_plan), span(loading), against(loading, peak_plan, up_to),
+                     f"{span(held)} ({span([r['loading']['end_checkpoint_mb'] for r in rows])})", against(held, held_plan),
+                     span([growth_mb(r, "wrapping") for r in rows]), span(steps), against(steps, steps_plan)]
             peaks = [max(r[p]["peak_mb"] for p in PHASES) for r in rows]
-            lines.append(f"| {twin if rank == 0 else ''} | {rank} | {span([r['baseline_mb'] for r in rows])} | "
-                         + " | ".join(cells) + f" | {spread(peaks):.1%} |")
+            lines.append(f"| {twin if rank == 0 else ''} | {rank} | " + " | ".join(cells) + f" | {spread(peaks):.1%} |")
     return "\n".join(lines) + "\n"
 
 
@@ -126,6 +138,7 @@ def main() -> int:
     ap.add_argument("--from-results", metavar="JSON", help="render and plan an earlier call's results.json, run nothing")
     args = ap.parse_args()
     from sftrecipes.paths import ASSETS
+    from sftrecipes.probes import growth_mb
     from sftrecipes.tiny import ensure_tiny_model
 
     model = ensure_tiny_model(ASSETS / "large-llama", "large")
@@ -145,7 +158,7 @@ def main() -> int:
             rows, seconds = run_twin(twin, model, Path(args.workdir) / f"{twin}-{k}", args.steps)
             results[twin].append(rows)
             print(f"{twin} run {k + 1}: {seconds:.0f}s " + "; ".join(
-                f"rank {r['rank']}: " + ", ".join(f"{p} {r[p]['grew_mb']:.0f}" for p in PHASES) for r in rows), flush=True)
+                f"rank {r['rank']}: " + ", ".join(f"{p} {growth_mb(r, p):.0f}" for p in PHASES) for r in rows), flush=True)
     text = table(results, params, weights_mb, {t: planned(t, model, args.steps) for t in results})
     print(text)
     if not args.from_results:

@@ -73,14 +73,18 @@ def format_plan(plan: Plan, warnings: list[str] | None = None) -> str:
     if plan.rank_loading:
         out += ["", "Per rank — RSS growth while the weights load (cpu target: the device is the process):"]
         for g in plan.rank_loading:
-            out.append(f"  {g.ranks + ': peak':<{w}} {g.peak_gb * 1e3:8.0f} MB  held after loading {g.held_gb * 1e3:,.0f} MB")
+            up_to = (f"; up to {g.peak_up_to_gb * 1e3:,.0f} MB while transformers walks the mapped checkpoint on the meta device"
+                     if g.peak_up_to_gb is not None and g.peak_up_to_gb - g.peak_gb >= 5e-4 else "")
+            out.append(f"  {g.ranks + ': peak':<{w}} {g.peak_gb * 1e3:8.0f} MB  held after loading {g.held_gb * 1e3:,.0f} MB{up_to}")
             out += [f"    {n:<{w - 2}} {gb * 1e3:8.1f} MB  {why}" for n, gb, why in g.items]
     if plan.rank_steps:
         out += ["", "Per rank — RSS growth at the peak of the first steps (cpu target, every rank alike):"]
         out.append(f"  {'every rank: peak':<{w}} {plan.rank_steps.peak_gb * 1e3:8.0f} MB")
         out += [f"    {n:<{w - 2}} {gb * 1e3:8.1f} MB  {why}" for n, gb, why in plan.rank_steps.items]
         out.append(f"  {'RSS before loading':<{w}} {plan.rank_steps.baseline_gb * 1e3:8.0f} MB  each rank's, which these "
-                   "figures grow from: python, torch, the libraries, the tokenized data (measured)")
+                   "figures grow from: python's, torch's and the libraries' own memory, the tokenized data (measured)")
+        out.append(f"  {'':<{w}} {'':>8}     not planned: the pages of the libraries' files each rank maps, on top of every "
+                   "figure here (how many is the filesystem's page cache's: pages.py)")
     out += ["", "Per node — CPU RAM:"] + [line(i) for i in plan.cpu] + [f"  {'= peak per node':<{w}} {plan.cpu_total_gb:8.2f} GB"]
     if plan.comm:
         out += ["", "Communication per GPU per optimizer step:"] + [line(i) for i in plan.comm]

@@ -22,55 +22,61 @@ What the loader does, by weight_reading's mode (measured at 253M parameters, doc
 - 4-bit: every rank reads the whole checkpoint and keeps the quantized model (the views into the checkpoint that stay
   are copied, so the mapping goes: heap.own_checkpoint_views); under ZeRO-3 with zero3_init it keeps its partition of
   each decoder layer once the layer is quantized (quantload.py), and what lies outside the layers whole.
-The figures are each rank's RSS growth over its RSS before loading (the process with its libraries imported), as
-the benchmark measures it; a rank's own baseline is not planned.
+The figures are each rank's RSS growth over its RSS before loading (the process with its libraries imported), less
+the pages of the libraries' files it maps meanwhile (probes.growth_mb), as the benchmark and the tests measure it:
+how many pages of a file a touch maps is the filesystem's (pages.py), so the libraries' pages are not planned, and
+where a rank touches a mapped checkpoint in places, the pages it maps are planned from what one touch maps on this
+machine (pages.fault_bytes on the checkpoint itself).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..backends import PARTITIONED, RANK0_READS, weight_reading
 from ..folders import check_weights
+from ..pages import FAULT_AROUND, fault_bytes
 from ..recipe import Recipe
 from ..shape import DTYPE_BYTES, Shape, read_config
 from .sharding import GB, Setup, partitioned_4bit_load, quant_bytes_per_param
 
-# what loading leaves in a rank's RSS besides the weights: the modeling modules and libraries from_pretrained imports
-# (partly mapped .so pages) and the model's Python objects. Measured 25-33 MB per rank at 253M on every twin whose
-# loading copies nothing or partitions (bench/bench_loading.py), and the same at 25.7M (tests/test_twins.py): it does
-# not grow with the model. It accrues while the weights load, within what the checkpoint's pages give back when the
-# mapping goes, so a rank's peak is the larger of reading (pages + its own weights + a quantization's temporaries)
-# and the end (its own weights + this).
-LOAD_OVERHEAD_GB = 0.025
-# under DeepSpeed the RSS before loading already holds 20 MB more (deepspeed and what accelerate's plugin builds are
-# imported before the weights load: a baseline of 549-550 MB against 528-529 on the other backends), and loading then
-# leaves 3-7 MB beside the weights (measured at 253M: ZeRO-1/2 3 MB beside the 10 MB of the checkpoint mapped, ZeRO-3
-# 7 MB beside its 252.7 MB partition, QLoRA ZeRO-3 5 MB beside bitsandbytes' library)
-DEEPSPEED_LOAD_OVERHEAD_GB = 0.004
-# a quantized load maps bitsandbytes' native library (its pages counted in the RSS of every rank, a receiving one
-# too): 8 MB of mapped pages more than a 16-bit load leaves, measured on both QLoRA twins at 25.7M and 253M
-QUANT_LIBRARY_GB = 0.008
+# Measured on every CPU twin at 25.7M parameters (tests/test_twins.py) and 253M (bench/bench_loading.py), 2 ranks, as
+# growth less the libraries' file pages (probes.growth_mb), on ext4 (4 KiB page cache) and from a tmpfs with
+# huge=always (2 MiB folios): the same figures within a few MB, where the libraries' pages differed by 50 MB.
+#
+# what loading leaves in a rank's RSS besides the weights: the modeling modules from_pretrained imports and the
+# model's Python objects: 17-19 MB per rank on every twin whose loading copies nothing or partitions; it does not grow
+# with the model. It accrues while the weights load, within what the checkpoint's pages give back when the mapping
+# goes, so a rank's peak is the larger of reading (pages + its own weights + a quantization's temporaries) and the end
+# (its own weights + this).
+LOAD_OVERHEAD_GB = 0.019
+# under DeepSpeed the RSS before loading already holds those modules and 18 MB more (deepspeed and what accelerate's
+# plugin builds are imported before the weights load), and loading leaves 0-3 MB beside the weights
+DEEPSPEED_LOAD_OVERHEAD_GB = 0.002
 # what the first steps add to a rank's RSS besides the tensors the per-GPU accounting counts (estimate._live_phases)
 # and what loading left: the optimizer's and autograd's objects, oneDNN's primitive cache (the kernels built for each
-# new shape), gloo's buffers, the trainer's own state. Measured with the heap held steady (heap.hold_steady) on every
-# CPU twin at 25.7M and 253M parameters, 2 ranks (bench/bench_loading.py, tests/test_twins.py): 57-95 MB over the
-# planned tensors and the loading overhead on every backend but ZeRO-3 (and FSDP1 at 253M, 29-42 MB, whose plan of
-# 2.2 GB is within 2% of it anyway), and 13-37 MB more on ZeRO-3 (not attributed yet: ZeRO-3 hangs its coordinator's
-# state and hooks on every parameter and module; the plan takes 12, where the QLoRA ZeRO-3 twin at 25.7M, whose first
-# steps peak at 126-139 MB, puts it); it does not follow the model's size
-STEPS_OVERHEAD_GB = 0.075
-# a rank's RSS before loading, which the figures above grow from: python, torch and the libraries train.py imports,
-# the tokenized data; measured 526-529 MB on the DDP and FSDP twins and 548-550 MB under DeepSpeed (deepspeed imported
-# first) at 25.7M and 253M alike (torch 2.13 CPU, x86_64): what a cpu-target rank costs before its model
-PROCESS_BASELINE_GB = 0.528
-DEEPSPEED_BASELINE_GB = 0.021
-ZERO3_STEPS_OVERHEAD_GB = 0.012
+# new shape), gloo's buffers, the trainer's own state. Measured with the heap held steady (heap.hold_steady) over the
+# planned tensors and the loading overhead: 30-56 MB at 25.7M on every backend but ZeRO-3 and 51-82 MB on ZeRO-3; at
+# 253M ~20 MB more on most backends (DDP 71-76, ZeRO-1/2 64-67, QLoRA FSDP2 75-78, ZeRO-3 75-97; FSDP1/FSDP2 19-46,
+# whose 2.2 GB plans are within 3% either way). Planned as STEPS_OVERHEAD_GB + STEPS_BYTES_PER_LARGEST per element of
+# the model's largest weight (0.8M elements at 25.7M, 4.2M at 253M): a fit over the two sizes, not attributed (a
+# 16-bit and an fp32 copy of a weight a step would make: oneDNN's reordered weights, autocast's casts, are candidates);
+# ZeRO-3 holds ZERO3_STEPS_OVERHEAD_GB more (not attributed: its coordinator's state and the hooks it hangs on every
+# parameter and module)
+STEPS_OVERHEAD_GB = 0.043
+STEPS_BYTES_PER_LARGEST = 6
+ZERO3_STEPS_OVERHEAD_GB = 0.025
+# a rank's RSS before loading, which the figures above grow from, less its libraries' file pages: python's and the
+# libraries' own memory, the tokenized data; measured 387 MB on the DDP and FSDP twins and 405 MB under DeepSpeed
+# (deepspeed imported first) at 25.7M and 253M alike, on ext4 and tmpfs alike (torch 2.13 CPU, x86_64). The
+# libraries' file pages come on top: 141 MB on ext4 here, 245-270 MB where the page cache holds large folios
+PROCESS_BASELINE_GB = 0.387
+DEEPSPEED_BASELINE_GB = 0.018
 # bitsandbytes 0.50.2's CPU quantization of one weight: 14 bytes per element of temporaries besides the weight (its
 # float copies and codes), measured at 4.2M and 16.8M elements after the first call's own setup
 # (tests/test_plan.py::test_cpu_quantization_temporaries_per_element_as_planned); one weight at a time
 QUANTIZE_BYTES_PER_ELEMENT = 14
-FAULT_AROUND = 64 << 10  # Linux maps 16 pages around a faulting page of a mapped file (fault_around_bytes)
 _STORED = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 
@@ -82,6 +88,7 @@ class RankLoading:
     peak_gb: float
     held_gb: float
     items: list[tuple[str, float, str]] = field(default_factory=list)  # (what, GB, why) making the peak
+    peak_up_to_gb: float | None = None  # where the peak can be higher by what a filesystem's large folios map
 
 
 @dataclass
@@ -95,26 +102,29 @@ class RankSteps:
 
 
 def baseline_gb(recipe: Recipe) -> float:
-    """A rank's RSS before loading on the cpu target (PROCESS_BASELINE_GB, measured), by backend."""
+    """A rank's RSS before loading on the cpu target, less its libraries' file pages (PROCESS_BASELINE_GB,
+    measured), by backend."""
     return PROCESS_BASELINE_GB + (DEEPSPEED_BASELINE_GB if recipe.launch.backend == "deepspeed" else 0.0)
 
 
-def loading_left(recipe: Recipe, quantized: bool) -> list[tuple[str, float, str]]:
-    """What loading leaves in a rank's RSS besides the weights (measured): by backend (LOAD_OVERHEAD_GB,
-    DEEPSPEED_LOAD_OVERHEAD_GB), and bitsandbytes' library after a quantized load (QUANT_LIBRARY_GB)."""
+def loading_left(recipe: Recipe) -> list[tuple[str, float, str]]:
+    """What loading leaves in a rank's RSS besides the weights (measured), by backend (LOAD_OVERHEAD_GB,
+    DEEPSPEED_LOAD_OVERHEAD_GB); a quantized load leaves no more (bitsandbytes' native library is file pages)."""
     o = DEEPSPEED_LOAD_OVERHEAD_GB if recipe.launch.backend == "deepspeed" else LOAD_OVERHEAD_GB
-    return [("loading overhead", o, "modules imported and objects built by from_pretrained (measured)")] + (
-        [("bitsandbytes' library", QUANT_LIBRARY_GB, "its native library's mapped pages (measured)")] if quantized else [])
+    return [("loading overhead", o, "modules imported and objects built by from_pretrained (measured)")]
 
 
-def rank_steps(recipe: Recipe, tensor_peak_gb: float, peak_phase: str, offloaded_gb: float, quantized: bool) -> RankSteps:
+def rank_steps(recipe: Recipe, shape: Shape, tensor_peak_gb: float, peak_phase: str, offloaded_gb: float) -> RankSteps:
     """A rank's RSS growth at the peak of its first steps on the cpu target, where the device is the process: the
     per-GPU tensors at the step's peak phase, what a GPU run would offload to host memory (the same process here),
-    what loading left and what the steps add besides tensors (STEPS_OVERHEAD_GB)."""
+    what loading left and what the steps add besides tensors (STEPS_OVERHEAD_GB, STEPS_BYTES_PER_LARGEST)."""
+    largest = max((w.numel for layer in shape.decoder for w in layer.weights), default=0)
     items = [(f"tensors at the peak ({peak_phase})", tensor_peak_gb, "the per-GPU accounting above, on this rank"),
              ("offloaded states", offloaded_gb, "host memory on a GPU node: the same process here"),
-             ("loading overhead", sum(i[1] for i in loading_left(recipe, quantized)), "left by loading (measured)"),
-             ("steps overhead", STEPS_OVERHEAD_GB, "optimizer and autograd objects, oneDNN's kernels, gloo (measured)"),
+             ("loading overhead", sum(i[1] for i in loading_left(recipe)), "left by loading (measured)"),
+             ("steps overhead", STEPS_OVERHEAD_GB + largest * STEPS_BYTES_PER_LARGEST / GB,
+              f"optimizer and autograd objects, oneDNN's kernels, gloo: {STEPS_OVERHEAD_GB * 1e3:.0f} MB + "
+              f"{STEPS_BYTES_PER_LARGEST} B x the largest weight's {largest / 1e6:.1f}M elements (measured)"),
              ("ZeRO-3's own", ZERO3_STEPS_OVERHEAD_GB if recipe.launch.backend == "deepspeed" and recipe.launch.zero_stage == 3
               else 0.0, "what ZeRO-3 holds more than ZeRO-1/2 (measured, not attributed yet)")]
     items = [i for i in items if i[1] > 0]
@@ -126,9 +136,11 @@ def loading_of(groups: list[RankLoading], rank: int) -> RankLoading:
     return next(g for g in groups if g.ranks in ("every rank", f"rank {rank}") or (rank > 0 and g.ranks.startswith("ranks 1-")))
 
 
-def checkpoint_bytes(name: str, shape: Shape) -> tuple[float, int | None, int]:
-    """(bytes of the checkpoint's tensors, bytes per stored float, tensors): from the safetensors headers of a local
-    folder, else the parameters at the config's dtype and the shape's weights (hub ids: the shipped config)."""
+def checkpoint_bytes(name: str, shape: Shape) -> tuple[float, int | None, int, int]:
+    """(bytes of the checkpoint's tensors, bytes per stored float, tensors, bytes one touch of its mapping makes
+    resident): from the safetensors headers of a local folder and its largest file's mapping here (pages.fault_bytes),
+    else the parameters at the config's dtype, the shape's weights (hub ids: the shipped config) and the kernel's
+    default fault-around."""
     headers = check_weights(name)  # whole, or one line naming the file (model_name_or_path: ... is truncated)
     if headers:
         total, count, widths = 0, 0, {}
@@ -137,20 +149,21 @@ def checkpoint_bytes(name: str, shape: Shape) -> tuple[float, int | None, int]:
                 n = v["data_offsets"][1] - v["data_offsets"][0]
                 total, count = total + n, count + 1
                 widths[_STORED.get(v["dtype"], 0)] = widths.get(_STORED.get(v["dtype"], 0), 0) + n
-        return float(total), max(widths, key=widths.get) if widths else None, count
+        return (float(total), max(widths, key=widths.get) if widths else None, count,
+                fault_bytes(max(headers, key=lambda f: Path(f).stat().st_size)))
     cfg = read_config(name)
     dtype = cfg.get("dtype") or cfg.get("torch_dtype") or (cfg.get("text_config") or {}).get("dtype")
     width = DTYPE_BYTES.get(str(dtype)) if dtype else None
     count = sum(len(layer.weights) for layer in shape.decoder) + 2 + (0 if shape.tied else 1)  # + embedding, norm, head
-    return float(shape.params * (width or 2)), width, count
+    return float(shape.params * (width or 2)), width, count, FAULT_AROUND
 
 
 def rank_loading(recipe: Recipe, shape: Shape, s: Setup, float_b: int) -> list[RankLoading]:
     """Each group of ranks' RSS growth while the weights load on the cpu target (the module docstring's rules)."""
     N = s.world
     mode, why = weight_reading(recipe, quantized=s.quant_bits < 16)
-    F, stored_b, tensors = checkpoint_bytes(recipe.model.model_name_or_path, shape)
-    over = loading_left(recipe, s.quant_bits < 16)
+    F, stored_b, tensors, touch = checkpoint_bytes(recipe.model.model_name_or_path, shape)
+    over = loading_left(recipe)
     o = sum(i[1] for i in over)
 
     def group(ranks: str, reading: float, own: float, items: list) -> RankLoading:
@@ -201,11 +214,17 @@ def rank_loading(recipe: Recipe, shape: Shape, s: Setup, float_b: int) -> list[R
         mine = group("every rank", F / GB + own, own,
                      [read, ("its own copy", own, f"{shape.params / 1e6:,.1f}M x {s.load_bytes} B (stored in {stored_b}-byte floats)")])
     else:
-        around = tensors * FAULT_AROUND / GB
+        around = min(F, tensors * touch) / GB
         mine = group("every rank", around, around,
-                     [("checkpoint mapped", around, f"views into the mapped file: {tensors} tensors x 64 KiB mapped around the "
-                       "first page loading touches (the kernel's fault-around); the rest when the backend first uses them")])
+                     [("checkpoint mapped", around, f"views into the mapped file: {tensors} tensors x {touch >> 10:,} KiB "
+                       "mapped by the first touch of each (what one touch maps here: pages.fault_bytes); the rest when the "
+                       "backend first uses them")])
     if mode == RANK0_READS and N > 1:
         mine.ranks = "rank 0"
-        return [mine, group(others, 0.0, 0.0, [("meta device", 0.0, why)])]
+        meta = group(others, 0.0, 0.0, [("meta device", 0.0, why)])
+        # transformers still maps the checkpoint on the meta device and walks its tensors, touching some of their
+        # pages, and unmaps it before loading ends: ~0 where a touch maps 64 KiB (measured), up to 17 MB of the 51 MB
+        # medium Llama's where it maps 2 MiB folios; planned as up to one touch per tensor
+        meta.peak_up_to_gb = meta.peak_gb + min(F, tensors * touch) / GB
+        return [mine, meta]
     return [mine]
