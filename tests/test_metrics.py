@@ -243,28 +243,40 @@ def test_file_pages_split_into_libraries_and_checkpoints(tmp_path):
     from sftrecipes.pages import PAGE, fault_bytes
     from sftrecipes.probes import file_pages_mb, growth_mb
 
-    lib, ckpt = tmp_path / "libsomething.so", tmp_path / "model.safetensors"
-    for f in (lib, ckpt):
-        f.write_bytes(b"\1" * (8 << 20))
-    before = file_pages_mb()
-    maps = []
-    for f, writable in ((lib, False), (ckpt, True)):
-        with open(f, "r+b") as fh:
-            maps.append(mmap.mmap(fh.fileno(), 0, flags=mmap.MAP_PRIVATE,
-                                  prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)))
-    anon = bytearray(16 << 20)  # 16 MB of the process's own
-    try:
+    def mapped(folder):  # a library-like file mapped read-only and a checkpoint mapped private and writable
+        folder.mkdir()
+        out = []
+        for name, writable in (("libsomething.so", False), ("model.safetensors", True)):
+            (folder / name).write_bytes(b"\1" * (8 << 20))
+            with open(folder / name, "r+b") as fh:
+                out.append(mmap.mmap(fh.fileno(), 0, flags=mmap.MAP_PRIVATE,
+                                     prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)))
+        return out
+
+    def use(maps):
         for m in maps:
             assert sum(m[i] for i in range(0, len(m), PAGE)) == len(m) // PAGE  # every page read
+
+    # the same steps once on other files first: the interpreter's own code they run is then mapped already (where the
+    # page cache holds large folios a first run of a code path maps up to 2 MiB of the interpreter's file)
+    warm = mapped(tmp_path / "warm")
+    use(warm)
+    warm[1][: 4 << 20] = b"\2" * (4 << 20)
+    file_pages_mb()
+    maps = mapped(tmp_path / "run")
+    before = file_pages_mb()
+    anon = bytearray(16 << 20)  # 16 MB of the process's own
+    try:
+        use(maps)
         read = file_pages_mb()
-        assert 8.0 <= read[0] - before[0] < 8.7 and 8.0 <= read[1] - before[1] < 8.7, (before, read)
+        assert 8.0 <= read[0] - before[0] < 10.5 and 8.0 <= read[1] - before[1] < 10.5, (before, read)
         maps[1][: 4 << 20] = b"\2" * (4 << 20)  # half the checkpoint's pages written: copies of the process's own
         written = file_pages_mb()
-        assert abs(written[1] - read[1] + 4.19) < 0.2 and abs(written[0] - read[0]) < 0.2, (read, written)
-        touch = fault_bytes(ckpt)
+        assert abs(written[1] - read[1] + 4.19) < 0.2 and -0.2 < written[0] - read[0] < 2.2, (read, written)
+        touch = fault_bytes(tmp_path / "run" / "model.safetensors")
         assert touch % PAGE == 0 and PAGE <= touch <= 2 << 20, touch
     finally:
-        for m in maps:
+        for m in maps + warm:
             m.close()
         del anon
     record = {"baseline_mb": 500.0, "baseline_library_mb": 140.0,
