@@ -51,16 +51,18 @@ def overrides(model: Path, steps: int) -> list[str]:
             "--sample_max_new_tokens", "0", "--logging_steps", "1"]
 
 
-def planned(twin: str, model: Path, steps: int) -> dict[int, tuple[float, float | None, float, float, float]]:
+def planned(twin: str, model: Path, steps: int) -> dict[int, tuple]:
     """The planner's figures for the twin as run: rank -> (loading's peak, its ceiling where the filesystem's folios
-    can raise it or None, held after loading, the first steps' peak, the RSS before loading less the libraries' file
-    pages), MB."""
+    can raise it or None, held after loading, its ceiling or None, the first steps' peak, the RSS before loading less
+    the libraries' file pages), MB."""
     from sftrecipes.plan import plan_recipe
     from sftrecipes.plan.ranks import loading_of
     from sftrecipes.recipe import load_recipe
 
     plan = plan_recipe(load_recipe([f"recipes/tiny/{twin}.yaml", *overrides(model, steps)]), _alternatives=False)
-    return {rank: (g.peak_gb * 1e3, g.peak_up_to_gb * 1e3 if g.peak_up_to_gb is not None else None, g.held_gb * 1e3,
+    def mb(gb: float | None) -> float | None:
+        return gb * 1e3 if gb is not None else None
+    return {rank: (g.peak_gb * 1e3, mb(g.peak_up_to_gb), g.held_gb * 1e3, mb(g.held_up_to_gb),
                    plan.rank_steps.peak_gb * 1e3, plan.rank_steps.baseline_gb * 1e3)
             for rank in (0, 1) for g in [loading_of(plan.rank_loading, rank)]}
 
@@ -114,14 +116,14 @@ def table(results: dict[str, list[list[dict]]], params: int, weights_mb: float, 
     for twin, runs in results.items():
         for rank in (0, 1):
             rows = [next(r for r in run if r["rank"] == rank) for run in runs]
-            peak_plan, up_to, held_plan, steps_plan, base_plan = plans[twin][rank]
+            peak_plan, up_to, held_plan, held_up_to, steps_plan, base_plan = plans[twin][rank]
             own = [r["baseline_mb"] - r["baseline_library_mb"] for r in rows]
             libs = (f"{span([r['baseline_library_mb'] for r in rows])} → "
                     f"{span([r['first_steps']['end_library_mb'] for r in rows])}")
             loading, held = [growth_mb(r, "loading") for r in rows], [growth_mb(r, "loading", "end_mb") for r in rows]
             steps = [growth_mb(r, "first_steps") for r in rows]
             cells = [f"{span(own)} ({libs})", against(own, base_plan), span(loading), against(loading, peak_plan, up_to),
-                     f"{span(held)} ({span([r['loading']['end_checkpoint_mb'] for r in rows])})", against(held, held_plan),
+                     f"{span(held)} ({span([r['loading']['end_checkpoint_mb'] for r in rows])})", against(held, held_plan, held_up_to),
                      span([growth_mb(r, "wrapping") for r in rows]), span(steps), against(steps, steps_plan)]
             peaks = [max(r[p]["peak_mb"] for p in PHASES) for r in rows]
             lines.append(f"| {twin if rank == 0 else ''} | {rank} | " + " | ".join(cells) + f" | {spread(peaks):.1%} |")

@@ -73,9 +73,12 @@ def format_plan(plan: Plan, warnings: list[str] | None = None) -> str:
     if plan.rank_loading:
         out += ["", "Per rank — RSS growth while the weights load (cpu target: the device is the process):"]
         for g in plan.rank_loading:
-            up_to = (f"; up to {g.peak_up_to_gb * 1e3:,.0f} MB while transformers walks the mapped checkpoint on the meta device"
-                     if g.peak_up_to_gb is not None and g.peak_up_to_gb - g.peak_gb >= 5e-4 else "")
-            out.append(f"  {g.ranks + ': peak':<{w}} {g.peak_gb * 1e3:8.0f} MB  held after loading {g.held_gb * 1e3:,.0f} MB{up_to}")
+            def upto(low: float, high: float | None) -> str:
+                return f" (up to {high * 1e3:,.0f})" if high is not None and high - low >= 5e-4 else ""
+            large = (" — up to: what touching the mapped checkpoint in places can map (more where the page cache holds "
+                     "large folios)" if (g.peak_up_to_gb or 0) - g.peak_gb >= 5e-4 else "")
+            out.append(f"  {g.ranks + ': peak':<{w}} {g.peak_gb * 1e3:8.0f} MB{upto(g.peak_gb, g.peak_up_to_gb)}  held after "
+                       f"loading {g.held_gb * 1e3:,.0f} MB{upto(g.held_gb, g.held_up_to_gb)}{large}")
             out += [f"    {n:<{w - 2}} {gb * 1e3:8.1f} MB  {why}" for n, gb, why in g.items]
     if plan.rank_steps:
         out += ["", "Per rank — RSS growth at the peak of the first steps (cpu target, every rank alike):"]

@@ -88,7 +88,10 @@ class RankLoading:
     peak_gb: float
     held_gb: float
     items: list[tuple[str, float, str]] = field(default_factory=list)  # (what, GB, why) making the peak
-    peak_up_to_gb: float | None = None  # where the peak can be higher by what a filesystem's large folios map
+    # where the filesystem's page cache holds large folios, one touch of a mapped checkpoint maps more than the
+    # kernel's 64 KiB fault-around (pages.fault_bytes), and a rank that touches it in places can peak and hold up to:
+    peak_up_to_gb: float | None = None
+    held_up_to_gb: float | None = None
 
 
 @dataclass
@@ -214,17 +217,19 @@ def rank_loading(recipe: Recipe, shape: Shape, s: Setup, float_b: int) -> list[R
         mine = group("every rank", F / GB + own, own,
                      [read, ("its own copy", own, f"{shape.params / 1e6:,.1f}M x {s.load_bytes} B (stored in {stored_b}-byte floats)")])
     else:
-        around = min(F, tensors * touch) / GB
+        around, up_to = min(F, tensors * FAULT_AROUND) / GB, min(F, tensors * max(touch, FAULT_AROUND)) / GB
         mine = group("every rank", around, around,
-                     [("checkpoint mapped", around, f"views into the mapped file: {tensors} tensors x {touch >> 10:,} KiB "
-                       "mapped by the first touch of each (what one touch maps here: pages.fault_bytes); the rest when the "
-                       "backend first uses them")])
+                     [("checkpoint mapped", around, f"views into the mapped file: {tensors} tensors x the 64 KiB the kernel "
+                       "maps around the first page loading touches; up to the whole folio where the page cache holds large "
+                       f"ones ({touch >> 10:,} KiB a touch here: pages.fault_bytes); the rest when the backend first uses them")])
+        if up_to > around:
+            mine.peak_up_to_gb, mine.held_up_to_gb = mine.peak_gb + up_to - around, mine.held_gb + up_to - around
     if mode == RANK0_READS and N > 1:
         mine.ranks = "rank 0"
         meta = group(others, 0.0, 0.0, [("meta device", 0.0, why)])
         # transformers still maps the checkpoint on the meta device and walks its tensors, touching some of their
         # pages, and unmaps it before loading ends: ~0 where a touch maps 64 KiB (measured), up to 17 MB of the 51 MB
         # medium Llama's where it maps 2 MiB folios; planned as up to one touch per tensor
-        meta.peak_up_to_gb = meta.peak_gb + min(F, tensors * touch) / GB
+        meta.peak_up_to_gb = meta.peak_gb + min(F, tensors * max(touch, FAULT_AROUND)) / GB
         return [mine, meta]
     return [mine]
