@@ -53,6 +53,11 @@ def verdict(recipe: Recipe) -> tuple[bool, str]:
 # ----------------------------------------------------------------------------------------------- output
 
 
+def _up_to(low_gb: float, high_gb: float | None) -> str:
+    """" (up to N)" in MB where a figure has a ceiling at least 0.5 MB above it (RankLoading.peak_up_to_gb)."""
+    return f" (up to {high_gb * 1e3:,.0f})" if high_gb is not None and high_gb - low_gb >= 5e-4 else ""
+
+
 def format_plan(plan: Plan, warnings: list[str] | None = None) -> str:
     w = 44
     line = lambda i: f"  {i.name:<{w}} {i.gb:8.2f} GB  {i.note}"  # noqa: E731
@@ -73,12 +78,10 @@ def format_plan(plan: Plan, warnings: list[str] | None = None) -> str:
     if plan.rank_loading:
         out += ["", "Per rank — RSS growth while the weights load (cpu target: the device is the process):"]
         for g in plan.rank_loading:
-            def upto(low: float, high: float | None) -> str:
-                return f" (up to {high * 1e3:,.0f})" if high is not None and high - low >= 5e-4 else ""
             large = (" — up to: what touching the mapped checkpoint in places can map (more where the page cache holds "
                      "large folios)" if (g.peak_up_to_gb or 0) - g.peak_gb >= 5e-4 else "")
-            out.append(f"  {g.ranks + ': peak':<{w}} {g.peak_gb * 1e3:8.0f} MB{upto(g.peak_gb, g.peak_up_to_gb)}  held after "
-                       f"loading {g.held_gb * 1e3:,.0f} MB{upto(g.held_gb, g.held_up_to_gb)}{large}")
+            out.append(f"  {g.ranks + ': peak':<{w}} {g.peak_gb * 1e3:8.0f} MB{_up_to(g.peak_gb, g.peak_up_to_gb)}  held after "
+                       f"loading {g.held_gb * 1e3:,.0f} MB{_up_to(g.held_gb, g.held_up_to_gb)}{large}")
             out += [f"    {n:<{w - 2}} {gb * 1e3:8.1f} MB  {why}" for n, gb, why in g.items]
     if plan.rank_steps:
         out += ["", "Per rank — RSS growth at the peak of the first steps (cpu target, every rank alike):"]
