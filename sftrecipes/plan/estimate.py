@@ -134,7 +134,8 @@ def estimate(recipe: Recipe) -> Plan:
         weights_shard_gb=(st.frozen + st.trainable * st.p_b) / s.shard_w / GB, active_params=shape.active_params,
         live={k: _items(v) for k, v in live.items()},
         rank_loading=[] if s.gpu else rank_loading(recipe, shape, s, st.float_b),
-        rank_steps=None if s.gpu else rank_steps(recipe, shape, *_step_peak(phases), _offloaded_per_rank(recipe, shape, s, st) / GB),
+        rank_steps=None if s.gpu else rank_steps(recipe, shape, *_step_peak(phases), _offloaded_per_rank(recipe, shape, s, st) / GB,
+                                                     s.quant_bits < 16),
         method=recipe.method, reference=describe(recipe, st.ref), reference_kind=st.ref.kind)
 
 

@@ -67,6 +67,9 @@ DEEPSPEED_LOAD_OVERHEAD_GB = 0.002
 STEPS_OVERHEAD_GB = 0.043
 STEPS_BYTES_PER_LARGEST = 6
 ZERO3_STEPS_OVERHEAD_GB = 0.025
+# 4-bit weights under FSDP2 hold 8-10 MB more over their first steps than that, at 25.7M (92-98 MB measured in five
+# runs across ranks and filesystems, against 87 without it) and at 253M alike (216-219 against 209): not attributed
+FSDP2_4BIT_STEPS_OVERHEAD_GB = 0.009
 # a rank's RSS before loading, which the figures above grow from, less its libraries' file pages: python's and the
 # libraries' own memory, the tokenized data; measured 387 MB on the DDP and FSDP twins and 405 MB under DeepSpeed
 # (deepspeed imported first) at 25.7M and 253M alike, on ext4 and tmpfs alike (torch 2.13 CPU, x86_64). The
@@ -117,7 +120,8 @@ def loading_left(recipe: Recipe) -> list[tuple[str, float, str]]:
     return [("loading overhead", o, "modules imported and objects built by from_pretrained (measured)")]
 
 
-def rank_steps(recipe: Recipe, shape: Shape, tensor_peak_gb: float, peak_phase: str, offloaded_gb: float) -> RankSteps:
+def rank_steps(recipe: Recipe, shape: Shape, tensor_peak_gb: float, peak_phase: str, offloaded_gb: float,
+               quantized: bool) -> RankSteps:
     """A rank's RSS growth at the peak of its first steps on the cpu target, where the device is the process: the
     per-GPU tensors at the step's peak phase, what a GPU run would offload to host memory (the same process here),
     what loading left and what the steps add besides tensors (STEPS_OVERHEAD_GB, STEPS_BYTES_PER_LARGEST)."""
@@ -129,7 +133,9 @@ def rank_steps(recipe: Recipe, shape: Shape, tensor_peak_gb: float, peak_phase: 
               f"optimizer and autograd objects, oneDNN's kernels, gloo: {STEPS_OVERHEAD_GB * 1e3:.0f} MB + "
               f"{STEPS_BYTES_PER_LARGEST} B x the largest weight's {largest / 1e6:.1f}M elements (measured)"),
              ("ZeRO-3's own", ZERO3_STEPS_OVERHEAD_GB if recipe.launch.backend == "deepspeed" and recipe.launch.zero_stage == 3
-              else 0.0, "what ZeRO-3 holds more than ZeRO-1/2 (measured, not attributed yet)")]
+              else 0.0, "what ZeRO-3 holds more than ZeRO-1/2 (measured, not attributed yet)"),
+             ("4-bit under FSDP2", FSDP2_4BIT_STEPS_OVERHEAD_GB if quantized and recipe.launch.backend == "fsdp"
+              and recipe.launch.fsdp_version == 2 else 0.0, "what 4-bit weights under FSDP2 hold more (measured, not attributed yet)")]
     items = [i for i in items if i[1] > 0]
     return RankSteps(sum(i[1] for i in items), items, baseline_gb(recipe))
 
