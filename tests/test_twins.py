@@ -271,12 +271,18 @@ def test_ram_efficient_loading_only_rank0_reads(tmp_path):
 CALIBRATED = ("ddp", "zero1", "zero2", "zero3", "offload", "fsdp1", "fsdp", "qlora-fsdp", "qlora-zero3")
 
 
+# how far one rank's first steps moved between runs of the same twin at 25.7M, the most over every twin and rank
+# (offload's and QLoRA ZeRO-3's rank 1: 9 MB over 4-5 runs on ext4 and tmpfs); at 253M the runs agree within 2.2%
+RUN_SPREAD_MB = 9
+
+
 def assert_planned(planned_gb: float, up_to_gb: float | None, got: float, what) -> None:
-    """A figure the planner plans for the cpu target against the growth measured (probes.growth_mb, MB): within 10%,
-    or 10 MB where a rank grows by little more than what loading leaves besides weights; a figure with a ceiling
-    (RankLoading.peak_up_to_gb, held_up_to_gb: what a filesystem's large folios can add) anywhere up to the ceiling."""
+    """A figure the planner plans for the cpu target against the growth measured (probes.growth_mb, MB): within 10%
+    and half the spread between runs at this size (RUN_SPREAD_MB), or 10 MB where a rank grows by little more than
+    what loading leaves besides weights; a figure with a ceiling (RankLoading.peak_up_to_gb, held_up_to_gb: what a
+    filesystem's large folios can add) anywhere up to the ceiling."""
     low, high = planned_gb * 1e3, (up_to_gb or planned_gb) * 1e3
-    slack = max(0.10 * got, 10)
+    slack = max(0.10 * got + RUN_SPREAD_MB / 2, 10)
     assert low - slack <= got <= high + slack, (what, round(low), round(high), round(got))
 
 
@@ -287,8 +293,8 @@ def test_plan_holds_rank_by_rank(twin, tmp_path):
     largest size this suite affords (the medium Llama, 25.7M parameters, 51 MB in bf16; ~12 s a run): loading's peak,
     what a rank holds after loading and the peak of its first steps, each as growth over the rank's RSS before loading
     less the libraries' file pages mapped since (probes.growth_mb: how many a touch maps is the filesystem's), within
-    10% on every rank, or 10 MB where a rank grows by little more than what loading leaves besides weights; and the
-    RSS before loading less the libraries' file pages, within 10%."""
+    10% on every rank (and half the spread between runs at this size), or 10 MB where a rank grows by little more than
+    what loading leaves besides weights; and the RSS before loading less the libraries' file pages, within 10%."""
     from sftrecipes.paths import ASSETS
     from sftrecipes.tiny import ensure_tiny_model
 
