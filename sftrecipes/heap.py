@@ -112,21 +112,6 @@ def steady_heap():
             _glibc().malloc_trim(0)
 
 
-def _file_mappings(suffix: str) -> list[tuple[int, int]]:
-    """This process's mappings of files whose name ends with suffix: (start, end) addresses; [] without /proc."""
-    spans = []
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                parts = line.split(maxsplit=5)
-                if len(parts) == 6 and parts[5].rstrip("\n").endswith(suffix):
-                    start, end = (int(x, 16) for x in parts[0].split("-"))
-                    spans.append((start, end))
-    except OSError:
-        return []
-    return spans
-
-
 MADV_DONTNEED = 4  # sys/mman.h
 
 
@@ -167,7 +152,7 @@ def own_checkpoint_views(model) -> int:
     mapped with every page the quantization read still resident: 480 MB of a 505 MB checkpoint for 2 MB of norms and
     head at 253M parameters, on every rank, for the whole run (docs/loading.md). Copying the views lets the mapping
     go; what was copied is needed anyway. Not for 16-bit loads: there the mapping is the weights themselves."""
-    spans = _file_mappings(".safetensors")
+    spans = pages.file_mappings(".safetensors")
     copied = 0
     for module in model.modules() if spans else ():
         for store in (module._parameters, module._buffers):

@@ -17,6 +17,22 @@ PAGE = mmap.PAGESIZE
 FAULT_AROUND = 64 << 10  # Linux's default fault_around_bytes: 16 pages around a faulting page of a mapped file
 
 
+def file_mappings(suffix: str) -> list[tuple[int, int]]:
+    """This process's mappings of files whose name ends with suffix: (start, end) addresses; [] without /proc. From
+    /proc/self/maps, which the kernel writes without walking the pages (smaps below does)."""
+    spans = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and parts[5].rstrip("\n").endswith(suffix):
+                    start, end = (int(x, 16) for x in parts[0].split("-"))
+                    spans.append((start, end))
+    except OSError:
+        return []
+    return spans
+
+
 def smaps(fields: tuple[str, ...] = ("Rss", "Anonymous")):
     """This process's mappings from /proc/self/smaps, each (start, end, perms, path, {field: kB} of the fields asked
     for); nothing without /proc. path is "" for an anonymous mapping, "[heap]" and the like for the kernel's."""
@@ -54,7 +70,8 @@ def fault_bytes(path: str | os.PathLike, samples: int = 8) -> int:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as m:
             for i in range(samples):  # the middle of each of `samples` equal spans: far apart, as a checkpoint's tensors
                 m[(size * (2 * i + 1) // (2 * samples)) // PAGE * PAGE]
-            ours = [f_["Rss"] for _s, _e, _p, p_, f_ in smaps(("Rss",)) if p_ == str(Path(path).resolve())]
+            name = str(Path(path).resolve())  # as /proc names the mapping
+            ours = [f_["Rss"] for _s, _e, _p, p_, f_ in smaps(("Rss",)) if p_ == name]
         if len(ours) != 1:
             return FAULT_AROUND
         return max(PAGE, ours[0] * 1024 // samples)

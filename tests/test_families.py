@@ -18,7 +18,7 @@ from conftest import FAMILIES, ROOT, run_cli
 from sftrecipes import model as models
 from sftrecipes.export import export, merge_lora
 from sftrecipes.errors import RecipeError
-from sftrecipes.heap import _file_mappings
+from sftrecipes.pages import file_mappings
 from sftrecipes.recipe import load_recipe
 from sftrecipes.tiny import FAMILIES as SPECS
 from sftrecipes.tokenizer import end_of_turn, load_tokenizer, set_generation_stop
@@ -127,7 +127,7 @@ def test_qlora_4bit(family, family_models, tmp_path):
     (base / "config.json").write_text(json.dumps({**json.loads((base / "config.json").read_text()), "dtype": "bfloat16"}))
     r16 = load_recipe(["recipes/tiny/qlora.yaml", "--model_name_or_path", str(base)])
     loaded = models.load_model(r16, load_tokenizer(r16)[0], "cpu")
-    assert not _file_mappings(str(ckpt)), family
+    assert not file_mappings(str(ckpt)), family
     del loaded
 
     out = tmp_path / "qlora"

@@ -79,7 +79,7 @@ def format_plan(plan: Plan, warnings: list[str] | None = None) -> str:
         out += ["", "Per rank — RSS growth while the weights load (cpu target: the device is the process):"]
         for g in plan.rank_loading:
             large = (" — up to: what touching the mapped checkpoint in places can map (more where the page cache holds "
-                     "large folios)" if (g.peak_up_to_gb or 0) - g.peak_gb >= 5e-4 else "")
+                     "large folios)" if _up_to(g.peak_gb, g.peak_up_to_gb) else "")
             out.append(f"  {g.ranks + ': peak':<{w}} {g.peak_gb * 1e3:8.0f} MB{_up_to(g.peak_gb, g.peak_up_to_gb)}  held after "
                        f"loading {g.held_gb * 1e3:,.0f} MB{_up_to(g.held_gb, g.held_up_to_gb)}{large}")
             out += [f"    {n:<{w - 2}} {gb * 1e3:8.1f} MB  {why}" for n, gb, why in g.items]

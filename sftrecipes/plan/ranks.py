@@ -32,7 +32,6 @@ machine (pages.fault_bytes on the checkpoint itself).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ..backends import PARTITIONED, RANK0_READS, weight_reading
 from ..folders import check_weights
@@ -159,7 +158,7 @@ def checkpoint_bytes(name: str, shape: Shape) -> tuple[float, int | None, int, i
                 total, count = total + n, count + 1
                 widths[_STORED.get(v["dtype"], 0)] = widths.get(_STORED.get(v["dtype"], 0), 0) + n
         return (float(total), max(widths, key=widths.get) if widths else None, count,
-                fault_bytes(max(headers, key=lambda f: Path(f).stat().st_size)))
+                fault_bytes(max(headers, key=lambda f: f.stat().st_size)))
     cfg = read_config(name)
     dtype = cfg.get("dtype") or cfg.get("torch_dtype") or (cfg.get("text_config") or {}).get("dtype")
     width = DTYPE_BYTES.get(str(dtype)) if dtype else None
