@@ -32,6 +32,7 @@ machine (pages.fault_bytes on the checkpoint itself).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..backends import PARTITIONED, RANK0_READS, weight_reading
 from ..folders import check_weights
@@ -144,11 +145,10 @@ def loading_of(groups: list[RankLoading], rank: int) -> RankLoading:
     return next(g for g in groups if g.ranks in ("every rank", f"rank {rank}") or (rank > 0 and g.ranks.startswith("ranks 1-")))
 
 
-def checkpoint_bytes(name: str, shape: Shape) -> tuple[float, int | None, int, int]:
-    """(bytes of the checkpoint's tensors, bytes per stored float, tensors, bytes one touch of its mapping makes
-    resident): from the safetensors headers of a local folder and its largest file's mapping here (pages.fault_bytes),
-    else the parameters at the config's dtype, the shape's weights (hub ids: the shipped config) and the kernel's
-    default fault-around."""
+def checkpoint_bytes(name: str, shape: Shape) -> tuple[float, int | None, int, Path | None]:
+    """(bytes of the checkpoint's tensors, bytes per stored float, tensors, its largest file): from the safetensors
+    headers of a local folder, else the parameters at the config's dtype and the shape's weights (hub ids: the
+    shipped config) and no file."""
     headers = check_weights(name)  # whole, or one line naming the file (model_name_or_path: ... is truncated)
     if headers:
         total, count, widths = 0, 0, {}
@@ -157,20 +157,19 @@ def checkpoint_bytes(name: str, shape: Shape) -> tuple[float, int | None, int, i
                 n = v["data_offsets"][1] - v["data_offsets"][0]
                 total, count = total + n, count + 1
                 widths[_STORED.get(v["dtype"], 0)] = widths.get(_STORED.get(v["dtype"], 0), 0) + n
-        return (float(total), max(widths, key=widths.get) if widths else None, count,
-                fault_bytes(max(headers, key=lambda f: f.stat().st_size)))
+        return float(total), max(widths, key=widths.get) if widths else None, count, max(headers, key=lambda f: f.stat().st_size)
     cfg = read_config(name)
     dtype = cfg.get("dtype") or cfg.get("torch_dtype") or (cfg.get("text_config") or {}).get("dtype")
     width = DTYPE_BYTES.get(str(dtype)) if dtype else None
     count = sum(len(layer.weights) for layer in shape.decoder) + 2 + (0 if shape.tied else 1)  # + embedding, norm, head
-    return float(shape.params * (width or 2)), width, count, FAULT_AROUND
+    return float(shape.params * (width or 2)), width, count, None
 
 
 def rank_loading(recipe: Recipe, shape: Shape, s: Setup, float_b: int) -> list[RankLoading]:
     """Each group of ranks' RSS growth while the weights load on the cpu target (the module docstring's rules)."""
     N = s.world
     mode, why = weight_reading(recipe, quantized=s.quant_bits < 16)
-    F, stored_b, tensors, touch = checkpoint_bytes(recipe.model.model_name_or_path, shape)
+    F, stored_b, tensors, largest_file = checkpoint_bytes(recipe.model.model_name_or_path, shape)
     over = loading_left(recipe)
     o = sum(i[1] for i in over)
 
@@ -217,6 +216,8 @@ def rank_loading(recipe: Recipe, shape: Shape, s: Setup, float_b: int) -> list[R
         part = shape.params * float_b / N / GB
         kept = ("its partition", part, f"{shape.params / 1e6:,.1f}M x {float_b} B / {N} ranks (zero.Init)")
         return [group("rank 0", F / GB + part, part, [read, kept])] + ([group(others, part, part, [kept])] if N > 1 else [])
+    # what one touch of the checkpoint's mapping makes resident here, for the ranks below that touch it in places
+    touch = fault_bytes(largest_file) if largest_file is not None else FAULT_AROUND
     if stored_b is not None and stored_b != s.load_bytes:  # converted: a copy of its own
         own = shape.params * s.load_bytes / GB
         mine = group("every rank", F / GB + own, own,
