@@ -209,15 +209,13 @@ def test_checkpoint_pages_dropped_only_where_the_mapping_holds_nothing_of_its_ow
     import mmap
 
     from sftrecipes.heap import drop_checkpoint_pages
+    from sftrecipes.pages import smaps
 
     path = tmp_path / "model.safetensors"
     path.write_bytes(bytes(range(256)) * (16 << 12))  # 16 MiB
 
     def resident_kb() -> int:  # this mapping's resident pages (/proc/self/smaps)
-        with open("/proc/self/smaps") as f:
-            lines = f.read().splitlines()
-        at = next(i for i, ln in enumerate(lines) if ln.endswith(str(path)))
-        return int(next(ln for ln in lines[at + 1:] if ln.startswith("Rss:")).split()[1])
+        return next(f["Rss"] for _s, _e, _p, name, f in smaps(("Rss",)) if name.endswith(str(path)))
 
     with open(path, "r+b") as f:
         m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
