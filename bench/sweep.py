@@ -1,6 +1,6 @@
 """The compatibility sweep (`make sweep`, not in `make test`): every architecture in transformers' causal-LM auto
 mapping, as a user would bring it. For each decoder-only text architecture: a tiny random-init model from its config
-class (sftrecipes.tiny.tiny_config, the tiny Llama's tokenizer), LoRA trained 3 steps in one process with
+class (sftrecipes.tiny_archs.tiny_config, the tiny Llama's tokenizer), LoRA trained 3 steps in one process with
 recipes/tiny/lora.yaml (only model_name_or_path changed), the adapter merged with --verify, and the planner's counts
 held against the meta model's and the run's. Writes docs/generated/architectures.md.
 
@@ -12,6 +12,8 @@ held against the meta model's and the run's. Writes docs/generated/architectures
 
 Each row is kept in outputs/sweep/<arch>.json as it completes, and the table is rewritten after each: a stopped
 sweep leaves a table of what it ran (marked partial) and the next run goes on from there (--fresh: from scratch).
+A row run again in one process keeps its 2-rank results only where its tiny model is the same (`tiny_config`, a
+fingerprint of the config tiny_archs.tiny_config made); another model is launched again by --two-ranks.
 The rows behind the table are also written to docs/generated/architectures.json (committed): on a clone without
 outputs/sweep/, --only, --two-ranks and --table start from those rows, so one architecture rerun replaces its row in
 the whole table; a plain sweep starts from outputs/sweep/ only (a fresh clone runs every entry).
@@ -67,13 +69,16 @@ def left_out(mt: str) -> str | None:
     return None
 
 
-def save_tiny(mt: str, folder: Path) -> tuple[str, int]:
+def save_tiny(mt: str, folder: Path) -> tuple[str, int, str]:
     """A tiny random-init model of the architecture saved to folder with the tiny Llama's tokenizer: (its class name,
-    its parameter count)."""
+    its parameter count, a fingerprint of its config: the rows' 2-rank results are kept only for the same model)."""
+    import hashlib
+
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from sftrecipes.tiny import ensure_tiny_model, tiny_config
+    from sftrecipes.tiny import ensure_tiny_model
+    from sftrecipes.tiny_archs import tiny_config
 
     tok = AutoTokenizer.from_pretrained(ensure_tiny_model())
     c = tiny_config(mt, vocab_size=len(tok), token_ids=(tok.bos_token_id, tok.eos_token_id, tok.pad_token_id))
@@ -84,7 +89,8 @@ def save_tiny(mt: str, folder: Path) -> tuple[str, int]:
     if model.config.model_type != cfg.model_type:  # Emu3ForCausalLM saves its text config (emu3_text_model), which
         cfg.save_pretrained(folder)                # no auto class maps: the hub's checkpoints carry the whole one
     tok.save_pretrained(folder)
-    return type(model).__name__, sum(p.numel() for p in model.parameters())
+    fingerprint = hashlib.sha256(json.dumps(c, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return type(model).__name__, sum(p.numel() for p in model.parameters()), fingerprint
 
 
 # the 2-rank twins a copy launches with only model_name_or_path changed (--two-ranks): ZeRO-3 LoRA, FSDP2 full
@@ -134,7 +140,7 @@ def run_one(mt: str, work: Path) -> dict:
         return {**row, "result": "left out", "reason": why}
     folder = work / "model"
     try:
-        row["class"], real = save_tiny(mt, folder)
+        row["class"], real, row["tiny_config"] = save_tiny(mt, folder)
     except Exception as e:  # noqa: BLE001 - any failure to build the tiny model is this row's reason
         row["reason"] = f"tiny model: {_one_line(e)}"
         return row
@@ -342,9 +348,11 @@ def main() -> int:
     with ThreadPoolExecutor(ns.jobs) as pool:
         for row in pool.map(lambda a: _worker(a, ns.timeout), todo):
             row["commit"] = at
+            before = done.get(row["arch"], {})
+            same = before.get("tiny_config") == row.get("tiny_config")  # the same tiny model (rows without one: another)
             for key in ("two_ranks", "two_ranks_seconds", "two_ranks_commit"):  # the 2-rank column is rerun by --two-ranks only
-                if done.get(row["arch"], {}).get(key) and row["result"] == "pass":
-                    row[key] = done[row["arch"]][key]
+                if before.get(key) and row["result"] == "pass" and same:
+                    row[key] = before[key]
             (CACHE / f"{row['arch']}.json").write_text(json.dumps(row, default=str))
             done[row["arch"]] = row
             print(f"{row['arch']:<28} {row['result']:<9} {row.get('seconds', 0):>4}s {row.get('reason') or row.get('note') or ''}", flush=True)

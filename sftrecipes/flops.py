@@ -11,8 +11,9 @@ causal attention pairs, what the model's work costs, and that over the device's 
   Mixtures of experts count what a token runs through (`Shape.matmul_params`): the router and its top-k experts,
   so N, T and A hold k/E of each fused expert tensor and of its adapters (peft's per-step fold W + s·BA of an
   adapted expert tensor is implementation work, not model work, and is not counted).
-  Attention adds 12·L·d FLOPs per (query, key) pair a causal mask lets through (QKᵀ and AV: 2·d each forward, x3 for
-  training; d = heads·head_dim); a sample of length s has s(s+1)/2 pairs, i.e. ≈ 6·L·d·s per token: the causal half
+  Attention adds 12·Σd FLOPs per (query, key) pair a causal mask lets through (QKᵀ and AV: 2·d each forward, x3 for
+  training; d = heads·head_dim of each of the L layers, summed: a config may vary it by layer, Gemma-4's full-attention
+  layers have twice the head size); a sample of length s has s(s+1)/2 pairs, i.e. ≈ 6·L·d·s per token: the causal half
   of PaLM's 12·L·H·Q·T (Chowdhery et al. 2022, appendix B), as FlashAttention-2's benchmarks count it. Packed samples
   are counted each with its own length (they do not attend to each other).
 * MFU = model FLOPs / step time / device peak. Gradient checkpointing's recomputed forward is not model work: it
@@ -74,11 +75,11 @@ def step_flops(shape: Shape, tokens: float, pairs: float, *, trainable: int | No
     (hardware FLOPs, for HFU; model FLOPs leave it out)."""
     n = matmul_params(shape)
     t = n if trainable is None else trainable
-    d = shape.heads * shape.head_dim
-    flops = (4 * n + 2 * t + 6 * adapter) * tokens + 12 * shape.layers * d * pairs
+    d = sum(L.heads * L.head_dim for L in shape.decoder)  # every layer's own attention width, summed
+    flops = (4 * n + 2 * t + 6 * adapter) * tokens + 12 * d * pairs
     if recompute:  # the decoder layers' forward again (the LM head is not checkpointed)
         decoder = n - shape.vocab * shape.hidden
-        flops += (2 * decoder + 2 * adapter) * tokens + 4 * shape.layers * d * pairs
+        flops += (2 * decoder + 2 * adapter) * tokens + 4 * d * pairs
     return float(flops)
 
 

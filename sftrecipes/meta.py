@@ -17,6 +17,7 @@ import copy
 import functools
 import inspect
 import json
+import re
 import sys
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+from . import perlayer
 from .errors import RecipeError
 from .recipe import Recipe
 from .shape import Layer, Shape, Weight
@@ -91,7 +93,12 @@ def _meta_model(config_json: str, where: str):
     try:
         return build(cfg)
     except Exception as e:  # noqa: BLE001 - any failure to build is the config's: one line naming it
-        raise RecipeError(f"model_name_or_path: transformers cannot build a '{c.get('model_type')}' model from {where} "
+        mt, varies = c.get("model_type"), re.match(r"'(\w+)' is a per-layer attribute", str(e))
+        if varies:  # a modeling class that reads the attribute once for every layer (AmbiguousGlobalPerLayerAttributeError)
+            raise RecipeError(f"model_name_or_path: {where} gives decoder layers their own '{varies[1]}' "
+                              f"(per_layer_config), which transformers' {mt} model reads as one value for all; remove "
+                              f"'{varies[1]}' from per_layer_config") from None
+        raise RecipeError(f"model_name_or_path: transformers cannot build a '{mt}' model from {where} "
                           f"({type(e).__name__}: {str(e).splitlines()[0][:160]}); fix the config") from None
 
 
@@ -122,7 +129,21 @@ def decoder_layers(model) -> tuple[str, torch.nn.ModuleList]:
 
 
 def _first(cfg, keys, default=0):
-    return next((getattr(cfg, k) for k in keys if isinstance(getattr(cfg, k, None), int)), default)
+    """The first of `keys` the config holds as an int (a key that varies by layer is read per layer: perlayer)."""
+    return next((perlayer.get(cfg, k) for k in keys if isinstance(perlayer.get(cfg, k), int)), default)
+
+
+def _mlp_width(ws: tuple[Weight, ...]) -> int:
+    """A dense layer's MLP width as its own weights have it (Gemma-4's MLPs are twice as wide on its KV-sharing layers,
+    which no config key says), or 0 where no MLP projection is named as transformers' models name them."""
+    for w in ws:
+        if w.kind != "linear" or "shared_expert" in w.name or "attn" in w.name or "attention" in w.name:
+            continue
+        if w.leaf in ("up_proj", "fc1", "w1", "c_fc", "gate_proj", "w3"):
+            return w.fan_out
+        if w.leaf == "gate_up_proj":  # gate and up fused (Phi-3)
+            return w.fan_out // 2
+    return 0
 
 
 def meta_shape(c: dict, name: str, where: str = "the model config") -> Shape:
@@ -160,32 +181,31 @@ def meta_shape(c: dict, name: str, where: str = "the model config") -> Shape:
         return Weight(rel if k in ("experts", "bias", "other") else rel.rpartition(".")[0], k, tuple(p.shape))
 
     decoder = []
-    top_k = _first(text, TOP_K_KEYS)
+    hidden = embed.weight.shape[1]
     for i, layer in enumerate(layers):
         base = f"{prefix}.{i}."
         ws = tuple(weight(base + n, n, p) for n, p in layer.named_parameters())
         e = max((w.dims[0] for w in ws if w.kind == "experts"), default=0)
         shared = next((w.fan_out for w in ws if w.kind == "linear" and "shared_expert" in w.name
                        and w.leaf in ("up_proj", "gate_proj", "gate_up_proj", "w1", "fc1")), 0)
-        decoder.append(Layer(ws, e, min(top_k or 1, e) if e else 0, shared))
+        own = perlayer.layer_config(text, i)  # the layer's own sizes, as its modules were built from them
+        heads = _first(own, ("num_attention_heads", "n_head", "num_heads"), 1)
+        kv = _first(own, ("num_key_value_heads", "num_kv_heads", "multi_query_group_num"), heads)
+        head_dim = _first(own, ("head_dim", "qk_head_dim"), hidden // max(heads, 1)) or hidden // max(heads, 1)
+        width = 0 if e else _mlp_width(ws) or _first(own, ("intermediate_size", "ffn_hidden_size", "n_inner"), 0)
+        top_k = min(_first(own, TOP_K_KEYS) or 1, e) if e else 0
+        decoder.append(Layer(ws, e, top_k, shared, heads, kv, head_dim, width))
     in_layers = {f"{prefix}.{n}" for n, _ in layers.named_parameters()}
     skip = in_layers | {n for n, p in model.named_parameters() if p is embed.weight or (head is not None and p is head.weight)}
     rest = tuple(Weight(n if kind(n, p) in ("bias", "other", "experts") else n.rpartition(".")[0], kind(n, p), tuple(p.shape))
                  for n, p in model.named_parameters() if n not in skip)
     sparse = [L for L in decoder if L.experts]
-    hidden = embed.weight.shape[1]
-    heads = _first(text, ("num_attention_heads", "n_head", "num_heads"), 1)
-    kv = _first(text, ("num_key_value_heads", "num_kv_heads", "multi_query_group_num"), heads)
-    head_dim = _first(text, ("head_dim", "qk_head_dim"), hidden // max(heads, 1)) or hidden // max(heads, 1)
-    dense_mlp = next((w.fan_out for L in decoder if not L.experts for w in L.weights
-                      if w.kind == "linear" and w.leaf in ("up_proj", "gate_up_proj", "fc1", "w1", "c_fc")), 0)
-    intermediate = _first(text, ("intermediate_size", "ffn_hidden_size", "n_inner"), dense_mlp) or dense_mlp
     e_inter = 0
     if sparse:
         down = next((w for w in sparse[0].weights if w.kind == "experts" and "down" in w.leaf), None)
         e_inter = (down.numel // down.dims[0] // hidden) if down is not None else _first(text, ("moe_intermediate_size",), 0)
     cls = type(model)
-    return Shape(name, c.get("model_type"), hidden, intermediate, heads, kv, head_dim, embed.weight.shape[0], tied,
+    return Shape(name, c.get("model_type"), hidden, embed.weight.shape[0], tied,
                  _first(text, ("max_position_embeddings", "n_positions", "seq_length"), 0), tuple(decoder),
                  max((L.experts for L in sparse), default=0), max((L.top_k for L in sparse), default=0), e_inter,
                  max((L.shared_intermediate for L in sparse), default=0), rest=rest,

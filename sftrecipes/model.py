@@ -17,7 +17,7 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
 from transformers.integrations import is_deepspeed_zero3_enabled
 
-from . import meta
+from . import meta, perlayer
 from .attention import register
 from .backends import PARTITIONED, RANK0_READS, weight_reading
 from .errors import RecipeError
@@ -116,18 +116,18 @@ def attention_traits(cfg, model) -> tuple[str, ...]:
     """What the model's attention does beyond causal softmax attention: learned sinks (GPT-OSS: a `sinks` parameter
     per attention layer, passed to the kernel as s_aux), logit soft-capping (Gemma-2: attn_logit_softcapping), a
     sparse-attention indexer scoring keys from the dense mask (DeepSeek-V3.2: an *Indexer module), sliding windows
-    (layer_types, or sliding_window where the config uses it)."""
+    (layer_types, or sliding_window where the config uses it); each read from every layer's config (perlayer.py)."""
     text = cfg.get_text_config()
     traits = []
     if any(n.rsplit(".", 1)[-1] == "sinks" for n, _ in model.named_parameters()):
         traits.append("attention sinks")
-    if getattr(text, "attn_logit_softcapping", None) is not None:
+    if any(v is not None for v in perlayer.values(text, "attn_logit_softcapping")):
         traits.append("logit soft-capping")
     if any(type(m).__name__.endswith("Indexer") for m in model.modules()):  # DeepSeek-V3.2's DSA, AXK2, Qwen4-Exp
         traits.append("a sparse-attention indexer")
-    layer_types = getattr(text, "layer_types", None) or ()
-    if "sliding_attention" in layer_types or (not layer_types and getattr(text, "sliding_window", None)
-                                              and getattr(text, "use_sliding_window", True)):
+    layer_types = perlayer.get(text, "layer_types") or ()
+    if "sliding_attention" in layer_types or (not layer_types and any(perlayer.values(text, "sliding_window"))
+                                              and all(perlayer.values(text, "use_sliding_window", True))):
         traits.append("sliding windows")
     return tuple(traits)
 

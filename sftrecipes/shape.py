@@ -4,12 +4,11 @@
     shape.params, shape.active_params                # 30.53B, 3.35B: every weight, and those one token runs through
     shape.lora_params("all-linear", r=8)             # what peft creates (router left out unless router=True)
 
-The layouts are those of transformers 5.24 (`models/*/modeling_*.py`): Llama/Mistral, Qwen2 (q/k/v biases), Qwen3
-and Gemma-3 (q/k norms over head_dim), Gemma-2/3 (four norms per layer), Phi-3 (fused `qkv_proj`, `gate_up_proj`),
-Gemma-3's nested `text_config`, and mixtures of experts: Mixtral, Qwen2-MoE (a shared expert behind a sigmoid gate),
-Qwen3-MoE (dense `mlp_only_layers`, `decoder_sparse_step`). Experts are fused 3-D parameters (`mlp.experts.gate_up_proj`
-[E, 2*inter, hidden], `mlp.experts.down_proj` [E, hidden, inter]) behind a router `mlp.gate` (weight [E, hidden]).
-Keys a config.json leaves out take the config class's default (`DEFAULTS`; a test compares them with transformers).
+Each decoder layer carries its own sizes (heads, kv heads, head_dim, MLP width): transformers lets a config vary them
+by layer (`per_layer_config`: Gemma-4's full-attention layers have head_dim 512 beside 256), and every figure reads
+them per layer. A flat config of ten layouts (Llama, Mistral, Qwen2/3, Gemma-2/3, Phi-3, Mixtral, Qwen2/3-MoE) is read
+by shape_table.py without torch; any other config (another architecture, a multimodal one, per-layer overrides) from
+the model transformers builds on the meta device (meta.py).
 
 It also owns the rule for the dtype weights are loaded in (`load_dtype`, a dtype name; `model.load_dtype` maps it to
 torch, the planner to bytes) and the mixed-precision compute dtype it uses (`mixed_dtype`).
@@ -24,8 +23,9 @@ import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from . import perlayer
 from .errors import RecipeError
 from .startmodel import torch_free_source
 
@@ -34,30 +34,6 @@ if TYPE_CHECKING:
 
 CONFIGS = Path(__file__).with_name("model_configs")
 
-# Class defaults (transformers 5.24 config classes) of every key the layouts read. None: derived (kv heads = heads,
-# head_dim = hidden / heads). A key absent here is read with getattr(config, key, fallback) by the model itself.
-_DENSE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-          "num_key_value_heads", "tie_word_embeddings", "max_position_embeddings")
-DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": dict(zip(_DENSE, (32000, 4096, 11008, 32, 32, None, False, 2048)), head_dim=None, attention_bias=False,
-                  mlp_bias=False),
-    "mistral": dict(zip(_DENSE, (32000, 4096, 14336, 32, 32, 8, False, 131072)), head_dim=None),
-    "qwen2": dict(zip(_DENSE, (151936, 4096, 22016, 32, 32, 32, False, 32768))),
-    "qwen3": dict(zip(_DENSE, (151936, 4096, 22016, 32, 32, 32, False, 32768)), head_dim=128, attention_bias=False),
-    "gemma2": dict(zip(_DENSE, (256000, 2304, 9216, 26, 8, 4, True, 8192)), head_dim=256, attention_bias=False),
-    "gemma3_text": dict(zip(_DENSE, (262208, 2304, 9216, 26, 8, 4, True, 131072)), head_dim=256, attention_bias=False),
-    "phi3": dict(zip(_DENSE, (32064, 3072, 8192, 32, 32, None, False, 4096))),
-    "mixtral": dict(zip(_DENSE, (32000, 4096, 14336, 32, 32, 8, False, 131072)), head_dim=None, num_local_experts=8,
-                    num_experts_per_tok=2),
-    "qwen2_moe": dict(zip(_DENSE, (151936, 2048, 5632, 24, 16, 16, False, 32768)), num_experts=60,
-                      num_experts_per_tok=4, moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
-                      decoder_sparse_step=1, mlp_only_layers=[], qkv_bias=True),
-    "qwen3_moe": dict(zip(_DENSE, (151936, 2048, 6144, 24, 32, 4, False, 32768)), attention_bias=False,
-                      num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, decoder_sparse_step=1,
-                      mlp_only_layers=[]),
-}
-# types whose q/k/v/o biases follow attention_bias (Qwen2 has q/k/v biases always, Qwen2-MoE per qkv_bias, the others none)
-ATTENTION_BIAS = ("llama", "qwen3", "qwen3_moe", "gemma2", "gemma3_text")
 # peft 0.21 converts LoRA targets of these model types to transformers 5's fused experts (peft.utils.
 # transformers_weight_conversion): the v4 module names below become parameters of the fused experts (the two halves of
 # gate_up_proj together, at twice the rank and alpha: peft's rank_pattern) or the router. Those names still adapt the
@@ -119,12 +95,17 @@ class Weight:
 
 @dataclass(frozen=True)
 class Layer:
-    """One decoder layer: its weights; experts/top_k > 0 for a sparse (mixture-of-experts) layer."""
+    """One decoder layer: its weights; experts/top_k > 0 for a sparse (mixture-of-experts) layer; its own attention
+    sizes and dense MLP width (a config may vary them by layer: perlayer.py)."""
 
     weights: tuple[Weight, ...]
     experts: int = 0
     top_k: int = 0
     shared_intermediate: int = 0  # Qwen2-MoE's shared expert (always on), 0 without one
+    heads: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+    intermediate: int = 0  # the dense MLP's width (0 in a sparse layer: Shape.expert_intermediate, shared_intermediate)
 
     @property
     def params(self) -> int:
@@ -156,10 +137,6 @@ class Shape:
     name: str
     model_type: str
     hidden: int
-    intermediate: int  # the dense MLP's width (MoE: of dense layers; expert_intermediate for experts)
-    heads: int
-    kv_heads: int
-    head_dim: int
     vocab: int
     tied: bool
     max_positions: int
@@ -179,10 +156,21 @@ class Shape:
     # a submodule the model runs several times a forward (meta.reruns: HRM's stacks), or "": ZeRO-3 then goes without
     # checkpointing (checkpointing_off)
     reruns: str = ""
-    source: str = "table"  # "table" (DEFAULTS, torch-free) or "meta" (the model transformers builds: meta.py)
+    source: str = "table"  # "table" (shape_table.py, torch-free) or "meta" (the model transformers builds: meta.py)
     config_json: str = field(default="", compare=False)  # the config it was read from (meta.py rebuilds the model)
     head_vocab: int = 0  # the output head's rows where they differ from the input embedding's (Mllama: 8 image tokens
     #                      more in the embedding), else 0
+
+    def _same(self, size: str) -> int:
+        """A size every decoder layer has alike (heads, kv_heads, head_dim); a ValueError where they differ."""
+        sizes = {getattr(L, size) for L in self.decoder}
+        if len(sizes) > 1:
+            raise ValueError(f"{self.name}: {size} differs by decoder layer ({sorted(sizes)}); read each Layer's")
+        return sizes.pop() if sizes else 0
+
+    heads = property(lambda self: self._same("heads"))
+    kv_heads = property(lambda self: self._same("kv_heads"))
+    head_dim = property(lambda self: self._same("head_dim"))
 
     @property
     def head_rows(self) -> int:
@@ -351,10 +339,11 @@ def read_config(name: str) -> dict:
 def model_shape(source: str | Path | dict, name: str | None = None) -> Shape:
     """Shape of a model: a local folder or hub id (its config.json), or a config dict (e.g. `config.to_dict()`).
 
-    A flat config of a type DEFAULTS holds is read here, torch-free (tests/test_shape.py proves every such layout equal
-    to the model transformers builds, and its LoRA counts equal to the run's). Any other config -- another of the
-    causal-LM architectures transformers maps, or a multimodal config (text_config beside a vision tower), counted
-    whole -- is read from the model transformers builds from it on the meta device (meta.py: imports torch)."""
+    A flat config of a type shape_table.DEFAULTS holds is read there, torch-free (tests/test_shape.py proves every such
+    layout equal to the model transformers builds, and its LoRA counts equal to the run's). Any other config -- another
+    of the causal-LM architectures transformers maps, a multimodal config (text_config beside a vision tower), counted
+    whole, or one whose sizes vary by layer (per_layer_config) -- is read from the model transformers builds from it on
+    the meta device (meta.py: imports torch), which reads each layer's own config."""
     if isinstance(source, dict):
         c, where = source, "the model config"
     else:
@@ -364,79 +353,14 @@ def model_shape(source: str | Path | dict, name: str | None = None) -> Shape:
     if not mt:
         raise RecipeError(f"model_name_or_path: {where} has no model_type; a config.json names its architecture "
                           "(e.g. \"model_type\": \"llama\"); fix the file or point at the model's own folder")
-    if mt in DEFAULTS and "text_config" not in c:
-        shape = _build(c, mt, name or c.get("_name_or_path") or mt)
+    from .shape_table import DEFAULTS, table_shape  # noqa: PLC0415 - it imports this module's Weight, Layer, Shape
+
+    if mt in DEFAULTS and "text_config" not in c and not perlayer.overrides(c):
+        shape = table_shape(c, mt, name or c.get("_name_or_path") or mt)
         return dataclasses.replace(shape, config_json=json.dumps(c, sort_keys=True, default=str))
     from .meta import meta_shape  # noqa: PLC0415 - torch: only layouts the table does not hold need the model built
 
     return meta_shape(c, name or c.get("_name_or_path") or mt, where)
-
-
-def _build(c: dict, mt: str, name: str) -> Shape:
-    d = DEFAULTS[mt]
-
-    def get(key, fallback=None):
-        v = c.get(key, d.get(key, fallback))
-        return fallback if v is None else v
-
-    h, heads, n = get("hidden_size"), get("num_attention_heads"), get("num_hidden_layers")
-    kv = get("num_key_value_heads", heads)
-    hd = get("head_dim", h // heads)
-    inter, vocab = get("intermediate_size"), get("vocab_size")
-    q, kvd = heads * hd, kv * hd
-    experts = 0
-    if mt in ("mixtral", "qwen2_moe", "qwen3_moe"):  # one count, two spellings (an attribute_map aliases them)
-        experts = next((c[k] for k in ("num_experts", "num_local_experts") if c.get(k) is not None),
-                       d.get("num_experts", d.get("num_local_experts")))
-    top_k = get("num_experts_per_tok", 0) if experts else 0
-    e_inter = (inter if mt == "mixtral" else get("moe_intermediate_size")) if experts else 0
-    shared = get("shared_expert_intermediate_size", 0) if mt == "qwen2_moe" else 0
-
-    def lin(path, fan_in, fan_out, bias=False):
-        return [Weight(path, "linear", (fan_out, fan_in))] + ([Weight(path + ".bias", "bias", (fan_out,))] if bias else [])
-
-    def mlp(prefix, width):
-        return lin(f"{prefix}.gate_proj", h, width) + lin(f"{prefix}.up_proj", h, width) + lin(f"{prefix}.down_proj", width, h)
-
-    # attention
-    if mt == "phi3":
-        attn = lin("self_attn.qkv_proj", h, q + 2 * kvd) + lin("self_attn.o_proj", q, h)
-    else:
-        o_bias = mt in ATTENTION_BIAS and bool(get("attention_bias", False))
-        qkv_bias = o_bias or mt == "qwen2" or (mt == "qwen2_moe" and bool(get("qkv_bias")))
-        attn = (lin("self_attn.q_proj", h, q, qkv_bias) + lin("self_attn.k_proj", h, kvd, qkv_bias)
-                + lin("self_attn.v_proj", h, kvd, qkv_bias) + lin("self_attn.o_proj", q, h, o_bias))
-    if mt in ("qwen3", "qwen3_moe", "gemma3_text"):
-        attn += [Weight("self_attn.q_norm", "norm", (hd,)), Weight("self_attn.k_norm", "norm", (hd,))]
-    norm_names = ["input_layernorm", "post_attention_layernorm"]
-    if mt in ("gemma2", "gemma3_text"):
-        norm_names += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
-    norms = [Weight(x, "norm", (h,)) for x in norm_names]
-
-    # MLP: dense, fused (Phi-3) or sparse
-    if mt == "phi3":
-        dense = lin("mlp.gate_up_proj", h, 2 * inter) + lin("mlp.down_proj", inter, h)
-    else:
-        bias = mt == "llama" and bool(get("mlp_bias", False))
-        dense = lin("mlp.gate_proj", h, inter, bias) + lin("mlp.up_proj", h, inter, bias) + lin("mlp.down_proj", inter, h, bias)
-    dense_layer = Layer(tuple(attn + dense + norms))
-    sparse_layer = None
-    if experts:
-        moe = [Weight("mlp.gate", "router", (experts, h)),
-               Weight("mlp.experts.gate_up_proj", "experts", (experts, 2 * e_inter, h)),
-               Weight("mlp.experts.down_proj", "experts", (experts, h, e_inter))]
-        if shared:
-            moe += mlp("mlp.shared_expert", shared) + lin("mlp.shared_expert_gate", h, 1)
-        sparse_layer = Layer(tuple(attn + moe + norms), experts, top_k, shared)
-    if mt == "mixtral":
-        decoder = tuple(sparse_layer for _ in range(n))
-    elif experts:  # Qwen2/3-MoE: sparse unless listed in mlp_only_layers or off the decoder_sparse_step
-        only, step = set(get("mlp_only_layers", [])), get("decoder_sparse_step", 1)
-        decoder = tuple(sparse_layer if (i not in only and (i + 1) % step == 0) else dense_layer for i in range(n))
-    else:
-        decoder = tuple(dense_layer for _ in range(n))
-    return Shape(name, mt, h, inter, heads, kv, hd, vocab, bool(get("tie_word_embeddings", False)),
-                 get("max_position_embeddings", 0), decoder, experts, top_k, e_inter, shared)
 
 
 # ----------------------------------------------------------------------------------------------- load dtype

@@ -296,7 +296,7 @@ def twin_runs(tiny_model, family_models, tmp_path_factory):
     return get
 
 
-# Models users build offline from transformers' config classes (issue 18): tiny, random-init (tiny.tiny_config: any
+# Models users build offline from transformers' config classes (issue 18): tiny, random-init (tiny_archs.tiny_config: any
 # architecture's config class with its size keys set small), saved with the tiny Llama's tokenizer, so they load
 # through the same code as hub checkpoints. Not tiny.FAMILIES: no tokenizer habits or templates of their own.
 
@@ -309,7 +309,7 @@ def arch_models(tiny_model, tmp_path_factory):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from sftrecipes.tiny import tiny_config
+    from sftrecipes.tiny_archs import tiny_config
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
     root, built = tmp_path_factory.mktemp("archs"), {}

@@ -21,10 +21,11 @@ from sftrecipes.plan.activations import planned_attention
 from sftrecipes.recipe import load_recipe
 from sftrecipes.shape import model_shape
 
-# the families people bring that shape.py's table does not hold (plus Qwen2-MoE, which it does), and the multimodal
-# Gemma-3 config as gemma-3-4b-it ships it (text + SigLIP vision tower)
+# the families people bring that shape.py's table does not hold (plus Qwen2-MoE, which it does), the multimodal
+# Gemma-3 config as gemma-3-4b-it ships it (text + SigLIP vision tower), and sizes that vary by layer (Gemma-4's head
+# sizes, dots3's heads: per_layer_config)
 ARCHS = ["granite", "olmo2", "smollm3", "cohere2", "glm4", "qwen2_moe", "deepseek_v3", "gpt_oss", "qwen3_5",
-         "qwen3_next", "llama4_text", "gemma4_text", "gemma3"]
+         "qwen3_next", "llama4_text", "gemma4_text", "gemma3", "dots3_note_text"]
 # trained in one process: MLA with dense and sparse layers, sinks, linear attention, MoE with a shared expert,
 # multimodal, and the dense and MoE families of the issue
 TRAINED = ["granite", "olmo2", "cohere2", "glm4", "qwen2_moe", "deepseek_v3", "gpt_oss", "qwen3_5", "llama4_text",
@@ -34,9 +35,10 @@ TRAINED = ["granite", "olmo2", "cohere2", "glm4", "qwen2_moe", "deepseek_v3", "g
 # configs whose defaults make a tiny model only if every layout key is read: hybrids whose layer kinds sit in several
 # per-layer lists (layer_types, mlp_layer_types, no_rope_layers, layer-index lists), Mamba heads tied to the width,
 # GPT-2-style names behind attribute_map (n_embd), sub-configs of a byte-level model (BLT), a size per layer
-# (Gemma-3n), derived sizes the class recomputes (Zamba2), KV sharing (Gemma-3n), per-layer vocabularies (Gemma-4)
-TINY_LAYOUTS = {"beam": 3, "bailing_hybrid": 3, "bamba": 2, "zamba2": 2, "falcon_h1": 2, "codegen": 2, "blt": None,
-                "gemma3n_text": None, "gemma4_text": 2, "smollm3": 2, "axk2": 2, "jamba": 2, "mamba2": 2}
+# (Gemma-3n), derived sizes the class recomputes (Zamba2), KV sharing (Gemma-3n), per-layer vocabularies and head
+# sizes (Gemma-4), heads per layer (dots3); the layers: the first period of each pattern (Beam's 5 sliding : 1 full)
+TINY_LAYOUTS = {"beam": 6, "bailing_hybrid": 6, "bamba": 2, "zamba2": 7, "falcon_h1": 2, "codegen": 2, "blt": None,
+                "gemma3n_text": 9, "gemma4_text": 6, "smollm3": 4, "axk2": 2, "jamba": 2, "mamba2": 2, "dots3_note_text": 3}
 
 
 @pytest.mark.parametrize("mt", TINY_LAYOUTS)
@@ -46,7 +48,7 @@ def test_tiny_config_builds_a_tiny_model_of_every_layer_kind(mt):
     import torch
     from transformers import AutoConfig
 
-    from sftrecipes.tiny import tiny_config
+    from sftrecipes.tiny_archs import tiny_config
 
     full = AutoConfig.for_model(mt).get_text_config()
     cfg = AutoConfig.for_model(**tiny_config(mt))
@@ -60,6 +62,23 @@ def test_tiny_config_builds_a_tiny_model_of_every_layer_kind(mt):
         if isinstance(kinds, list):
             assert set(kinds) <= set(getattr(text, key)) and len(getattr(text, key)) == text.num_hidden_layers, key
     assert all(not isinstance(v, torch.Tensor) for v in vars(text).values())
+
+
+def test_tiny_configs_keep_what_releases_vary_by_layer():
+    """tiny_config keeps a release's per-layer sizes in the proportion of the class defaults (Gemma-4's full-attention
+    layers: twice the sliding layers' head size; dots3's sliding layers: half the heads) and the first period of its
+    layer pattern (Gemma-3's and Gemma-4's 5 sliding : 1 full, Qwen3-Next's 3 linear : 1 full), so the models the
+    suite and the sweep build meet them."""
+    from transformers import AutoConfig
+
+    from sftrecipes.tiny_archs import tiny_config
+
+    for mt, n in (("gemma4_text", 6), ("gemma3_text", 6), ("qwen3_next", 4)):
+        assert AutoConfig.for_model(**tiny_config(mt)).layer_types == AutoConfig.for_model(mt).layer_types[:n], mt
+    gemma4 = meta.build(AutoConfig.for_model(**tiny_config("gemma4_text")))
+    assert [layer.self_attn.head_dim for layer in gemma4.model.layers] == [16] * 5 + [32]
+    dots = AutoConfig.for_model(**tiny_config("dots3_note_text"))
+    assert [c.num_attention_heads for c in dots.per_layer_config] == [4, 4, 2]  # indexed, indexed, sliding
 
 
 def lora_recipe(folder, *extra):
@@ -264,7 +283,7 @@ def test_all_linear_targets_read_from_the_module_structure(mt):
     from transformers import AutoConfig
 
     from sftrecipes.lora import lora_targets
-    from sftrecipes.tiny import tiny_config
+    from sftrecipes.tiny_archs import tiny_config
 
     want, never, experts, routers = TARGET_CASES[mt]
     model = meta.build(AutoConfig.for_model(**tiny_config(mt)))
@@ -295,7 +314,7 @@ def test_zero3_leaves_are_the_modules_whose_calls_the_data_decides(mt):
     from transformers import AutoConfig
 
     from sftrecipes.model import zero3_leaves
-    from sftrecipes.tiny import tiny_config
+    from sftrecipes.tiny_archs import tiny_config
 
     model = meta.build(AutoConfig.for_model(**tiny_config(mt)))
     assert zero3_leaves(model, load_recipe(["recipes/tiny/fsdp.yaml"])) == []
@@ -356,7 +375,7 @@ def test_conv1d_adapter_merges_like_peft(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from sftrecipes.lora import lora_config
-    from sftrecipes.tiny import tiny_config
+    from sftrecipes.tiny_archs import tiny_config
 
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_config(AutoConfig.for_model(**tiny_config("gpt2")))
@@ -386,7 +405,7 @@ def test_layouts_the_sweep_found_unread(tmp_path):
     from sftrecipes import model as models
     from sftrecipes.model import VARLEN
     from sftrecipes.shape import read_config
-    from sftrecipes.tiny import tiny_config
+    from sftrecipes.tiny_archs import tiny_config
 
     cfg = AutoConfig.for_model(**tiny_config("deepseek_v32"))
     built = meta.build(cfg)
@@ -419,7 +438,7 @@ def test_a_module_run_several_times_a_forward_goes_without_checkpointing_on_zero
     from transformers import AutoConfig
 
     from sftrecipes import model as models
-    from sftrecipes.tiny import tiny_config
+    from sftrecipes.tiny_archs import tiny_config
 
     AutoConfig.for_model(**tiny_config("hrm_text")).save_pretrained(tmp_path)
     assert meta.reruns(meta.build(AutoConfig.for_model(**tiny_config("hrm_text")))) == \

@@ -254,7 +254,7 @@ def test_canary_loaded_modules_skip_init_under_zero3():
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from sftrecipes.tiny import tiny_config
+    from sftrecipes.tiny_archs import tiny_config
 
     name = "loaded_modules_skip_init_under_zero3"
 
@@ -311,7 +311,7 @@ def test_canary_keep_dense_linears_in_moe_conversion():
     from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from sftrecipes.tiny import tiny_config
+    from sftrecipes.tiny_archs import tiny_config
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**tiny_config("deepseek_v3")))
@@ -340,7 +340,7 @@ def test_canary_backbone_under_a_stale_prefix():
     from transformers import AutoConfig, AutoModelForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
-    from sftrecipes.tiny import tiny_config
+    from sftrecipes.tiny_archs import tiny_config
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**tiny_config("llama4_text", vocab_size=64)))
@@ -367,7 +367,7 @@ def test_canary_num_experts_for_trl(mt):
     from transformers import AutoConfig, AutoModelForCausalLM
     from trl.trainer import sft_trainer
 
-    from sftrecipes.tiny import tiny_config
+    from sftrecipes.tiny_archs import tiny_config
 
     name = "num_experts_for_trl"
     with compat.upstream(name):

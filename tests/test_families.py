@@ -135,7 +135,8 @@ def test_qlora_4bit(family, family_models, tmp_path):
                                               "--output_dir", str(out), "--max_steps", "6", "--logging_steps", "2", "--sample_max_new_tokens", "0"]))
     four_bit = [m for m in trainer.model.modules() if isinstance(m, bnb.nn.Linear4bit)]
     per_layer = {"phi3": 4}.get(family, 4 if family in MOE else 7)  # phi3: qkv_proj, o_proj, gate_up_proj, down_proj
-    assert len(four_bit) == 2 * per_layer, [type(m).__name__ for m in four_bit]
+    layers = json.loads((family_models[family] / "config.json").read_text())["num_hidden_layers"]  # Gemma-3: 6, else 2
+    assert len(four_bit) == layers * per_layer, [type(m).__name__ for m in four_bit]
     assert summary["last_loss"] < summary["first_loss"], summary["losses"]
     merge_lora(out, tmp_path / "merged", verify=True)
 
@@ -311,6 +312,16 @@ def test_model_init_kwargs_are_taken_not_overwritten(tiny_model):
         res = run_cli(["train.py", "recipes/tiny/lora.yaml", *flags])
         assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
         assert re.search(match, res.stderr), res.stderr
+
+
+def test_gemma3_family_has_the_released_layer_pattern(family_models):
+    """Gemma-3 runs 5 sliding-window layers to 1 full: the tiny family has that pattern, which 2 layers would hide,
+    and the planner reads its 6 layers from config.json."""
+    from sftrecipes.shape import model_shape
+
+    config = json.loads((family_models["gemma3"] / "config.json").read_text())
+    assert config["layer_types"] == ["sliding_attention"] * 5 + ["full_attention"]
+    assert model_shape(str(family_models["gemma3"])).layers == 6
 
 
 def test_family_assets_are_deterministic_and_rebuilt_when_their_spec_changes(tmp_path, monkeypatch):

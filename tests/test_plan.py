@@ -457,3 +457,60 @@ def test_cpu_quantization_temporaries_per_element_as_planned():
     per_element = json.loads(res.stdout.splitlines()[-1])
     for b in per_element:
         assert abs(b - QUANTIZE_BYTES_PER_ELEMENT) <= 0.10 * QUANTIZE_BYTES_PER_ELEMENT, per_element
+
+
+# ----------------------------------------------------------------------------------------------- per-layer sizes
+# (a config that varies sizes by layer, transformers' per_layer_config: every figure reads each layer's own)
+
+
+def saved_per_layer(model, layers, ids) -> list[int]:
+    """Bytes autograd saves inside each decoder layer's forward (each storage once per layer; parameters left out)."""
+    current, saved = [None], [{} for _ in layers]
+
+    def enter(i):
+        return lambda *_: current.__setitem__(0, i)
+
+    hooks = [h for i, layer in enumerate(layers) for h in (layer.register_forward_pre_hook(enter(i)),
+                                                         layer.register_forward_hook(lambda *_: current.__setitem__(0, None)))]
+
+    def pack(t):
+        if current[0] is not None and not isinstance(t, torch.nn.Parameter):
+            saved[current[0]][t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids)
+    for h in hooks:
+        h.remove()
+    return [sum(s.values()) for s in saved]
+
+
+def test_each_layer_of_a_per_layer_config_saves_what_is_planned_for_it(tmp_path):
+    """Gemma-4's default config gives its full-attention layers (one in six) twice the head size of the sliding ones
+    (`per_layer_config: {"05": {"head_dim": 512}, ...}`), which transformers refuses to read as one global value. The
+    plan's activations of each decoder layer (its own heads and head size) against what autograd saves in that layer
+    of the model transformers builds, scaled down with the release's ratios: within 5% on every layer, where one
+    head size for all would be a quarter short on the full layer."""
+    from transformers import AutoModelForCausalLM, Gemma4TextConfig
+
+    from sftrecipes import meta
+    from sftrecipes.plan.activations import activations
+    from sftrecipes.plan.sharding import setup
+
+    cfg = Gemma4TextConfig(vocab_size=512, vocab_size_per_layer_input=512, hidden_size=256, intermediate_size=512,
+                           num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                           global_head_dim=128, hidden_size_per_layer_input=16, max_position_embeddings=1024)
+    assert cfg.to_dict()["per_layer_config"] == {"5": {"head_dim": 128}}
+    cfg.save_pretrained(tmp_path)
+    recipe = load_recipe(["recipes/tiny/full.yaml", "--model_name_or_path", str(tmp_path), "--packing", "false",
+                          "--max_length", "256", "--per_device_train_batch_size", "2", "--attn_implementation", "sdpa",
+                          "--gradient_checkpointing", "false"])
+    shape = model_shape(str(tmp_path))
+    planned = activations(recipe, shape, setup(recipe), tuple(() for _ in shape.decoder)).per_layer
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32).train()
+    model.config.use_cache = False
+    measured = saved_per_layer(model, meta.decoder_layers(model)[1], torch.randint(0, 512, (2, 256)))
+    assert measured[5] > 1.3 * measured[0]  # the full-attention layer, with its larger heads
+    errors = [p / m - 1 for p, m in zip(planned, measured)]
+    assert all(abs(e) <= 0.05 for e in errors), [f"{e:+.1%}" for e in errors]

@@ -13,6 +13,7 @@ import torch
 from conftest import ROOT
 from sftrecipes import meta
 from sftrecipes import shape as shapes
+from sftrecipes import shape_table
 from sftrecipes.plan import sharding
 from sftrecipes.plan import main, plan_recipe
 from sftrecipes.plan.sharding import GB
@@ -94,7 +95,7 @@ def test_multimodal_config_is_counted_whole():
     assert {w.name.split(".")[1] for w in s.rest} >= {"vision_tower", "multi_modal_projector"}
 
 
-@pytest.mark.parametrize("model_type", list(shapes.DEFAULTS))
+@pytest.mark.parametrize("model_type", list(shape_table.DEFAULTS))
 def test_defaults_are_the_config_classes(model_type):
     """A config.json that leaves keys out gets the config class's defaults: an empty config is the class default."""
     from transformers import AutoConfig
@@ -332,7 +333,7 @@ def test_qlora_quantizes_linears_only():
     assert any("quantization covers nn.Linear weights only" in n for n in q.notes)
 
 
-@pytest.mark.parametrize("model_type", list(shapes.DEFAULTS))
+@pytest.mark.parametrize("model_type", list(shape_table.DEFAULTS))
 def test_sdpa_table_is_the_model_classes(model_type):
     """The torch-free planner needs to know which models have no sdpa path (attention then runs eager, with its s x s
     scores): its table must say what transformers' classes say."""
@@ -354,3 +355,85 @@ def test_planned_attention_follows_the_recipe():
     eager = plan_recipe(llama, _alternatives=False).gpu_total_gb
     llama.model.attn_implementation = "sdpa"
     assert plan_recipe(llama, _alternatives=False).gpu_total_gb < eager
+
+
+# ----------------------------------------------------------------------------------------------- per-layer configs
+# transformers' per_layer_config (integrations/heterogeneity): a config may give decoder layers sizes of their own,
+# and then refuses to read them as one global value (AmbiguousGlobalPerLayerAttributeError)
+
+
+def test_gemma4_default_config_validates_and_plans_without_a_traceback(tmp_path):
+    """The user's path: a folder with Gemma4TextConfig()'s config.json, whose full-attention layers have head_dim 512
+    beside the sliding layers' 256. Recipe validation and `plan` answer (exit 0, no traceback); the plan's parameters
+    are the meta-device model's."""
+    from transformers import Gemma4TextConfig
+
+    Gemma4TextConfig().save_pretrained(tmp_path / "model")
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert config["per_layer_config"]["05"] == {"head_dim": 512} and config["head_dim"] == 256
+    (tmp_path / "r.yaml").write_text(f"base: {ROOT / 'recipes/tiny/lora.yaml'}\nmodel_name_or_path: {tmp_path / 'model'}\n")
+    res = subprocess.run([sys.executable, "-m", "sftrecipes", "plan", str(tmp_path / "r.yaml")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert "VERDICT" in res.stdout and "30 layers" in res.stdout
+    plan = plan_recipe(load_recipe([str(tmp_path / "r.yaml")]), _alternatives=False)
+    assert plan.params == sum(p.numel() for p in meta_model("gemma4-default", config).parameters())
+
+
+def gemma4_kv_shared() -> dict:
+    """A Gemma-4 laid out like the small releases, tiny: KV-sharing last layers with MLPs twice as wide (no config key
+    says so), full-attention layers with larger heads and one KV head shared by keys and values (attention_k_eq_v)."""
+    from transformers import Gemma4TextConfig
+
+    return Gemma4TextConfig(
+        vocab_size=512, vocab_size_per_layer_input=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32, hidden_size_per_layer_input=16,
+        layer_types=(["sliding_attention"] * 3 + ["full_attention"]) * 2, num_kv_shared_layers=4, use_double_wide_mlp=True,
+        attention_k_eq_v=True, num_global_key_value_heads=1).to_dict()
+
+
+@pytest.mark.parametrize("case", ["gemma4-default", "gemma4-kv-shared"])
+def test_each_layers_sizes_are_the_models(case):
+    """Each decoder layer's heads, KV heads, head size and MLP width as planned are those of the layer transformers
+    builds (its attention and MLP modules), and the attention FLOPs sum each layer's own width."""
+    from transformers import Gemma4TextConfig
+
+    from sftrecipes import flops
+
+    config = Gemma4TextConfig().to_dict() if case == "gemma4-default" else gemma4_kv_shared()
+    s, model = model_shape(config), meta_model(case, config)
+    layers = model.model.layers
+    assert len({L.head_dim for L in s.decoder}) == 2  # the case varies them
+    for L, layer in zip(s.decoder, layers, strict=True):
+        attn = layer.self_attn
+        assert (L.head_dim, L.heads * L.head_dim) == (attn.head_dim, attn.q_proj.out_features)
+        assert L.kv_heads == L.heads // attn.num_key_value_groups
+        assert L.intermediate == layer.mlp.up_proj.out_features
+    with pytest.raises(ValueError, match="head_dim differs by decoder layer"):
+        s.head_dim  # noqa: B018 - no one value stands for every layer
+    pairs = 1000
+    assert flops.step_flops(s, 1, pairs) - flops.step_flops(s, 1, 0) == \
+        12 * pairs * sum(layer.self_attn.q_proj.out_features for layer in layers)
+
+
+@pytest.mark.parametrize("model_type", list(shape_table.DEFAULTS))
+def test_the_tables_layer_sizes_are_the_models(model_type):
+    """The torch-free table gives each layer the sizes the model transformers builds reads for it (meta.py reads each
+    layer's own config)."""
+    c = {**SMALL, "model_type": model_type, "pad_token_id": 0}
+    table = model_shape(c)
+    built = meta.meta_shape(c, model_type)
+    assert table.source == "table" and built.source == "meta"
+    sizes = [[(L.heads, L.kv_heads, L.head_dim, L.intermediate) for L in s.decoder] for s in (table, built)]
+    assert sizes[0] == sizes[1]
+
+
+def test_per_layer_overrides_go_to_the_model_and_a_global_reader_is_one_line():
+    """The table never reads a global size that per_layer_config overrides: such a config is the meta path's, and a
+    modeling class that reads the size once for every layer (Llama's MLP) is one line naming the key."""
+    c = {**SMALL, "model_type": "llama", "per_layer_config": {"1": {"intermediate_size": 64}}}
+    with pytest.raises(RecipeError) as e:
+        model_shape(c)
+    assert str(e.value) == ("model_name_or_path: the model config gives decoder layers their own 'intermediate_size' "
+                            "(per_layer_config), which transformers' llama model reads as one value for all; remove "
+                            "'intermediate_size' from per_layer_config")

@@ -93,7 +93,8 @@ def activations(recipe: Recipe, shape: Shape, s: Setup, adapted: tuple) -> Activ
     wss = [per_layer[k][1] for k in zip(shape.decoder, adapted)]
     saved_all = shape.layers * tokens * a * h if ckpt else sum(acts)  # checkpointing keeps each layer's input only
     saved_first = tokens * a * h if ckpt else acts[0]
-    shared = tokens * (2 * a * shape.head_dim + 16)  # RoPE cos/sin, input ids + labels (int64)
+    # RoPE cos/sin (one pair per head size: Gemma-4's full and sliding layers differ), input ids + labels (int64)
+    shared = tokens * (2 * a * sum({L.head_dim for L in shape.decoder}) + 16)
     if recipe.method != "sft":
         shared += tokens * 16  # the preference collators' attention and completion masks (int64)
     if attn == "sdpa" and (packs(recipe, shape) or _padded(recipe)):
@@ -154,18 +155,20 @@ def no_grad_forward(shape: Shape, s: Setup, per_layer: list[float], tokens: int,
     saves with grad. The head: the final norm's output, the hidden states it scores (a gathered copy), its tile buffer,
     its fp32 per-token statistics, and off Triton (CPU) ~4 fp32 temporaries of the tile's width."""
     a, h = s.act_bytes, shape.hidden
-    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    attn = a * (2 * h + 2 * q + 2 * kv + 2 * (q - kv) + q) + 4 * shape.heads
-    mlp = a * (3 * h + 3 * shape.intermediate)
-    layer = max(per_layer) if any(layer.experts for layer in shape.decoder) else tokens * max(attn, mlp)
+
+    def dense(L: Layer) -> float:  # a dense layer's peak per token: attention or MLP, each with its own sizes
+        q, kv = L.heads * L.head_dim, L.kv_heads * L.head_dim
+        return max(a * (2 * h + 2 * q + 2 * kv + 2 * (q - kv) + q) + 4 * L.heads, a * (3 * h + 3 * L.intermediate))
+
+    layer = max(per_layer) if any(L.experts for L in shape.decoder) else tokens * max(map(dense, shape.decoder))
     head = tokens * (2 * a * h + 10 * 4) + rows * TRL_VOCAB_TILE * a
     head += 0 if s.gpu else rows * min(shape.vocab, TRL_VOCAB_TILE) * 4 * 4
     return max(layer, tokens * a * h + head)
 
 
-def _norm_width(shape: Shape, w: Weight) -> int:
-    """Elements per token a norm weight normalises: q/k norms (Qwen3, Gemma-3) run over every head."""
-    return {"q_norm": shape.heads * shape.head_dim, "k_norm": shape.kv_heads * shape.head_dim}.get(w.leaf, shape.hidden)
+def _norm_width(shape: Shape, layer: Layer, w: Weight) -> int:
+    """Elements per token a norm weight normalises: q/k norms (Qwen3, Gemma-3) run over every head of its layer."""
+    return {"q_norm": layer.heads * layer.head_dim, "k_norm": layer.kv_heads * layer.head_dim}.get(w.leaf, shape.hidden)
 
 
 def _moe_token_bytes(shape: Shape, layer: Layer, s: Setup) -> float:
@@ -187,12 +190,12 @@ def _moe_token_bytes(shape: Shape, layer: Layer, s: Setup) -> float:
 def _layer_activation_bytes(shape: Shape, layer: Layer, adapted: tuple, s: Setup, recipe: Recipe, seq: int, attn: str,
                             tokens: int) -> float:
     """Bytes autograd saves in one decoder layer for `tokens` tokens (transformers 5 layers, PEFT LoRA), for its backward."""
-    q, kv, nh, a = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.heads, s.act_bytes
+    q, kv, nh, a = layer.heads * layer.head_dim, layer.kv_heads * layer.head_dim, layer.heads, s.act_bytes
     full = not s.lora
     # RMSNorm computes in fp32: pow/mul save its fp32 input (a copy when activations are 16-bit); the output feeds
     # the projections; with a trainable weight the normalised tensor is saved too. Two per layer (Llama), four
     # (Gemma), plus q/k norms over each head (Qwen3, Gemma-3).
-    norms = sum((4 + a + (a if full else 0)) * _norm_width(shape, w) for w in layer.weights if w.kind == "norm")
+    norms = sum((4 + a + (a if full else 0)) * _norm_width(shape, layer, w) for w in layer.weights if w.kind == "norm")
     # q and k after RoPE, v, the attention output + fp32 logsumexp (flash/sdpa kernels), o_proj's contiguous input
     attn_b = a * (q + 2 * kv) + a * q + 4 * nh + a * q
     if attn == "eager" or (attn == "sdpa" and (packs(recipe, shape) or _padded(recipe))):
@@ -202,7 +205,7 @@ def _layer_activation_bytes(shape: Shape, layer: Layer, adapted: tuple, s: Setup
     if attn == "eager":
         attn_b += nh * seq * (4 + a)  # the s x s scores: fp32 softmax output and its cast, per head
     # dense MLP: gate and up outputs, silu(gate), their product (down_proj's input); sparse: _moe_token_bytes
-    mlp = _moe_token_bytes(shape, layer, s) if layer.experts else 4 * a * shape.intermediate
+    mlp = _moe_token_bytes(shape, layer, s) if layer.experts else 4 * a * layer.intermediate
     lora, folded = 0.0, 0.0
     if s.lora:
         m = recipe.model
@@ -225,7 +228,7 @@ def _backward_working_bytes(shape: Shape, layer: Layer, adapted: tuple, s: Setup
     for each routed copy; an adapted expert tensor: the full-size gradient of its folded W + s*BA)."""
     a, h = s.act_bytes, shape.hidden
     if not layer.experts:
-        return tokens * a * (3 * shape.intermediate + 2 * h)
+        return tokens * a * (3 * layer.intermediate + 2 * h)
     per_token = s.expert_bytes * layer.top_k * (3 * shape.expert_intermediate + 2 * h) + 3 * a * layer.shared_intermediate
     folded = max((w.numel for w, _ in adapted if w.kind == "experts"), default=0) * s.expert_bytes
     return tokens * per_token + folded
