@@ -84,7 +84,7 @@ bench-dpo: $(STAMP)         ## DPO throughput: train.py recipes/tiny/dpo.yaml vs
 bench-overhead: $(STAMP)    ## what train.py adds per step over bare TRL, by counts: make bench-overhead [ARGS="--row 10 --steps 40"]
 	$(BIN)/python bench/overhead_profile.py $(ARGS)
 
-bench-data: $(STAMP)        ## data preparation rows/s: data.load_datasets vs TRL's SFTTrainer preparation, 50k and 200k synthetic chat rows, tokens compared (~20 min); writes docs/benchmarks.md
+bench-data: $(STAMP)        ## data preparation rows/s: data.load_datasets vs TRL's SFTTrainer preparation, 50k and 200k synthetic chat rows, tokens compared; `prepare` of 100k and 1M rows: rows/s, peak RSS, disk (~25 min; ARGS=--only_scale: that table alone, ~5 min); writes docs/benchmarks.md
 	$(BIN)/python bench/bench_data.py $(ARGS)
 
 bench-loading: $(STAMP)     ## each rank's memory per phase (loading, wrapping, first steps) for every twin backend, 252M model, 2 ranks (~30 min); writes docs/loading.md

@@ -45,7 +45,7 @@ def run(recipe, life=None):
     # (exit 2) before torch is imported
     from sftrecipes import (  # noqa: PLC0415 - as above
         backends, checkpoints, data, finalsave, folders, hub, lora, methods, metrics, model as models, nonfinite, precision,
-        preference, preflight, probes, quantload, startmodel, stream as streams,
+        preference, preflight, probes, quantload, startmodel, stream as streams, streamtrain,
     )
     from sftrecipes.plan.pitfalls import pitfalls  # noqa: PLC0415 - as above
     from sftrecipes.tokenizer import load_tokenizer  # noqa: PLC0415 - as above
@@ -90,9 +90,10 @@ def run(recipe, life=None):
     if recipe.method == "sft" and recipe.data.streaming:  # read as training goes; the position is in each checkpoint
         stream, eval_ds, prompt, data_counts = streams.streamed_datasets(recipe, tokenizer, end_of_turn, resume)
         train_ds = stream.dataset(streams.rows_per_step(args))
-        data_callbacks = [streams.StreamCallback(stream)]
+        data_callbacks = [streamtrain.StreamCallback(stream)]
     elif recipe.method == "sft":
         train_ds, eval_ds, prompt, data_counts = data.prepared_datasets(recipe, tokenizer, end_of_turn)
+        args.dataset_kwargs = {"skip_prepare_dataset": True}  # packed and shuffled as TRL would, once (trainrows.py)
     else:  # pairs (dpo) or labelled completions (kto) in TRL's shapes, tokenized by its trainer (preference.py)
         train_ds, eval_ds, prompt, data_counts = preference.preference_datasets(recipe, tokenizer)
 
@@ -141,11 +142,13 @@ def run(recipe, life=None):
         raise checkpoints.TrainingStopped(
             f"training stopped: {guard.stopped}; the last good checkpoint is {last or 'none (no checkpoint was saved)'}; {guard.advice}"
         )
+    if stream is not None:  # it could not read on (a row it cannot parse): the steps trained saved, one line, exit 2
+        streamtrain.stop_if_unreadable(data_callbacks[0], trainer)
     life.stop_if_preempted(trainer)  # rank 0 writes preempted.json; main() exits 75
     backend = probes.describe_backend(trainer)  # before save/generate, which gather shards
     memory_phases = memory.gather(trainer.accelerator)
     if stream is not None:
-        data_counts = streams.summary_counts(stream, data_counts)
+        data_counts = streamtrain.summary_counts(stream, data_counts)
 
     # 5. final save (adapter for LoRA, full weights otherwise), then check it holds every expected tensor
     trainer.accelerator.unwrap_model(trainer.model).config.use_cache = True  # off for training only (model.load_model)

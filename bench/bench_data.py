@@ -2,7 +2,8 @@
 """`make bench-data`: data preparation's rows/s, this project's (data.load_datasets) against TRL's own (SFTTrainer's
 dataset preparation) on the same synthetic multi-turn chat rows, and whether the two give the same tokens and labels.
 
-    python bench/bench_data.py [--rows 50000,200000] [--short_rows 50000] [--repeats 1] [--reference_rows 50000] [--no-docs]
+    python bench/bench_data.py [--rows 50000,200000] [--short_rows 50000] [--repeats 1] [--reference_rows 50000]
+                               [--scale_rows 100000,1000000] [--only_scale] [--no-docs]
 
 The rows: synthetic conversations under a fixed seed, written once as jsonl: multi-turn (`--rows`: tiny.py's question
 kinds, 1-6 user/assistant exchanges, each question said 1-3 times and each answer 1-4 times, a system turn in ~30% of
@@ -24,8 +25,18 @@ jsonl is read into that cache before the clock starts, and each side's clock cov
   `_prepare_dataset` (tokenize, labels, truncation, drop of fully masked rows). Packing, TRL's step after preparation
   in both pipelines, is left out of both.
 Runs alternate (TRL, ours, ...) `--repeats` times per size; each figure is the best run, since load from neighbours on
-a shared machine only adds time. The tokens and labels of the last run of each side are compared row by row. Results
-are printed and written into docs/benchmarks.md between the data-bench markers (the rest is kept).
+a shared machine only adds time. The tokens and labels of the last run of each side are compared row by row.
+
+At scale (bench/data_scale.py; `--scale_rows`, multi-turn rows; `--only_scale` runs these alone): `python -m
+sftrecipes prepare` of the file as a user runs it (its own process, imports included; a fresh data_cache_dir and
+HF_DATASETS_CACHE), measured from outside: rows/s as it says them, the peak RSS of its largest process (the preparer or one of datasets' workers:
+each one's kernel high-water mark, the largest kept: getrusage(RUSAGE_CHILDREN) of a wrapper), the PSS of all of them
+together sampled every 0.5 s, the disk the cache entry and datasets' cache take (st_blocks), sampled during the run
+and measured after it, and the tokens the entry holds.
+
+Results are printed and written into docs/benchmarks.md between the data-bench markers (the rest is kept); the scale
+table has markers of its own inside that section, so `--only_scale` rewrites it alone and a run without scale rows
+keeps it.
 """
 
 from __future__ import annotations
@@ -42,6 +53,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from data_scale import SCALE_END, SCALE_START, scale_report, scale_run
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "benchmarks.md"
@@ -220,7 +233,7 @@ def machine() -> str:
 
 
 def report(results: dict[tuple[str, int], dict[str, list[dict]]], agree: dict[tuple[str, int], dict], argv: list[str],
-           seconds: float, load: str) -> str:
+           seconds: float, load: str, scale: str = "") -> str:
     lines = [START, "## Data preparation", "",
              f"`{shlex.join(['python', 'bench/bench_data.py', *argv])}` (`make bench-data`), "
              f"{datetime.date.today().isoformat()}, {seconds / 60:.1f} min in all. {machine()}. {load}", "",
@@ -253,7 +266,7 @@ def report(results: dict[tuple[str, int], dict[str, list[dict]]], agree: dict[tu
             st, trl = best(by["stream"]), best(by["trl"])
             lines.append(f"| {n:,} {shape} | {st['file_mb']:,.1f} | {st['rows_per_s']:,.0f} | "
                          f"{st['rows_per_s'] / trl['rows_per_s']:.1f}x | {st['packed_rows']:,} | {st['peak_growth_mb']:,.0f} |")
-    lines += [NOTES, END]
+    lines += [NOTES, *([scale] if scale else []), END]
     return "\n".join(lines)
 
 
@@ -271,7 +284,7 @@ rows and 389 MB for 200,000 (a file 4x larger); it follows the buffer (10,000 ro
 while they are prepared and packed; 164 MB for short rows).
 
 Where the time goes (cProfile on one process of ours, 20,000 multi-turn rows, quiet machine, 2026-12-05): the Rust
-tokenizer's encode ~62% (`encode_batch_fast`: ~0.135 ms for a 157-token row; tokenization.encode takes it where no
+tokenizer's encode ~62% (`encode_batch_fast`: ~0.135 ms for a 157-token row; fastencode.encode takes it where no
 offsets are needed, as here), rendering ~22% (plain turns of the project's templates in Python,
 tokenizer.render_plain_turns; other templates through transformers' render_jinja_template without
 apply_chat_template's per-call work), the ids as Python lists ~8%, the batch's columns as one Arrow table ~5%, the
@@ -297,11 +310,24 @@ Before this change (git HEAD faa6c2b, measured once on the 50,000 multi-turn row
 """
 
 
-def write_section(text: str, path: Path = DOCS) -> None:
-    """Replace only the text between the data-bench markers (append the section when absent); keep the rest."""
+def write_section(text: str, path: Path = DOCS, start: str = START, end: str = END) -> None:
+    """Replace only the text between the data-bench markers (append the section when absent); keep the rest. The scale
+    table's own markers: inside the data-bench section, at its end when absent."""
     import bench_train  # noqa: PLC0415 - the one section writer of the bench scripts (bench/ is on sys.path)
 
-    bench_train.write_section(text, path, START, END)
+    old = path.read_text() if path.exists() else ""
+    if start == SCALE_START and SCALE_START not in old and END in old:
+        path.write_text(old.replace(END, text + "\n" + END, 1))
+        return
+    bench_train.write_section(text, path, start, end)
+
+
+def kept_scale(path: Path = DOCS) -> str:
+    """The scale table as docs/benchmarks.md has it (a run without scale rows keeps it), or ''."""
+    old = path.read_text() if path.exists() else ""
+    if SCALE_START not in old or SCALE_END not in old:
+        return ""
+    return SCALE_START + old.split(SCALE_START, 1)[1].split(SCALE_END, 1)[0] + SCALE_END
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -314,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--short_rows", default="50000", help="sizes of short rows, comma-separated ('' for none)")
     p.add_argument("--repeats", type=int, default=1, help="runs of each side per size (alternated)")
     p.add_argument("--reference_rows", type=int, default=50000, help="run the per-row reference on sizes up to this")
+    p.add_argument("--scale_rows", default="100000,1000000", help="sizes of `prepare` as users run it: rows/s, peak RSS, "
+                   "disk (multi-turn rows; '' for none)")
+    p.add_argument("--only_scale", action="store_true", help="run the scale rows alone and rewrite their table alone")
     p.add_argument("--no-docs", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
@@ -326,7 +355,20 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[tuple[str, int], dict[str, list[dict]]] = {}
     agree: dict[tuple[str, int], dict] = {}
     sizes = [("multi-turn", int(x)) for x in args.rows.split(",") if x] + [("short", int(x)) for x in args.short_rows.split(",") if x]
+    if args.only_scale:
+        sizes = []
+    scale: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp:
+        for n in [int(x) for x in args.scale_rows.split(",") if x]:
+            rows_file = Path(tmp) / f"scale-{n}.jsonl"
+            write_rows(rows_file, n)
+            r = scale_run(rows_file, Path(tmp))
+            scale.append(r)
+            rows_file.unlink()
+            print(f"{n:>9,} multi-turn rows  prepare: {r['prepare_seconds']:7.1f} s ({r['seconds']:.1f} s the command)  "
+                  f"{r['rows_per_s']:8,.0f} rows/s  peak RSS {r['maxrss_mb']:,.0f} MB (largest process), PSS {r['pss_mb']:,.0f} MB "
+                  f"(all)  entry {r['entry_mb']:,.0f} MB ({r['tokens']:,} tokens), peak disk {r['peak_disk_mb']:,.0f} MB, "
+                  f"left in datasets' cache {r['hf_mb']:,.0f} MB", flush=True)
         for shape, n in sizes:
             rows_file = Path(tmp) / f"{shape}-{n}.jsonl"
             write_rows(rows_file, n, shape)
@@ -345,7 +387,14 @@ def main(argv: list[str] | None = None) -> int:
     load = (f"Load average (1 min) {load_before[0]:.1f} at the start, {load_after[0]:.1f} at the end (this bench's runs count "
             "in it)" + (": other work shared the machine, so every figure is lower than on an idle one."
                         if load_before[0] > 1.0 or load_after[0] > 2.5 else "."))
-    text = report(results, agree, argv, time.time() - t0, load)
+    scale_text = scale_report(scale, argv, time.time() - t0, f"{machine()}. {load}") if scale else kept_scale()
+    if args.only_scale:
+        print(scale_text)
+        if not args.no_docs and scale:
+            write_section(scale_text, DOCS, SCALE_START, SCALE_END)
+            print(f"bench-data: wrote the scale table of {DOCS.relative_to(ROOT)}")
+        return 0
+    text = report(results, agree, argv, time.time() - t0, load, scale_text)
     print(text)
     if not args.no_docs:
         write_section(text)

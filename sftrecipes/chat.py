@@ -33,6 +33,7 @@ from transformers import PreTrainedTokenizerBase
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from .errors import RecipeError
+from .images import is_image_part
 from .tokenizer import render_plain_turns
 
 # bits of a row's `_unrendered` mask: which of its fields the template left out of the text
@@ -55,8 +56,15 @@ def _parsed(value, key: str, at: str, fix_hint: str):
         raise RecipeError(f"{key}: {at} is not JSON ({e}: {value[:60]!r}); {fix_hint}") from None
 
 
-def fix(key: str) -> str:
-    """What to do about a template that fails on, or leaves out, what chat rows hold (key: template_key)."""
+def fix(key: str, value: str | None = None) -> str:
+    """What to do about a template that fails on, or leaves out, what chat rows hold (key: template_key; value: the
+    recipe's setting of it). Never what the recipe already uses: under chatml or zephyr, which render text (or null)
+    content, tool calls, tool turns, reasoning and tools, the fix is in the rows or another template."""
+    if key == "chat_template_format" and value in ("chatml", "zephyr"):
+        return (f"chat_template_format: {value} (this recipe's) renders text or null content, tool_calls, tool turns, "
+                "reasoning_content and tools, nothing else (docs/chat_data.md): write each message's content as a "
+                "string, or set chat_template_format: tokenizer with a template (chat_template_path) that renders what "
+                "the rows hold")
     how = "remove chat_template_path and use" if key == "chat_template_path" else "use"
     return (f"{how} chat_template_format: chatml or zephyr (they render tool_calls, tool turns, reasoning_content and "
             "content: null; docs/chat_data.md), or a template that renders what the rows hold")
@@ -110,6 +118,7 @@ class Chat:
                  fast: bool = False):
         self.tok, self.where, self.struct_args, self.fast = tokenizer, where, structs[0], fast
         self.key = template_key(recipe)
+        self.setting = recipe.model.chat_template_format
         self.tools = self._tools(row.get("tools"), structs[1])
         kwargs = _parsed(row.get("chat_template_kwargs"), "chat_template_kwargs", f"{where}: the column",
                          'write an object such as {"enable_thinking": false}, or that object as a JSON string')
@@ -153,6 +162,9 @@ class Chat:
             if not isinstance(m, dict) or "role" not in m:
                 raise RecipeError(f"messages: {self.where}, message {i} is not a role/content object; fix the data")
             m = _no_nulls(m, deep=False)
+            if isinstance(m.get("content"), list) and any(is_image_part(p) for p in m["content"]):
+                raise RecipeError(f"messages: {self.where}, message {i} holds an image part ({{\"type\": \"image\"}}); "
+                                  "runs here train on text, so it would be dropped; train on rows without images")
             if "tool_calls" in m:
                 if not isinstance(m["tool_calls"], list):
                     raise RecipeError(f"tool_calls: {self.where}, message {i}: tool_calls is {type(m['tool_calls']).__name__}, "
@@ -173,7 +185,7 @@ class Chat:
         except TEMPLATE_ERRORS as e:
             said = " ".join(str(e).split())[:200]
             raise RecipeError(f"{self.key}: the chat template fails on {self.where} ({type(e).__name__}: {said}){_holds(msgs, self.tools)}; "
-                              f"{fix(self.key)}") from None
+                              f"{fix(self.key, self.setting)}") from None
 
     def _render(self, msgs: list[dict], tools, add_generation_prompt: bool = False) -> str:
         """apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=..., **row arguments) for

@@ -1,9 +1,10 @@
 """Datasets: which rows a run trains on (one dataset or a seeded mixture, its splits), read and prepared for SFTTrainer.
 
-Sources are a hub id, a local folder, a save_to_disk folder or a json/jsonl/parquet/csv file; a `datasets:` mixture
-draws each entry's rows under the seed. Each split's format is read (formats.py) and its samples made into tokens and
-labels (tokenization.py). Which sources and splits a recipe names, and the data keys checked before anything
-loads, are sources.py's (torch-free, read by recipe validation).
+Sources are a hub id, a local folder, a save_to_disk folder or a json/jsonl/parquet/csv/arrow file (a local file or
+folder read by datafiles.py: every file of a split whatever its format, counted per format; its splits checked before
+any row is read); a `datasets:` mixture draws each entry's rows under the seed. Each split's format is read
+(formats.py) and its samples made into tokens and labels (tokenization.py). Which sources and splits a recipe names,
+and the data keys checked before anything loads, are sources.py's (torch-free, read by recipe validation).
 
 Entry points: `prepared_datasets` (train.py, `prepare`): the prepared data from its cache entry (prepcache.py), built
 there once by one process while the others wait on its files; `load_datasets`: the same rows prepared here and now,
@@ -18,46 +19,47 @@ from pathlib import Path
 import datasets
 import numpy as np
 
-from . import prepcache
+from . import datafiles, prepcache
 from .errors import RecipeError
 from .formats import SHAREGPT_ROLES, check_template, detect_format, is_conversational, sample_prompt
+from .images import refuse_split
 from .recipe import Recipe
 from .sources import Source, check_eval_split, sources
 from .tokenization import finish_split, log_bos, tokenize_split
 
 log = logging.getLogger("sftrecipes")
 
-FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
-
 
 def _load_split(name: str, split: str, key: str = "dataset_name", split_key: str = "splits", config: str | None = None,
-                missing_ok: bool = False, streaming: bool = False):
-    """One split of a hub id, local folder, save_to_disk folder or file; None when missing and missing_ok. streaming:
-    a datasets.IterableDataset read as it is iterated (a save_to_disk folder, memory-mapped, as one)."""
+                missing_ok: bool = False, streaming: bool = False) -> datafiles.Read | None:
+    """One split of a hub id, local folder, save_to_disk folder or file, as read (datafiles.Read: the dataset and its
+    rows per file format); None when missing and missing_ok. streaming: a datasets.IterableDataset read as it is
+    iterated (a save_to_disk folder, memory-mapped, as one). A local source's split is checked before anything is
+    read; a folder's files are read by datafiles.py (every format of a split)."""
     path = Path(name).expanduser()
+    present, names = datafiles.has_split(name, split, key, config)
+    if present is False:
+        if missing_ok:
+            return None
+        raise RecipeError(datafiles.missing_split(name, split, split_key, names))
     try:
-        if streaming and path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "dataset_info.json").exists()):
-            ds = _load_split(name, split, key, split_key, config, missing_ok)
-            return None if ds is None else ds.to_iterable_dataset()
-        if path.is_file():
-            builder = FILE_BUILDERS.get(path.suffix)
-            if builder is None:
-                raise RecipeError(f"{key}: '{name}' has suffix '{path.suffix}'; use one of {', '.join(FILE_BUILDERS)}")
-            if "train" not in split:
-                if missing_ok:
-                    return None
-                raise RecipeError(f"{split_key}: '{split}' asked of the single file '{name}', which is one 'train' split; use a folder with {split}.jsonl")
-            return datasets.load_dataset(builder, data_files={"train": str(path)}, split="train", streaming=streaming)
-        if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "dataset_info.json").exists()):
+        if datafiles.is_saved(path):
             ds = datasets.load_from_disk(str(path))
             if isinstance(ds, datasets.DatasetDict):
-                if split not in ds:
-                    if missing_ok:
-                        return None
-                    raise RecipeError(f"{split_key}: '{split}' not in '{name}' (has {', '.join(ds)}); fix {split_key}")
-                return ds[split]
-            return ds
-        return datasets.load_dataset(str(path) if path.is_dir() else name, config, split=split, streaming=streaming)
+                ds = ds[split]
+            return datafiles.Read(ds.to_iterable_dataset() if streaming else ds, None,
+                                  None if streaming else [("save_to_disk", len(ds))])
+        files = None if config else datafiles.splits_of(name, key)
+        if files is not None:
+            have = files["train"] if path.is_file() else files[datafiles.base_split(split)]
+            parts = datafiles.parts_of(name, split, have, key)
+            if parts is not None:
+                return datafiles.read(name, "train" if path.is_file() else split, parts, key, streaming=streaming)
+        ds = datasets.load_dataset(str(path) if path.is_dir() else name, config, split=split, streaming=streaming)
+        if streaming:
+            return datafiles.Read(ds, None, None)
+        label = "hub" if not path.exists() else datafiles.label_of((files or {}).get(datafiles.base_split(split), []))
+        return datafiles.Read(ds, None, [(label, len(ds))])
     except RecipeError:
         raise
     except ValueError as e:
@@ -72,20 +74,33 @@ def _load_split(name: str, split: str, key: str = "dataset_name", split_key: str
         raise RecipeError(f"{key}: '{name}' needs the hub, which is unreachable ({e}); use a local copy") from None
 
 
-def load_source(src: Source, split: str, required: bool = True, streaming: bool = False):
-    """One split of a source with its columns renamed (`columns`); None when missing and not required. streaming: a
-    datasets.IterableDataset (stream.py; `dataset_name` only, which has no `columns`)."""
-    key = src.split_key if split == src.split else src.eval_key
-    ds = _load_split(src.path, split, "dataset_name" if src.key == "dataset_name" else f"{src.key}.path", key, src.config,
-                     missing_ok=not required, streaming=streaming)
-    if ds is None or not src.columns:
-        return ds
+def read_source(src: Source, split: str, required: bool = True, streaming: bool = False) -> datafiles.Read | None:
+    """One split of a source as read (datafiles.Read), its columns renamed (`columns`); None when missing and not
+    required. Asked for the source's training split, a local source's eval split is checked first too: a split it
+    lacks is refused before any row is read. streaming: a datasets.IterableDataset (stream.py; `dataset_name` only,
+    which has no `columns`)."""
+    key = "dataset_name" if src.key == "dataset_name" else f"{src.key}.path"
+    if split == src.split and src.eval_split and src.eval_required:
+        present, names = datafiles.has_split(src.path, src.eval_split, key, src.config)
+        if present is False:
+            raise RecipeError(datafiles.missing_split(src.path, src.eval_split, src.eval_key, names))
+    got = _load_split(src.path, split, key, src.split_key if split == src.split else src.eval_key, src.config,
+                      missing_ok=not required, streaming=streaming)
+    if got is None or not src.columns:
+        return got
+    ds = got.dataset
     missing = [c for c in src.columns if c not in ds.column_names]
     if missing:
         raise RecipeError(f"{src.key}.columns: '{missing[0]}' is not a column of {src.path} ({split}: has {', '.join(ds.column_names)}); map existing columns")
     clash = [new for old, new in src.columns.items() if new in ds.column_names and new not in src.columns]
     ds = ds.remove_columns(clash)  # the renamed column replaces one of that name
-    return ds.rename_columns(src.columns)
+    return datafiles.Read(ds.rename_columns(src.columns), got.parts, got.rows)
+
+
+def load_source(src: Source, split: str, required: bool = True, streaming: bool = False):
+    """read_source's dataset alone (None when missing and not required)."""
+    got = read_source(src, split, required, streaming)
+    return None if got is None else got.dataset
 
 
 def load_raw(recipe: Recipe):
@@ -167,6 +182,11 @@ def load_datasets(recipe: Recipe, tokenizer, eot: str):
     return train, evals, prompt, counts
 
 
+def _add_counts(total: dict[str, int], part: dict[str, int] | None) -> None:
+    for label, n in (part or {}).items():
+        total[label] = total.get(label, 0) + n
+
+
 def build_datasets(recipe: Recipe, tokenizer, eot: str):
     """load_datasets' work, which only the inputs of the cache key shape (prepkey.key_inputs): everything but the
     eval split's check against eval_strategy."""
@@ -178,10 +198,14 @@ def build_datasets(recipe: Recipe, tokenizer, eot: str):
     seed = int(recipe.trl_value("seed"))
     completion_only_set = recipe.trl.get("completion_only_loss") is not None
     train_parts, eval_parts, train_formats, eval_formats, draws, prompt = [], [], {}, {}, [], None
+    train_files, eval_files = {}, {}  # rows per file format (datafiles.py)
     sharegpt_logged = False
     for i, src in enumerate(srcs):
-        raw = load_source(src, src.split)
-        raw_eval = load_source(src, src.eval_split, required=src.eval_required) if src.eval_split else None
+        got = read_source(src, src.split)
+        got_eval = read_source(src, src.eval_split, required=src.eval_required) if src.eval_split else None
+        raw, raw_eval = got.dataset, got_eval.dataset if got_eval is not None else None
+        for split, ds in ((src.split, raw), (src.eval_split, raw_eval)):  # image rows: refused before tokenizing
+            refuse_split(recipe, ds, f"{src.key} {src.path} ({split})")
         fmt = detect_format(recipe, raw.column_names, f"{src.key} ({src.path}, {src.split})", src.format,
                             "dataset_format" if src.key == "dataset_name" or src.format == recipe.data.dataset_format else f"{src.key}.format")
         first = raw[0] if len(raw) else None
@@ -201,7 +225,9 @@ def build_datasets(recipe: Recipe, tokenizer, eot: str):
         train_parts.append(tokenize_split(recipe, tokenizer, eot, raw, name, fmt, f"{src.key} {src.path} ({src.split})",
                                           idx if mixture else None))
         train_formats[fmt] = train_formats.get(fmt, 0) + len(raw)
+        _add_counts(train_files, got.counts(idx if mixture else None))
         if raw_eval is not None:
+            _add_counts(eval_files, got_eval.counts())
             eval_parts.append(tokenize_split(recipe, tokenizer, eot, raw_eval, f"eval split of {src.key}" if mixture else "eval split", fmt,
                                              f"{src.key} {src.path} ({src.eval_split})"))
             eval_formats[fmt] = eval_formats.get(fmt, 0) + len(raw_eval)
@@ -212,12 +238,12 @@ def build_datasets(recipe: Recipe, tokenizer, eot: str):
     if mixture:
         train_tok = train_tok.shuffle(seed=seed)
         log_mixture(seed, draws)
-    train, counts_train = finish_split(recipe, train_tok, "train split", train_formats)
+    train, counts_train = finish_split(recipe, train_tok, "train split", train_formats, files=train_files)
     counts = {"train": counts_train}
     evals = None
     if eval_parts:
         eval_tok = datasets.concatenate_datasets(eval_parts) if len(eval_parts) > 1 else eval_parts[0]
-        evals, counts["eval"] = finish_split(recipe, eval_tok, "eval split", eval_formats, is_eval=True)
+        evals, counts["eval"] = finish_split(recipe, eval_tok, "eval split", eval_formats, is_eval=True, files=eval_files)
     log_bos(tokenizer, sum(c["duplicate_bos_removed"] for c in counts.values()))
     if mixture:
         counts["mixture"] = {"seed": seed, "sources": draws}

@@ -31,6 +31,7 @@ from trl.data_utils import extract_prompt, unpair_preference_dataset
 from .data import draw_entry, load_source, log_mixture
 from .errors import RecipeError
 from .formats import check_template, detect_preference_format, from_sharegpt
+from .images import refuse_split
 from .recipe import Recipe
 from .schema import METHODS, REFERENCE_FREE, TRAINERS
 from .sources import Source, check_eval_split, sources
@@ -286,12 +287,13 @@ def preference_datasets(recipe: Recipe, tokenizer):
         for split, ds, split_name in (("train", raw, src.split), ("eval", raw_eval, src.eval_split)):
             if ds is None:
                 continue
+            where = f"{src.key} {src.path} ({split_name})"
+            refuse_split(recipe, ds, where)  # rows that carry images: counted, refused in one line (images.py)
             shape = read_shape(recipe, method, src, ds, split_name)
             log.info("data: %s %s (%s): %s", src.key, src.path, split_name, _describe(recipe, shape, tokenizer))
             if split == "train" and mixture:
                 ds, _, record = draw_entry(ds, raw_eval, src, seed, i)
                 draws.append(record)
-            where = f"{src.key} {src.path} ({split_name})"
             rows, part = prepare_rows(ds, shape, method, where)
             part = {"source": src.key, "path": src.path, "split": split_name, "shape": shape.describe(), **part}
             if method == "kto":

@@ -5,12 +5,15 @@ No collective, so no ddp_timeout, however long the preparation takes.
     <data_cache_dir>/<key>/
         lock             the preparer (host, pid, token), taken atomically; a dead or silent holder's is taken over
         heartbeat.json   rewritten by the preparer's thread every few seconds (phase, beat counter, rows prepared
-                         of rows to prepare: progress-<token>/)
-        progress-<token>/  rows to prepare per split, rows prepared per preparing process (tokenization.py writes them)
+                         of rows to prepare: its attempt's progress/)
+        attempt-<token>/ all the preparer writes until the entry is complete (prepattempt.py: its progress, datasets'
+                         cache, the rows before they are renamed into place); removed when it ends, or by the next
+                         process to take the entry after it was killed
         waiting/         one file per process waiting on this entry (and `.seen` once it read the error)
         error.json       a failed attempt: its one line, for every waiting process to exit with
-        prepared/        train/, eval/ (save_to_disk), prepared.json (counts, sample prompt, data log lines),
-                         inputs.json (the key's inputs: what a later rebuild is compared with); renamed into place
+        prepared/        train.arrow, eval.arrow (the rows as SFTTrainer reads them: trainrows.py), prepared.json
+                         (counts, sample prompt, data log lines), inputs.json (the key's inputs: what a later rebuild is
+                         compared with); renamed into place
         complete         written last: the entry may be read
 
 Every process of a run (and any other run or `prepare` sharing the cache) calls `obtain`: the first to take the lock
@@ -36,9 +39,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from . import prepattempt
+from .prepattempt import read_json as _read_json, write_json as _write_json
 from .errors import RecipeError
 from .prepkey import describe_changes, entry_key, key_inputs
-from .procs import gone_from_this_host, identity, now_iso, read_holder
+from .procs import gone_from_this_host, now_iso, read_holder
 from .recipe import Recipe
 
 log = logging.getLogger("sftrecipes")
@@ -48,8 +53,6 @@ PROGRESS_S = 30.0  # how often it says it is still waiting
 ERROR_ACK_S = 10.0  # how long a failed preparer waits for the waiting processes to read its error
 RECENT_ERROR_S = 60.0  # a recipe error written this recently, with no attempt running, is this run's too
 DEFAULT_STALE_S = 120.0  # the bound when run.heartbeat_timeout is 0
-SLOW_ENV = "SFTRECIPES_TEST_SLOW_PREPARATION_S"  # tests only: the preparer sleeps this long (heartbeat running) first
-_RECORD = 512  # bytes of one heartbeat record, rewritten in place
 
 
 class PreparationFailed(RuntimeError):
@@ -102,109 +105,6 @@ def previous_entry(root: Path, inputs: dict, key: str) -> tuple[str, dict, dict]
 
 
 # ----------------------------------------------------------------------------------------------- files
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        value = json.loads(path.read_bytes())
-        return value if isinstance(value, dict) else None
-    except (OSError, ValueError):
-        return None
-
-
-def _write_json(path: Path, value: dict) -> None:
-    """Written whole or not at all: to a file of its own, renamed into place."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
-    tmp.write_text(json.dumps(value, indent=1, default=str))
-    os.replace(tmp, path)
-
-
-def _me() -> dict:
-    return {**identity(), "rank": int(os.environ.get("RANK", "0"))}
-
-
-# ----------------------------------------------------------------------------------------------- progress
-
-_progress: Path | None = None  # the progress/ folder of the entry this process prepares now (None: none)
-
-
-def progress_dir() -> Path | None:
-    """Where the preparation under way in this process counts its rows (tokenization.tokenize_split), or None."""
-    return _progress
-
-
-def note_total(folder: Path, split: str, rows: int) -> None:
-    """`rows` of `split` are to be prepared (the process that maps the split)."""
-    _write_json(folder / f"total-{_safe(split)}.json", {"split": split, "rows": rows})
-
-
-def note_done(folder: Path, split: str, rows: int) -> None:
-    """This process has prepared `rows` rows of `split` so far (each preparing process, worker or not)."""
-    _write_json(folder / f"done-{os.getpid()}-{_safe(split)}.json", {"rows": rows})
-
-
-def _safe(split: str) -> str:
-    return "".join(c if c.isalnum() else "_" for c in split)
-
-
-def read_progress(folder: Path) -> tuple[int, int] | None:
-    """(rows prepared, rows to prepare) so far of every split announced in `folder`; None before the first."""
-    done = total = 0
-    found = False
-    with contextlib.suppress(OSError):
-        for f in folder.iterdir():
-            rec = _read_json(f) if f.suffix == ".json" else None
-            if rec and f.name.startswith("total-"):
-                total, found = total + int(rec.get("rows", 0)), True
-            elif rec and f.name.startswith("done-"):
-                done += int(rec.get("rows", 0))
-    return (done, total) if found else None
-
-
-def describe_progress(beat: dict, seen: dict, now: float) -> str:
-    """A waiting process's words for the preparer's progress: rows prepared of rows to prepare and the time left at
-    the rate seen since this process first saw rows move (seen: {'t', 'done'} of that first sight, kept by the
-    caller); the phase alone while no split has been announced."""
-    phase = beat.get("phase") or "starting"
-    done, total = beat.get("done"), beat.get("total")
-    if not total:
-        return phase
-    words = f"{phase}: {done:,} of {total:,} rows ({100 * done / total:.0f}%)"
-    if "t" in seen and done > seen["done"] and now > seen["t"]:
-        rate = (done - seen["done"]) / (now - seen["t"])
-        words += f", ~{max(total - done, 0) / rate:.0f}s left at {rate:,.0f} rows/s"
-    return words
-
-
-class _Heartbeat:
-    """The preparer's heartbeat.json, rewritten in place from a thread (same inode: readers on a shared filesystem see
-    it at their next open): its beat counter changes at every beat, the phase says what it does, done/total the rows
-    prepared of the rows to prepare (its progress folder)."""
-
-    def __init__(self, path: Path, token: str, interval: float, progress: Path | None = None):
-        self.path, self.token, self.interval, self.progress = path, token, interval, progress
-        self.phase, self.count, self._stop = "starting", 0, threading.Event()
-        self.path.write_bytes(self._record())
-        self._thread = threading.Thread(target=self._loop, name="sftrecipes-prepcache", daemon=True)
-        self._thread.start()
-
-    def _record(self) -> bytes:
-        rec = {**_me(), "token": self.token, "beat": self.count, "phase": self.phase, "time": round(time.time(), 1)}
-        counted = read_progress(self.progress) if self.progress is not None else None
-        if counted is not None:
-            rec["done"], rec["total"] = counted
-        return json.dumps(rec).ljust(_RECORD).encode()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.count += 1
-            with contextlib.suppress(OSError):
-                with open(self.path, "r+b") as f:
-                    f.write(self._record())
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
 
 
 class _Capture(logging.Handler):
@@ -261,7 +161,7 @@ class Entry:
                 aside.unlink(missing_ok=True)
                 return None
             aside.unlink(missing_ok=True)
-        me = {**_me(), "token": token, "since": now_iso()}
+        me = {**prepattempt.me(), "token": token, "since": now_iso()}
         tmp = self.dir / f"lock.{token}"
         try:
             tmp.write_text(json.dumps(me))
@@ -306,8 +206,8 @@ class Entry:
         try:
             if meta is None:
                 raise FileNotFoundError(self.prepared / "prepared.json")
-            train = datasets.load_from_disk(str(self.prepared / "train"))
-            evals = datasets.load_from_disk(str(self.prepared / "eval")) if meta.get("has_eval") else None
+            train = datasets.Dataset.from_file(str(self.prepared / "train.arrow"))
+            evals = datasets.Dataset.from_file(str(self.prepared / "eval.arrow")) if meta.get("has_eval") else None
         except (OSError, ValueError) as e:
             raise PreparationFailed(f"data: the prepared entry {self.dir} is damaged ({type(e).__name__}: {str(e)[:160]}); "
                                     "delete that folder and run again") from None
@@ -340,8 +240,9 @@ def obtain(recipe: Recipe, tokenizer, eot: str | None, build: Callable[[], tuple
     try:
         while True:
             if entry.is_complete():
-                how = "waited" if seen else "reused"
-                return _use(entry, key, how, start)
+                if entry.read_lock() is None:  # no attempt can be running: what a killed one left goes
+                    prepattempt.remove_dead(entry.dir)
+                return _use(entry, key, "waited" if seen else "reused", start)
             err = _read_json(entry.error)
             if err and (err.get("attempt") in seen or _recent_recipe_error(entry, err, entry.read_lock())):
                 _ack(entry, me)
@@ -374,7 +275,7 @@ def obtain(recipe: Recipe, tokenizer, eot: str | None, build: Callable[[], tuple
                 watched = {"token": token, "beat": None, "changed": time.monotonic(), "moved": -1, "rate": {}}
                 if not registered:
                     entry.waiting.mkdir(exist_ok=True)
-                    (entry.waiting / me).write_text(json.dumps(_me()))
+                    (entry.waiting / me).write_text(json.dumps(prepattempt.me()))
                     registered = True
                 log.info("data: host %s pid %s (rank %s) prepares the data into %s; waiting for it (no collective: "
                          "ddp_timeout does not apply)", held.get("host"), held.get("pid"), held.get("rank"), entry.dir)
@@ -403,7 +304,7 @@ def obtain(recipe: Recipe, tokenizer, eot: str | None, build: Callable[[], tuple
             if now - last_said >= PROGRESS_S:
                 last_said = now
                 log.info("data: still waiting for host %s pid %s to prepare %s (%s; %.0fs so far)", held.get("host"),
-                         held.get("pid"), entry.dir, describe_progress(watched.get("last") or {}, watched["rate"], now),
+                         held.get("pid"), entry.dir, prepattempt.describe_progress(watched.get("last") or {}, watched["rate"], now),
                          now - start)
             time.sleep(POLL_S)
     finally:
@@ -436,50 +337,40 @@ def _raise(err: dict):
 
 
 def _build_entry(entry: Entry, recipe: Recipe, inputs: dict, build: Callable[[], tuple], token: str, start: float) -> Prepared:
-    """Prepare the data under the lock `token`: heartbeat running, the result saved into a folder of its own and
-    renamed into place, `complete` last. On failure the error goes to error.json for the waiting processes."""
+    """Prepare the data under the lock `token`: heartbeat running, everything written into the attempt's own folder
+    (prepattempt.py), the rows saved as the trainer reads them (trainrows.py) and renamed into place, `complete` last,
+    the attempt's folder removed. On failure the error goes to error.json for the waiting processes."""
     if entry.is_complete():  # finished by another process between the look and the lock
         entry.release(token)
         return _use(entry, entry.key, "reused", start)
-    for old in entry.dir.glob(".tmp-*"):  # a killed attempt's
-        shutil.rmtree(old, ignore_errors=True)
-    global _progress
-    for old in entry.dir.glob("progress-*"):  # a killed attempt's counts
-        shutil.rmtree(old, ignore_errors=True)
-    progress = entry.dir / f"progress-{token}"  # this attempt's (a process's counts of an earlier one never add up here)
-    progress.mkdir()
-    heart = _Heartbeat(entry.heartbeat, token, min(max(entry.stale_s / 10, 0.5), 5.0), progress)
+    attempt = prepattempt.Attempt(entry.dir, token)  # what killed attempts left is removed first
+    heart = prepattempt.Heartbeat(entry.heartbeat, token, min(max(entry.stale_s / 10, 0.5), 5.0), attempt.progress)
     capture = _Capture()
     log.addHandler(capture)
     begun = time.monotonic()
-    _progress = progress
     try:
-        if os.environ.get(SLOW_ENV):
-            heart.phase = f"sleeping {SLOW_ENV}"
-            time.sleep(float(os.environ[SLOW_ENV]))
-        heart.phase = "loading and tokenizing"
-        train, evals, prompt, counts = build()
-        seconds = time.monotonic() - begun
-        heart.phase = "saving"
-        log.removeHandler(capture)
-        tmp = entry.dir / f".tmp-{token}"
-        tmp.mkdir()
-        num_proc = recipe.trl_value("dataset_num_proc")
-        train.save_to_disk(str(tmp / "train"), num_proc=num_proc)
-        if evals is not None:
-            evals.save_to_disk(str(tmp / "eval"), num_proc=num_proc)
+        with attempt.preparing():  # datasets writes into the attempt's folder; Arrow pages read are handed back
+            heart.phase = "loading and tokenizing"
+            train, evals, prompt, counts = build()
+            attempt.drop_source_copies()  # (mapped still where read: the pages go with the mapping)
+            heart.phase = "saving"
+            log.removeHandler(capture)
+            from . import trainrows  # noqa: PLC0415 - TRL's packing: where an entry is prepared, not where one is read
+
+            trainrows.save(recipe, train, attempt.prepared / "train.arrow", False, attempt.scratch_file)
+            if evals is not None:
+                trainrows.save(recipe, evals, attempt.prepared / "eval.arrow", True, attempt.scratch_file)
+        seconds = time.monotonic() - begun  # read, tokenized, counted, packed and written
         rows = _rows(counts)
-        (tmp / "inputs.json").write_text(json.dumps(inputs, indent=1, default=str))
-        (tmp / "prepared.json").write_text(json.dumps({"prompt": prompt, "counts": counts, "has_eval": evals is not None,
-                                                       "log": capture.lines, "rows": rows, "seconds": round(seconds, 3)},
-                                                      indent=1, default=str))
-        try:
-            os.rename(tmp, entry.prepared)
-        except OSError:  # another preparer (which took over a lock it found silent) finished first: same inputs, same rows
-            shutil.rmtree(tmp, ignore_errors=True)
+        (attempt.prepared / "inputs.json").write_text(json.dumps(inputs, indent=1, default=str))
+        (attempt.prepared / "prepared.json").write_text(json.dumps(
+            {"prompt": prompt, "counts": counts, "has_eval": evals is not None, "log": capture.lines, "rows": rows,
+             "seconds": round(seconds, 3)}, indent=1, default=str))
+        with contextlib.suppress(OSError):  # else another preparer (which took over a lock it found silent) finished
+            os.rename(attempt.prepared, entry.prepared)  # first: same inputs, same rows
         if not entry.is_complete():
             _write_json(entry.complete, {"key": entry.key, "built": now_iso(), "seconds": round(seconds, 3), "rows": rows,
-                                         **_me()})
+                                         **prepattempt.me()})
         entry.error.unlink(missing_ok=True)  # an earlier attempt's
     except BaseException as e:
         log.removeHandler(capture)
@@ -487,13 +378,12 @@ def _build_entry(entry: Entry, recipe: Recipe, inputs: dict, build: Callable[[],
         with contextlib.suppress(OSError):
             _write_json(entry.error, {"attempt": token, "kind": "recipe" if recipe_error else "exception",
                                       "message": str(e) if recipe_error else f"{type(e).__name__}: {str(e)[:300]}",
-                                      "time": now_iso(), **_me()})
+                                      "time": now_iso(), **prepattempt.me()})
             _wait_for_acks(entry)
         raise
     finally:
-        _progress = None
         heart.stop()
-        shutil.rmtree(progress, ignore_errors=True)
+        attempt.remove()  # before the lock goes: no attempt's folder outlives its lock but a killed one's
         entry.release(token)
     if entry.is_complete():
         entry.heartbeat.unlink(missing_ok=True)

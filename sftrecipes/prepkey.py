@@ -24,9 +24,9 @@ from .recipe import Recipe
 from .sources import sources
 
 # Bump when the layout of an entry or the meaning of a key input changes (the code that prepares rows is hashed too).
-PREP_VERSION = 1
+PREP_VERSION = 2  # 2: the rows as SFTTrainer reads them (packed, shuffled: trainrows.py), one Arrow file a split
 # The modules whose code shapes the prepared rows: their source is part of the key.
-CODE = ("data.py", "sources.py", "formats.py", "chat.py", "tokenization.py", "tokenizer.py")
+CODE = ("data.py", "datafiles.py", "sources.py", "formats.py", "chat.py", "tokenization.py", "fastencode.py", "tokenizer.py", "trainrows.py")
 LIBRARIES = ("datasets", "tokenizers", "transformers", "trl", "jinja2", "numpy", "pyarrow")
 
 # What becomes of each recipe key the data step reads (tests/test_prepcache.py fails on a DataOptions key or TRL data
@@ -40,7 +40,7 @@ VIA_TOKENIZER = ("model_name_or_path", "tokenizer_name_or_path", "chat_template_
                  "trust_remote_code")  # the tokenizer as configured, hashed (tokenizer_fingerprint)
 NOT_KEYED = {
     "data_cache_dir": "where the entries are, not what they hold",
-    "dataset_num_proc": "how many processes prepare the rows, not what they make",
+    "dataset_num_proc": "how many processes prepare the rows, not what they make (trainrows.py packs in one)",
     "eval_strategy": "needs eval rows: checked against the entry each time it is used",
     "padding_free": "TRL's collator, on the prepared rows",
     "pad_to_multiple_of": "TRL's collator, on the prepared rows",
@@ -133,12 +133,13 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def recipe_inputs(recipe: Recipe) -> dict[str, Any]:
-    """The KEYED recipe keys, each where it acts: the seed draws a mixture's rows and orders TRL's wrapped packing
-    (counted here) when it shuffles; shuffle_dataset and packing_strategy only change what is counted under packing."""
+    """The KEYED recipe keys, each where it acts: the seed draws a mixture's rows and orders the rows under
+    shuffle_dataset (the entry holds them packed and shuffled as TRL would: trainrows.py); packing_strategy acts
+    under packing."""
     value = recipe.trl_value
     packing, eval_packing = bool(value("packing")), value("eval_packing")
     packs = packing or bool(eval_packing)
-    wrapped = packs and value("packing_strategy") == "wrapped"
+    shuffle = bool(value("shuffle_dataset"))
     out = {
         "add_special_tokens": recipe.data.add_special_tokens, "append_concat_token": recipe.data.append_concat_token,
         "dataset_text_field": value("dataset_text_field"),
@@ -149,8 +150,7 @@ def recipe_inputs(recipe: Recipe) -> dict[str, Any]:
         "chat_template_format": recipe.model.chat_template_format, "chat_template_path": recipe.trl.get("chat_template_path"),
         "pad_token": recipe.trl.get("pad_token"), "packing": packing, "eval_packing": eval_packing,
         "packing_strategy": value("packing_strategy") if packs else None,
-        "shuffle_dataset": bool(value("shuffle_dataset")) if wrapped else None,
-        "seed": int(value("seed")) if recipe.data.datasets or (wrapped and value("shuffle_dataset")) else None,
+        "shuffle_dataset": shuffle, "seed": int(value("seed")) if recipe.data.datasets or shuffle else None,
     }
     return out
 

@@ -7,13 +7,20 @@ packed rows shuffled again (the sampler's shuffle of a prepared split). At the e
 starts: the stream never ends, so a run is bounded by max_steps and the trainer never sees a short last batch.
 
 SFTTrainer gets the rows as a datasets.IterableDataset (`Stream.dataset`) with its preparation skipped (the rows are
-cut, masked and packed here; TRL's collator still flattens packed rows). Every rank reads the whole stream and
-accelerate gives each rank its share of every global batch, so after `global_step` steps exactly
+cut, masked and packed here; TRL's collator still flattens packed rows). accelerate gives each rank its share of every
+global batch (by default the main process reads the stream and sends the batches: dispatch_batches), so after
+`global_step` steps exactly
 global_step x per_device_train_batch_size x gradient_accumulation_steps x world_size rows have been trained on
 (`Stream.consumed`) whatever the loader read ahead. Each checkpoint records where the next row comes from
 (`position`: the data epoch, the buffer, the source's state at the buffer's first row, the rows of the buffer
 already used, the counts so far) in stream_position.json; a resumed run reads the source from that state, prepares
 that one buffer again and skips what was used: the rows, and so the weights, of the run that was not interrupted.
+A source that changed since is checked by streamresume.py (the rows the checkpoint stands on read again).
+
+A local folder's files are read whatever their format (datafiles.py), counted per format. A row the reader cannot
+parse ends the stream (`failure`): the rows are given only up to the last whole optimizer step the rows read cover
+(a buffer is read before the rows of the step it completes are given), so every rank's loader runs dry at the same
+step; streamtrain.py saves the steps trained and ends the run with the line naming the file and line.
 """
 
 from __future__ import annotations
@@ -29,11 +36,11 @@ from pathlib import Path
 import datasets
 import numpy as np
 import pyarrow as pa
-from transformers import TrainerCallback
 from trl.data_utils import pack_dataset
 
-from .chat import NOT_RENDERED, arrow_structs, describe_not_rendered, template_key
-from .data import describe_format, load_source
+from . import datafiles, images, streamresume
+from .chat import NOT_RENDERED, arrow_structs
+from .data import describe_format, load_source, read_source
 from .errors import RecipeError
 from .formats import check_template, detect_format, sample_prompt
 from .prepkey import content_fingerprint
@@ -50,21 +57,19 @@ YIELD_ROWS = 256  # rows of a prepared buffer made Python objects at a time
 _STREAMS: dict[str, Stream] = {}
 
 
-def empty_counts() -> dict:
+def empty_counts(labels=()) -> dict:
+    """The counts of buffers prepared; files: the rows read per file format (datafiles.py), by label."""
     return {"read": 0, "truncated": 0, "dropped_after_cut": 0, "fully_masked": 0, "kept": 0, "packed_rows": 0,
-            "fully_masked_packed_rows": 0, "duplicate_bos_removed": 0, "not_rendered": dict.fromkeys(NOT_RENDERED, 0)}
+            "fully_masked_packed_rows": 0, "duplicate_bos_removed": 0, "not_rendered": dict.fromkeys(NOT_RENDERED, 0),
+            "files": dict.fromkeys(labels, 0)}
 
 
 def _add(total: dict, part: dict) -> None:
     for k, v in part.items():
         if isinstance(v, dict):
-            _add(total[k], v)
+            _add(total.setdefault(k, {}), v)
         else:
-            total[k] += v
-
-
-def _minus(a: dict, b: dict) -> dict:
-    return {k: _minus(v, b[k]) if isinstance(v, dict) else v - b[k] for k, v in a.items()}
+            total[k] = total.get(k, 0) + v
 
 
 @dataclass
@@ -79,6 +84,8 @@ class Position:
     source_state: dict | None = None
     sequences: int = 0
     counts: dict = field(default_factory=empty_counts)
+    chain_before: str = ""  # the digest of the data epoch's rows before the buffer, and through it (streamresume.chain)
+    chain: str = ""
 
 
 @dataclass
@@ -87,8 +94,10 @@ class _Buffer:
     buffer: int
     source_state: dict | None
     first: int  # its first row's index in the stream
-    rows: int  # the rows it gave
+    rows: int  # the rows it gives
     counts_before: dict
+    chain_before: str = ""  # the digest of the epoch's rows before it, and through it (streamresume.chain)
+    chain: str = ""
 
 
 class Stream:
@@ -103,7 +112,16 @@ class Stream:
         self.packing = recipe.trl_value("packing") and recipe.trl_value("packing_strategy")  # None/False: rows as they are
         self.ends = end_ids(tokenizer, eot)
         self.where = f"{self.src.key} {self.src.path} ({self.src.split})"
-        first = next(self._open().iter(batch_size=1), None)
+        got = read_source(self.src, self.src.split, streaming=True)
+        self.parts = got.parts  # a local source's files by format (datafiles.Part), None otherwise
+        self.labels = [p.label for p in self.parts] if self.parts else ["save_to_disk" if datafiles.is_saved(Path(self.src.path).expanduser()) else "hub"]
+        try:
+            with datafiles.quiet_readers():
+                first = next(got.dataset.with_format("arrow").iter(batch_size=1), None)
+        except datafiles.UNREADABLE as e:
+            raise RecipeError(self._unreadable(e)) from None
+        if first is not None:
+            first, _ = datafiles.untag(first)
         if first is None or first.num_rows == 0:
             raise RecipeError(f"dataset_name: the train split of {self.src.path} has no rows; check the data and splits")
         self.columns = first.column_names
@@ -114,12 +132,18 @@ class Stream:
         self.structs = arrow_structs(datasets.Features.from_arrow_schema(first.schema))
         self.identity = {"path": self.src.path, "split": self.src.split, "config": self.src.config,
                          "content": content_fingerprint(self.src.path, self.src.config)}
-        self.start = Position()
+        if self.parts:  # every data file of the source, each split's (a resume says which changed)
+            every = datafiles.splits_of(self.src.path, "dataset_name") or {}
+            self.identity["files"] = streamresume.file_stats(self.src.path, sorted({f for fs in every.values() for f in fs}))
+        self.start = Position(counts=empty_counts(self.labels))
         self.start_step = 0  # the optimizer step `start` follows
         self.resumed_from: str | None = None  # the checkpoint `start` was read from
-        self.counts = empty_counts()  # of the rows prepared so far (ahead of training by what the loader read ahead)
+        self.counts = empty_counts(self.labels)  # of the rows prepared so far (ahead of training by what the loader read ahead)
         self.history: deque[_Buffer] = deque()
         self.keep_rows = 0  # history kept: at least this many rows behind the newest buffer (set by `dataset`)
+        self.per_step = 1  # rows one optimizer step trains on (set by `dataset`): the stream ends on a multiple of it
+        self.failure: RecipeError | None = None  # why the stream could not read on (rows(): then it ended)
+        self.primed = False  # `dataset` read ahead the rows rows() gives first
         self.epoch = 0
         self.seconds = 0.0  # spent preparing
         self.key = f"{id(self)}"
@@ -129,21 +153,48 @@ class Stream:
     def _open(self):
         return load_source(self.src, self.src.split, streaming=True).with_format("arrow")
 
+    def _unreadable(self, error: BaseException) -> str:
+        """The line for a batch the reader could not read: the file and line of the first row that cannot be parsed."""
+        if self.parts:
+            return datafiles.unreadable(self.src.path, self.src.split, self.parts, error, "dataset_name")
+        return f"dataset_name: {self.src.path} ({self.src.split}) cannot be read ({type(error).__name__}: {str(error).splitlines()[0][:200]}); check the data"
+
+    def _batches(self, source):
+        """The source's buffers of rows as read (Arrow tables, the part column dropped) and each one's part indices
+        (None: one part); a batch the reader cannot parse ends in a RecipeError naming its file and line."""
+        batches = source.iter(batch_size=self.buffer_rows)
+        while True:
+            try:
+                with datafiles.quiet_readers():
+                    table = next(batches, None)
+            except datafiles.UNREADABLE as e:
+                raise RecipeError(self._unreadable(e)) from None
+            if table is None:
+                return
+            yield datafiles.untag(table)
+
     def describe(self) -> str:
         return (f"data: {self.where}: streamed, {describe_format(self.recipe, self.src, self.fmt, self.first_row)}; "
                 f"buffers of {self.buffer_rows} rows prepared as training reads them, shuffled under seed {self.seed}"
                 + (f", packed ({self.packing}) within the buffer" if self.packing else "")
                 + "; counts are logged per logging window")
 
-    def _prepare(self, table: pa.Table, epoch: int, buffer: int) -> tuple[pa.Table, dict]:
-        """A buffer's rows as the trainer gets them (an Arrow table), and its counts."""
+    def _prepare(self, table: pa.Table, parts, epoch: int, buffer: int, chain: str) -> tuple[pa.Table, dict, str]:
+        """A buffer's rows as the trainer gets them (an Arrow table), its counts, and the epoch's digest through it."""
         t0 = time.perf_counter()
         first = buffer * self.buffer_rows
+        images.refuse_buffer(self.recipe, table, f"{self.where}: buffer {buffer} of data epoch {epoch} (its rows "
+                             f"{first}-{first + table.num_rows - 1})")  # rows that carry images: counted, one line
         indices = list(range(first, first + table.num_rows))
-        out = _prepare_batch(_decoded(table, rows=False), indices, self.tokenizer, self.recipe, self.eot, self.fmt, self.ends,
-                             self.where, None, self.structs)
+        columns = table.to_pydict()
+        chain = streamresume.chain(chain, columns)
+        out = _prepare_batch(_decoded(table, rows=False, columns=columns), indices, self.tokenizer, self.recipe, self.eot,
+                             self.fmt, self.ends, self.where, None, self.structs)
         marks = [out[c].to_numpy(zero_copy_only=False) for c in ("_status", "_bos_removed", "_unrendered")]
-        counts = {**empty_counts(), **count_marks(*marks)}
+        counts = {**empty_counts(self.labels), **count_marks(*marks)}
+        per_part = np.bincount(parts, minlength=len(self.labels)) if parts is not None else [table.num_rows]
+        for label, n in zip(self.labels, per_part):
+            counts["files"][label] += int(n)
         kept = np.flatnonzero(np.isin(marks[0], (KEPT, CUT_KEPT)))
         rng = np.random.default_rng([self.seed, epoch, buffer])
         rows = out.select(["input_ids", "labels"]).take(pa.array(kept[rng.permutation(len(kept))], pa.int64()))
@@ -160,37 +211,76 @@ class Stream:
             if self.packing == "wrapped":  # rows cut across samples: one may hold no trainable label
                 counts["fully_masked_packed_rows"] = sum(not _trainable(r) for r in rows.column("labels").to_pylist())
         self.seconds += time.perf_counter() - t0
-        return rows, counts
+        return rows, counts, chain
 
-    def rows(self):
-        """Every row the trainer gets, from `start` on, without end."""
+    def _buffers(self):
+        """Every buffer from `start` on, without end, prepared: (its _Buffer, its rows as the trainer gets them). The
+        buffer `start` lies in starts at its row 0, `start.skip` rows before the stream's next row."""
         pos = self.start
-        epoch, buffer, skip, state, seq = pos.epoch, pos.buffer, pos.skip, pos.source_state, pos.sequences
-        self.counts = copy.deepcopy(pos.counts)
-        self.history.clear()
+        epoch, buffer, state, chain = pos.epoch, pos.buffer, pos.source_state, pos.chain_before
+        first = pos.sequences - pos.skip
         while True:
-            self.epoch = epoch
             source = self._open()
             whole = state is None  # from the epoch's first row: an epoch that gives nothing gives nothing ever
             if state is not None:
                 source.load_state_dict(state)
             given = 0
-            for table in source.iter(batch_size=self.buffer_rows):
+            for table, parts in self._batches(source):
                 after = copy.deepcopy(source.state_dict())
-                out, counts = self._prepare(table, epoch, buffer)
-                n = out.num_rows
-                self._remember(_Buffer(epoch, buffer, state, seq, n, copy.deepcopy(self.counts)))
+                out, counts, through = self._prepare(table, parts, epoch, buffer, chain)
+                buf = _Buffer(epoch, buffer, state, first, out.num_rows, copy.deepcopy(self.counts), chain, through)
+                self._remember(buf)
                 _add(self.counts, counts)
-                for start in range(min(skip, n), n, YIELD_ROWS):  # as Python rows a slice at a time, not all at once
-                    yield from out.slice(start, YIELD_ROWS).to_pylist()
-                seq += n - min(skip, n)
-                given += n
-                skip, buffer, state = 0, buffer + 1, after
+                yield buf, out
+                first, given, buffer, state, chain = first + out.num_rows, given + out.num_rows, buffer + 1, after, through
             if given == 0 and whole:
                 raise RecipeError(self._nothing_kept())
             log.info("data: %s: data epoch %d read (%d rows in all); epoch %d starts", self.where, epoch,
                      self.counts["read"], epoch + 1)
-            epoch, buffer, state = epoch + 1, 0, None
+            epoch, buffer, state, chain = epoch + 1, 0, None, ""
+
+    def _begin(self) -> None:
+        """Reading starts again at `start`: the buffers read but not given yet, the rows read so far."""
+        self.counts = copy.deepcopy(self.start.counts)
+        self.history.clear()
+        self.failure, self.epoch, self.primed = None, self.start.epoch, False
+        self._source, self._ready, self._read = self._buffers(), deque(), self.start.sequences
+
+    def _read_more(self) -> bool:
+        """One more buffer read and prepared; False (and `failure` set) when the stream cannot read on: a row it
+        cannot parse, nothing kept in a whole data epoch, a template failing on a row."""
+        try:
+            buf, out = next(self._source)
+        except RecipeError as e:
+            self.failure = e
+            return False
+        self._ready.append((buf, out))
+        self._read = buf.first + buf.rows
+        return True
+
+    def rows(self):
+        """Every row the trainer gets, from `start` on, without end, unless the stream cannot read on (`failure`):
+        then it ends after the last row of the last whole optimizer step (per_step rows) the rows read cover, so
+        no step trains on fewer rows. Rows are given only up to that point before the next buffer is read."""
+        if not self.primed:  # (`dataset` read the first step's rows already)
+            self._begin()
+        self.primed = False
+        given = self.start.sequences  # the next row to give
+        while True:
+            target = self.start.sequences + (self._read - self.start.sequences) // self.per_step * self.per_step
+            while given < target:
+                buf, out = self._ready[0]
+                self.epoch = buf.epoch
+                end = min(target, buf.first + buf.rows)
+                for at in range(given - buf.first, end - buf.first, YIELD_ROWS):  # Python rows a slice at a time
+                    yield from out.slice(at, min(YIELD_ROWS, end - buf.first - at)).to_pylist()
+                given = end
+                if given == buf.first + buf.rows:
+                    self._ready.popleft()
+            if not self._read_more():
+                log.error("data: %s: the stream ends after %d rows (%d read past the last whole step are not given): %s",
+                          self.where, given, self._read - given, self.failure)
+                return
 
     def _nothing_kept(self) -> str:
         if self.recipe.trl_value("assistant_only_loss"):
@@ -209,7 +299,8 @@ class Stream:
         """The position after `consumed` rows of the stream (from the history of the buffers read)."""
         for buf in reversed(self.history):
             if buf.first <= consumed <= buf.first + buf.rows:
-                return Position(buf.epoch, buf.buffer, consumed - buf.first, buf.source_state, consumed, buf.counts_before)
+                return Position(buf.epoch, buf.buffer, consumed - buf.first, buf.source_state, consumed, buf.counts_before,
+                                buf.chain_before, buf.chain)
         if not self.history and consumed == self.start.sequences:
             return self.start
         raise RuntimeError(f"the stream's position after {consumed} rows is no longer known (buffers kept: "
@@ -224,7 +315,8 @@ class Stream:
         p = self.position(self.consumed(step, args))
         record = {"epoch": p.epoch, "buffer": p.buffer, "skip": p.skip, "source_state": p.source_state,
                   "sequences": p.sequences, "counts": p.counts, "global_step": step, "buffer_rows": self.buffer_rows,
-                  "seed": self.seed, "packing": self.packing or None, "max_length": self.max_length, "data": self.identity}
+                  "seed": self.seed, "packing": self.packing or None, "max_length": self.max_length, "data": self.identity,
+                  "chain_before": p.chain_before, "chain": p.chain}
         tmp = folder / (POSITION_FILE + ".tmp")
         tmp.write_text(json.dumps(record, indent=1))
         tmp.replace(folder / POSITION_FILE)
@@ -238,23 +330,42 @@ class Stream:
                 recipe_key = {"buffer_rows": "streaming_buffer_rows", "packing": "packing_strategy"}.get(key, key)
                 raise RecipeError(f"{recipe_key}: {name} was streamed with {key} {record[key]}, this run has {mine}; "
                                   f"resume with {record[key]} (another value reads another stream), or start a new output_dir")
-        if record["data"] != self.identity:
-            raise RecipeError(f"dataset_name: the data of {name} was {record['data']['path']} ({record['data']['split']}), "
-                              f"not what {self.src.path} ({self.src.split}) holds now; resume on the same data, or start "
-                              "a new output_dir")
+        changed = streamresume.check(record, self.identity, self._reread, checkpoint)
+        if changed:
+            log.warning("%s", changed)
         self.start = Position(record["epoch"], record["buffer"], record["skip"], record["source_state"],
-                              record["sequences"], record["counts"])
+                              record["sequences"], record["counts"], record.get("chain_before", ""), record.get("chain", ""))
         self.start_step = record["global_step"]
         self.resumed_from = checkpoint
         log.info("data: %s: resuming the stream at data epoch %d, buffer %d, row %d of it (%d rows trained on)",
                  self.where, record["epoch"], record["buffer"], record["skip"], record["sequences"])
 
+    def _reread(self, through: int) -> tuple[str, int, str | None]:
+        """A data epoch's rows read again from its start through buffer `through`: their digest (as `_prepare` chains
+        it; '' when the source now ends before that buffer), the rows read, the line of a row that cannot be parsed."""
+        chain, rows = "", 0
+        try:
+            for i, (table, _) in enumerate(self._batches(self._open())):
+                chain, rows = streamresume.chain(chain, table.to_pydict()), rows + table.num_rows
+                if i == through:
+                    return chain, rows, None
+        except RecipeError as e:
+            return chain, rows, str(e)
+        return "", rows, None
+
     # ------------------------------------------------------------------------------------------- for the trainer
 
     def dataset(self, rows_per_step: int) -> datasets.IterableDataset:
         """The stream as the IterableDataset SFTTrainer reads; rows_per_step: rows one optimizer step trains on (all
-        ranks), which bounds how far the loaders read ahead of training."""
+        ranks), which bounds how far the loaders read ahead of training. The rows of the first step are read here,
+        before the model loads: a stream that cannot give one step is refused at once (its RecipeError)."""
         self.keep_rows = 4 * rows_per_step
+        self.per_step = rows_per_step
+        self._begin()  # the first step's rows read now, on every rank: a stream that cannot give them stops here
+        while self._read - self.start.sequences < rows_per_step:
+            if not self._read_more():
+                raise self.failure
+        self.primed = True
         _STREAMS[self.key] = self
         features = {"input_ids": datasets.Sequence(datasets.Value("int32")),
                     "labels": datasets.Sequence(datasets.Value("int64"))}
@@ -264,11 +375,11 @@ class Stream:
                                                        gen_kwargs={"key": self.key})
 
 
-def _decoded(table: pa.Table, rows: bool = True):
+def _decoded(table: pa.Table, rows: bool = True, columns: dict | None = None):
     """A buffer as a prepared split's map gets it: its columns decoded by their datasets features (a Json column's
-    strings parsed); rows: a list of rows, else a dict of columns."""
+    strings parsed); rows: a list of rows, else a dict of columns. columns: the table's to_pydict(), when made."""
     features = datasets.Features.from_arrow_schema(table.schema)
-    batch = features.decode_batch(table.to_pydict())
+    batch = features.decode_batch(table.to_pydict() if columns is None else columns)
     return [dict(zip(batch, values)) for values in zip(*batch.values())] if rows else batch
 
 
@@ -293,52 +404,6 @@ def read_position(checkpoint: str) -> dict:
         raise RecipeError(f"streaming: {path} cannot be read ({e}); resume from another checkpoint") from None
 
 
-class StreamCallback(TrainerCallback):
-    """Logs the stream's counts per logging window (rank 0): the rows trained on, what was prepared since the last
-    log. On a resumed run, restores the checkpoint's RNG states again just before the first step: the trainer restores
-    them before it starts its loader, whose start draws a seed from torch's generator, while the uninterrupted run
-    drew it at its own start long before; without this, dropout after a resume draws other masks. (A prepared split's
-    resume restores them after its skip for the same reason.) `trainer`: set once the trainer exists."""
-
-    def __init__(self, stream: Stream):
-        self.stream, self.last, self.trained = stream, empty_counts(), 0
-        self.trainer = None
-        self.rng_pending = stream.resumed_from is not None
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        if self.rng_pending:
-            self.rng_pending = False
-            self.trainer._load_rng_state(self.stream.resumed_from)  # (transformers' own reader of its rng_state files)
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.last = copy.deepcopy(self.stream.start.counts)  # a resumed stream's counts go on from its checkpoint's
-        self.trained = self.stream.start.sequences
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if not state.is_world_process_zero or not logs or "loss" not in logs:
-            return
-        now, trained = copy.deepcopy(self.stream.counts), self.stream.consumed(state.global_step, args)
-        try:
-            epoch = self.stream.position(trained).epoch
-        except RuntimeError:  # (the history always covers it; the log line is no place to fail a run)
-            epoch = self.stream.epoch
-        delta = _minus(now, self.last)
-        log.info("data: stream at step %d: %d rows trained on since the last log (%d in all, data epoch %d); prepared "
-                 "since the last log: %s", state.global_step, trained - self.trained, trained, epoch,
-                 describe_counts(delta, self.stream) if delta["read"] else "none (the buffer read before holds them)")
-        self.last, self.trained = now, trained
-
-
-def describe_counts(c: dict, stream: Stream) -> str:
-    line = (f"{c['read']} rows read, {c['truncated']} truncated at max_length {stream.max_length}, "
-            f"{c['dropped_after_cut']} dropped after the cut, {c['fully_masked']} fully masked (dropped), {c['kept']} kept")
-    if stream.packing:
-        line += f", packed into {c['packed_rows']} rows ({stream.packing})"
-        if stream.packing == "wrapped":
-            line += f", {c['fully_masked_packed_rows']} of them fully masked"
-    return line + describe_not_rendered(c["not_rendered"], template_key(stream.recipe))
-
-
 def streamed_datasets(recipe: Recipe, tokenizer, eot: str, resume_from: str | None = None):
     """(stream, eval split or None, sample prompt, counts): the training stream (positioned at the checkpoint's
     position when resuming) and the eval split prepared whole, without the cache."""
@@ -347,25 +412,17 @@ def streamed_datasets(recipe: Recipe, tokenizer, eot: str, resume_from: str | No
     if resume_from:
         stream.resume(read_position(resume_from), resume_from)
     src, evals, counts, prompt = stream.src, None, {}, None
-    raw_eval = load_source(src, src.eval_split, required=src.eval_required) if src.eval_split else None
+    got_eval = read_source(src, src.eval_split, required=src.eval_required) if src.eval_split else None
+    raw_eval = got_eval.dataset if got_eval is not None else None
     check_eval_split(recipe, raw_eval is not None)
     if raw_eval is not None:
+        images.refuse_split(recipe, raw_eval, f"{src.key} {src.path} ({src.eval_split})")
         fmt = detect_format(recipe, raw_eval.column_names, f"{src.key} {src.path} ({src.eval_split})", src.format)
         prepared = tokenize_split(recipe, tokenizer, eot, raw_eval, "eval split", fmt, f"{src.key} {src.path} ({src.eval_split})")
-        evals, counts["eval"] = finish_split(recipe, prepared, "eval split", {fmt: len(raw_eval)}, is_eval=True)
+        evals, counts["eval"] = finish_split(recipe, prepared, "eval split", {fmt: len(raw_eval)}, is_eval=True,
+                                             files=got_eval.counts())
         log_bos(tokenizer, counts["eval"]["duplicate_bos_removed"])
         prompt = sample_prompt(fmt, raw_eval[0], recipe) if len(raw_eval) else None
     if prompt is None:
         prompt = sample_prompt(stream.fmt, stream.first_row, recipe)
     return stream, evals, prompt, counts
-
-
-def summary_counts(stream: Stream, counts: dict) -> dict:
-    """run_summary.json's data entry of a streamed run: the train counts of every buffer prepared (a little ahead of
-    training), the stream's preparation time and rate, the data epoch reached."""
-    c = stream.counts
-    return {**counts, "train": {**c, "formats": {stream.fmt: c["read"]}, "max_length": stream.max_length,
-                                "truncation_mode": stream.recipe.trl_value("truncation_mode"), "streamed": True},
-            "preparation": {"how": "streamed", "seconds": round(stream.seconds, 3), "rows": c["read"],
-                            "rows_per_s": round(c["read"] / stream.seconds, 1) if stream.seconds else None,
-                            "data_epoch": stream.epoch, "buffer_rows": stream.buffer_rows}}

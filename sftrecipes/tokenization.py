@@ -6,16 +6,16 @@ option has a defined effect (TRL 1.16 ignores `add_special_tokens`/`append_conca
 end-of-turn token to ChatML text). Samples are cut at `max_length` as `truncation_mode` says, and samples with no
 trainable label are dropped and counted; what reaches TRL is then never longer than `max_length`, so TRL's own
 truncation and its drop of fully masked samples change nothing, and its packing (`bfd`, `bfd_split`) keeps each sample
-whole. TRL still packs and shuffles (sources.TRL_DATA_KEYS).
+whole. TRL's packing and shuffle then apply, once, as a cache entry is written (trainrows.py).
 
 Conversations go through chat.Chat: tool calls, tool turns, `content: null`, reasoning and a row's `tools` reach the
 template; a template that fails on a row is one line naming the row; the fields it leaves out are counted per split
 and reported on the data line. Under `assistant_only_loss` an assistant turn is trained whole (its reasoning, text
 and tool calls, with its end of turn); tool turns are not.
 
-A split is prepared in batches (`_prepare_batch`, in worker processes sized to the cores: `workers`): each row
-rendered (chat.Chat's fast road), the batch tokenized in one call of the fast tokenizer, labels computed from its
-offsets with numpy; the tokens, labels and status are `tokenize_example`'s / `_prepare_row`'s, the per-row reference
+A split is prepared in batches (`_prepare_batch`, BATCH_ROWS rows of each map batch of MAP_ROWS, in worker processes
+sized to the cores: `workers`): each row rendered (chat.Chat's fast road), the batch tokenized in one call of the fast
+tokenizer (fastencode.py), labels computed from its offsets with numpy; the tokens, labels and status are `tokenize_example`'s / `_prepare_row`'s, the per-row reference
 (tests/test_prep_fast.py compares them on every format and tiny family). A batch that fails is prepared again row by
 row by the reference, so an error is the reference's, naming the same row.
 """
@@ -24,17 +24,14 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-from transformers.tokenization_utils_base import PaddingStrategy, PreTrainedTokenizerBase, TruncationStrategy
-from transformers.tokenization_utils_tokenizers import TokenizersBackend
-from trl.data_utils import pack_dataset
 
-from . import prepcache
+from . import arrowmem, prepattempt, trainrows
 from .chat import NOT_RENDERED, Chat, arrow_structs, describe_not_rendered, template_key
 from .errors import RecipeError
+from .fastencode import encode
 from .formats import CONVERSATIONAL, check_template, detect_format, from_sharegpt, is_conversational
 from .recipe import Recipe
 
@@ -45,7 +42,11 @@ KEPT, FULLY_MASKED, CUT_AWAY, CUT_KEPT = 0, 1, 2, 3
 # worker processes when dataset_num_proc is unset: one per ROWS_PER_WORKER rows (below that, starting one costs more
 # than it saves: bench/bench_data.py), at most the usable cores and MAX_WORKERS
 ROWS_PER_WORKER, MAX_WORKERS = 4000, 16
-BATCH_ROWS = 1000  # rows per batch of the map: one tokenizer call
+BATCH_ROWS = 1000  # rows prepared at a time: one tokenizer call
+# rows of one batch of the map, written as one record batch (datasets' writer splits at 1,000 by default): every record
+# batch costs a process that maps the output ~64 KB of RSS (the page around its header) when it opens it
+MAP_ROWS = 10_000
+MARK_ROWS = 100_000  # rows of the marks (_status, _bos_removed, _unrendered: 17 bytes a row) read at a time
 
 
 def _assistant_spans(chat: Chat, messages: list[dict], text: str) -> list[tuple[int, int]]:
@@ -195,35 +196,8 @@ def _trained(offsets, span_sets: list, end: int) -> np.ndarray:
     return mask
 
 
-def encode(tokenizer, texts: list[str], special: bool, offsets: bool) -> tuple[list[list[int]], list | None]:
-    """(ids, offsets or None) of each text, as `tokenizer(texts, add_special_tokens=special,
-    return_offsets_mapping=offsets)` gives them. Where no offsets are asked for and the tokenizer is transformers'
-    plain fast one, the Rust tokenizer's encode_batch_fast, which leaves out the offsets and transformers' per-row
-    conversion (the same ids; one process prepared 20,000 multi-turn rows at 6,300-6,800 rows/s this way, 4,200
-    through the call: docs/benchmarks.md), with the state the call would have set (no truncation or padding, its
-    split_special_tokens); any other tokenizer (a subclass with its own encoding, a slow one) through its own call."""
-    backend = getattr(tokenizer, "_tokenizer", None)
-    if not offsets and _plain_fast(tokenizer) and hasattr(backend, "encode_batch_fast"):
-        tokenizer.set_truncation_and_padding(padding_strategy=PaddingStrategy.DO_NOT_PAD,
-                                             truncation_strategy=TruncationStrategy.DO_NOT_TRUNCATE, max_length=None,
-                                             stride=0, pad_to_multiple_of=None, padding_side=None)
-        if backend.encode_special_tokens != bool(tokenizer.split_special_tokens):
-            backend.encode_special_tokens = bool(tokenizer.split_special_tokens)
-        return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=special)], None
-    enc = tokenizer(texts, add_special_tokens=special, return_offsets_mapping=offsets, return_attention_mask=False,
-                    return_token_type_ids=False)
-    return enc["input_ids"], enc["offset_mapping"] if offsets else None
-
-
-def _plain_fast(tokenizer) -> bool:
-    """Whether the tokenizer's call is transformers' own, straight into TokenizersBackend._encode_plus."""
-    kind = type(tokenizer)
-    return (isinstance(tokenizer, TokenizersBackend) and kind._encode_plus is TokenizersBackend._encode_plus
-            and kind.__call__ is PreTrainedTokenizerBase.__call__ and not hasattr(tokenizer, "_switch_to_input_mode"))
-
-
 def _fast_batch(batch: dict, indices: list[int], tokenizer, recipe: Recipe, eot: str, fmt: str, ends: tuple, source: str,
-                rows: list[int] | None, structs: tuple[bool, bool]) -> dict:
+                rows: list[int] | None, structs: tuple[bool, bool], keep_text: bool = True) -> dict:
     """_prepare_row's columns for a batch of rows: rendered row by row, tokenized in one call, labels with numpy."""
     columns = {c: batch[c] for c in batch}
     texts, span_sets, force_eos, unrendered = [], [], [], []
@@ -270,47 +244,50 @@ def _fast_batch(batch: dict, indices: list[int], tokenizer, recipe: Recipe, eot:
         out_labels.append(labels)
         out_bos.append(bos_removed)
         out_status.append(status)
-    return _table(recipe, texts, out_ids, out_labels, out_bos, unrendered, out_status)
+    return _table(recipe, texts if keep_text else None, out_ids, out_labels, out_bos, unrendered, out_status)
 
 
 def _table(recipe: Recipe, texts, ids, labels, bos_removed, unrendered, status) -> pa.Table:
     """A batch's columns as an Arrow table, typed as datasets types _prepare_row's (input_ids int32: its writer's
-    choice for that column name; its inference of Python lists is the slow part of a batch)."""
-    return pa.table({recipe.trl_value("dataset_text_field"): pa.array(texts, pa.string()),
-                     "input_ids": pa.array(ids, pa.list_(pa.int32())), "labels": pa.array(labels, pa.list_(pa.int64())),
+    choice for that column name; its inference of Python lists is the slow part of a batch). texts None: no text
+    column."""
+    text = {} if texts is None else {recipe.trl_value("dataset_text_field"): pa.array(texts, pa.string())}
+    return pa.table({**text, "input_ids": pa.array(ids, pa.list_(pa.int32())), "labels": pa.array(labels, pa.list_(pa.int64())),
                      "_bos_removed": pa.array(bos_removed, pa.bool_()),
                      "_unrendered": pa.array(unrendered, pa.int64()), "_status": pa.array(status, pa.int64())})
 
 
 def _prepare_batch(batch: dict, indices: list[int], tokenizer, recipe: Recipe, eot: str, fmt: str, ends: tuple, source: str,
-                   rows: list[int] | None, structs: tuple[bool, bool], progress: tuple[str, str] | None = None) -> dict:
-    """A batch of rows made into _prepare_row's columns (mapped over a split, batched). A batch that fails is prepared
-    again row by row by _prepare_row, whose error (a RecipeError naming the row) is the one raised. progress: (the
-    cache entry's progress folder, the split) where this process counts the rows it prepared (prepcache.py)."""
-    table = _prepare_batch_rows(batch, indices, tokenizer, recipe, eot, fmt, ends, source, rows, structs)
+                   rows: list[int] | None, structs: tuple[bool, bool], keep_text: bool = True) -> dict:
+    """A batch of rows made into _prepare_row's columns; keep_text: with the rendered text's column. A batch that fails
+    is prepared again row by row by _prepare_row, whose error (a RecipeError naming the row) is the one raised."""
+    return _prepare_batch_rows(batch, indices, tokenizer, recipe, eot, fmt, ends, source, rows, structs, keep_text)
+
+
+def _prepare_table(table: pa.Table, indices: list[int], features, progress: tuple[str, str] | None = None, **kw) -> pa.Table:
+    """A map batch (an Arrow table of MAP_ROWS rows) prepared BATCH_ROWS rows at a time by _prepare_batch, each part
+    as datasets hands a batch to a map (its columns to Python, decoded by their features). progress: (the cache entry
+    attempt's progress folder, the split): the batch is counted there (prepattempt.batch_done)."""
+    out = pa.concat_tables([_prepare_batch(features.decode_batch(table.slice(i, BATCH_ROWS).to_pydict()),
+                                           indices[i:i + BATCH_ROWS], **kw) for i in range(0, table.num_rows, BATCH_ROWS)])
     if progress is not None:
-        folder, split = progress
-        key = (folder, split)
-        _DONE[key] = _DONE.get(key, 0) + len(indices)
-        prepcache.note_done(Path(folder), split, _DONE[key])
-    return table
-
-
-_DONE: dict[tuple[str, str], int] = {}  # rows this process prepared, per (progress folder, split)
+        prepattempt.batch_done(*progress, table.num_rows)
+    return out
 
 
 def _prepare_batch_rows(batch: dict, indices: list[int], tokenizer, recipe: Recipe, eot: str, fmt: str, ends: tuple,
-                        source: str, rows: list[int] | None, structs: tuple[bool, bool]) -> dict:
+                        source: str, rows: list[int] | None, structs: tuple[bool, bool], keep_text: bool) -> dict:
     try:
-        return _fast_batch(batch, indices, tokenizer, recipe, eot, fmt, ends, source, rows, structs)
+        return _fast_batch(batch, indices, tokenizer, recipe, eot, fmt, ends, source, rows, structs, keep_text)
     except Exception as fast_error:  # the reference below raises what this batch's rows raise
         columns = list(batch)
         out = [_prepare_row({c: batch[c][i] for c in columns}, index, tokenizer, recipe, eot, fmt, ends, source, rows, structs)
                for i, index in enumerate(indices)]
         log.warning("data: rows %d-%d of %s: the batched preparation failed (%s: %s) where the row-by-row one did not; "
                     "they were prepared row by row", indices[0], indices[-1], source, type(fast_error).__name__, fast_error)
-        return _table(recipe, *([row[k] for row in out] for k in (recipe.trl_value("dataset_text_field"), "input_ids", "labels",
-                                                                      "_bos_removed", "_unrendered", "_status")))
+        texts, *columns = ([row[k] for row in out] for k in (recipe.trl_value("dataset_text_field"), "input_ids", "labels",
+                                                               "_bos_removed", "_unrendered", "_status"))
+        return _table(recipe, texts if keep_text else None, *columns)
 
 
 def workers(recipe: Recipe, n_rows: int) -> int | None:
@@ -335,49 +312,32 @@ def tokenize_split(recipe: Recipe, tokenizer, eot: str, dataset, name: str, fmt:
                    rows: list[int] | None = None):
     """Format, tokenize and cut one split; rows keep a `_status` (KEPT, FULLY_MASKED, CUT_AWAY, CUT_KEPT),
     `_bos_removed` and `_unrendered` until finish_split counts and drops. source: the dataset as errors name it;
-    rows: the source row of each row (a mixture's draw), for errors."""
+    rows: the source row of each row (a mixture's draw), for errors. Under a cache entry's preparation
+    (prepattempt.current()) the rows are counted for the waiting processes, written into the attempt's scratch folder
+    (never beside a save_to_disk source's files) and without the text column, which the entry does not keep."""
     check_loss_format(recipe, fmt, dataset[0] if len(dataset) else None, name)
     structs = arrow_structs(dataset.features)
     if structs[0]:
         log.info("data: %s: tool-call arguments are stored as an Arrow struct (every argument name of the column in every "
                  "call, null where a call has none): null arguments are dropped; store arguments as JSON strings to keep "
                  "explicit nulls", source or name)
-    progress = prepcache.progress_dir()  # under a cache entry's preparation: rows counted for the waiting processes
-    if progress is not None:
-        prepcache.note_total(progress, name, len(dataset))
-    return dataset.map(
-        _prepare_batch,
+    attempt = prepattempt.current()
+    if attempt is not None:
+        prepattempt.note_total(attempt.progress, name, len(dataset))
+    return dataset.with_format("arrow").map(
+        _prepare_table,
         with_indices=True,
         batched=True,
-        batch_size=BATCH_ROWS,
-        fn_kwargs={"tokenizer": tokenizer, "recipe": recipe, "eot": eot, "fmt": fmt, "ends": end_ids(tokenizer, eot),
-                   "source": source or name, "rows": rows, "structs": structs,
-                   "progress": (str(progress), name) if progress is not None else None},
+        batch_size=MAP_ROWS,
+        writer_batch_size=MAP_ROWS,
+        fn_kwargs={"features": dataset.features, "tokenizer": tokenizer, "recipe": recipe, "eot": eot, "fmt": fmt,
+                   "ends": end_ids(tokenizer, eot), "source": source or name, "rows": rows, "structs": structs,
+                   "progress": (str(attempt.progress), name) if attempt is not None else None, "keep_text": attempt is None},
         remove_columns=dataset.column_names,
         num_proc=workers(recipe, len(dataset)),
+        cache_file_name=attempt.scratch_file("tokenized") if attempt is not None else None,
         desc=f"Formatting and tokenizing {name}",
-    )
-
-
-def _packed_rows(recipe: Recipe, dataset, is_eval: bool) -> dict | None:
-    """What TRL's packing will make of the prepared split: fully masked packed rows (they add no loss)."""
-    packing = recipe.trl_value("packing")
-    if is_eval and recipe.trl_value("eval_packing") is not None:
-        packing = recipe.trl_value("eval_packing")
-    if not packing:
-        return None
-    strategy = recipe.trl_value("packing_strategy")
-    if strategy != "wrapped":
-        # every kept sample has a trainable label past its first position and is no longer than max_length, and
-        # bfd/bfd_split keep such samples whole in one row: no packed row can be fully masked
-        return {"strategy": strategy, "rows": None, "fully_masked_rows": 0}
-
-    ds = dataset.select_columns(["input_ids", "labels"])
-    if recipe.trl_value("shuffle_dataset"):
-        ds = ds.shuffle(seed=recipe.trl_value("seed"))
-    packed = pack_dataset(ds, recipe.trl_value("max_length"), "wrapped", {"num_proc": recipe.trl_value("dataset_num_proc")})
-    masked = sum(not _trainable(row) for row in packed["labels"])
-    return {"strategy": strategy, "rows": len(packed), "fully_masked_rows": masked}
+    ).with_format(None)
 
 
 def count_marks(status, bos_removed, unrendered) -> dict:
@@ -393,12 +353,26 @@ def count_marks(status, bos_removed, unrendered) -> dict:
             "not_rendered": {field: int(((unrendered & bit) != 0).sum()) for field, bit in NOT_RENDERED.items()}}
 
 
-def finish_split(recipe: Recipe, dataset, name: str, formats: dict[str, int], is_eval: bool = False):
+def _added(a: dict, b: dict) -> dict:
+    return {k: _added(v, b[k]) if isinstance(v, dict) else v + b[k] for k, v in a.items()}
+
+
+def _is_kept(status) -> np.ndarray:
+    return np.isin(np.asarray(status, dtype=np.int64), (KEPT, CUT_KEPT))
+
+
+def finish_split(recipe: Recipe, dataset, name: str, formats: dict[str, int], is_eval: bool = False,
+                 files: dict[str, int] | None = None):  # files: rows read per file format (datafiles.Read.counts)
     """Count what the cut and the masks did, drop samples with nothing to train, log ONE line. Returns
-    (dataset with text/input_ids/labels, counts)."""
-    marks = dataset.select_columns(["_status", "_bos_removed", "_unrendered"]).with_format("numpy")[:]  # one read, not one a row
-    status = np.asarray(marks["_status"], dtype=np.int64)
-    counts = {**count_marks(status, marks["_bos_removed"], marks["_unrendered"]), "formats": formats,
+    (dataset with text/input_ids/labels, counts). The marks are read MARK_ROWS rows at a time and the kept rows
+    chosen by a filter that writes their indices batch by batch: no pass holds the whole split."""
+    marks, attempt = {}, prepattempt.current()
+    for part in dataset.select_columns(["_status", "_bos_removed", "_unrendered"]).with_format("numpy").iter(MARK_ROWS):
+        now = count_marks(part["_status"], part["_bos_removed"], part["_unrendered"])
+        marks = _added(marks, now) if marks else now
+        if attempt is not None:  # the pages around the marks' buffers: ~190 KB a record batch of 10,000 rows
+            arrowmem.release()
+    counts = {**(marks or count_marks([], [], [])), "formats": formats,
               "max_length": recipe.trl_value("max_length"), "truncation_mode": recipe.trl_value("truncation_mode")}
     if counts["read"] == 0:
         raise RecipeError(f"dataset_name: the {name} has no rows; check the data and splits")
@@ -415,14 +389,18 @@ def finish_split(recipe: Recipe, dataset, name: str, formats: dict[str, int], is
             f"max_length: no {name} sample keeps a trainable token after the cut at {counts['max_length']} "
             f"({counts['truncation_mode']}); raise max_length or set truncation_mode: keep_end"
         )
-    kept = np.isin(status, (KEPT, CUT_KEPT))
-    if not kept.all():  # the rows filter(status in (KEPT, CUT_KEPT)) keeps, without a pass over the rows
-        dataset = dataset.select(np.flatnonzero(kept))
+    scratch = attempt.scratch_file if attempt is not None else None
+    if counts["kept"] < counts["read"]:
+        dataset = dataset.filter(_is_kept, input_columns=["_status"], batched=True, batch_size=MARK_ROWS, writer_batch_size=MARK_ROWS,
+                                 cache_file_name=scratch("kept") if scratch else None, desc=f"Dropping rows of {name}")
     dataset = dataset.remove_columns(["_status", "_bos_removed", "_unrendered"])
-    packed = _packed_rows(recipe, dataset, is_eval)
+    packed = trainrows.packing_counts(recipe, dataset, is_eval, scratch)
     if packed is not None:
         counts["packing"] = packed
-    line = (f"data: {name}: {counts['read']} read ({', '.join(f'{v} {k}' for k, v in formats.items())}), "
+    if files:
+        counts["files"] = files
+    origin = "; " + ", ".join(f"{v} from {k}" for k, v in files.items()) if files else ""
+    line = (f"data: {name}: {counts['read']} read ({', '.join(f'{v} {k}' for k, v in formats.items())}{origin}), "
             f"{counts['truncated']} truncated at max_length {counts['max_length']} ({counts['truncation_mode']}), "
             f"{counts['dropped_after_cut']} dropped after the cut (no trainable token left: the answer lay past max_length), "
             f"{counts['fully_masked']} fully masked (no trainable token before any cut, e.g. no assistant turn: dropped), "

@@ -635,16 +635,38 @@ def test_eos_token_ends_text_samples(tiny_model, tmp_path):
 def test_dataset_num_proc_maps_in_that_many_processes(tiny_model, tmp_path, monkeypatch):
     seen = tmp_path / "pids"
     seen.mkdir()
-    real = tokenization._prepare_batch
+    real = tokenization._prepare_table  # the function datasets maps (its closure gives the map a fingerprint of its own,
+    # so no earlier run's cache file answers in place of the workers)
 
-    def spy(batch, *a, **kw):
+    def spy(table, *a, **kw):
         (seen / str(os.getpid())).touch()
-        return real(batch, *a, **kw)
+        return real(table, *a, **kw)
 
-    monkeypatch.setattr(tokenization, "_prepare_batch", spy)
+    monkeypatch.setattr(tokenization, "_prepare_table", spy)
     for n in (1, 2):
         for p in seen.iterdir():
             p.unlink()
         r, tok, eot, _ = build("--splits", "train", "--chat_template_format", "chatml", "--dataset_num_proc", str(n))
         data.load_datasets(r, tok, eot)
         assert len(list(seen.iterdir())) == n
+
+
+def test_a_template_error_never_suggests_the_template_in_use_and_image_parts_are_named(tiny_model):
+    """Issue 37: content given as parts fails under chatml and zephyr; the hint names the recipe's template and
+    suggests something else, never the template in use. A row whose content holds an image part is refused as such
+    wherever its split was not counted before (a streamed split), not as a template error."""
+    from sftrecipes.chat import Chat
+
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is this?"}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]}]
+    for fmt in ("chatml", "zephyr"):
+        r = load_recipe(["recipes/tiny/lora.yaml", "--chat_template_format", fmt])
+        tok, _, _ = load_tokenizer(r)
+        chat = Chat(tok, r, {}, "row 0 of the test")
+        with pytest.raises(RecipeError) as e:
+            chat.apply(chat.messages(parts))
+        msg = str(e.value)
+        assert f"chat_template_format: {fmt} (this recipe's) renders text" in msg and "or zephyr" not in msg, msg
+    image = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
+    with pytest.raises(RecipeError, match=r"messages: row 0 of the test, message 0 holds an image part"):
+        chat.messages(image)

@@ -199,6 +199,17 @@ def test_shape_errors_are_one_line_with_the_key_and_the_shapes(tiny_model, tmp_p
     assert all(x in str(e.value) for x in fragments) and "\n" not in str(e.value), str(e.value)
 
 
+def test_preference_rows_that_carry_images_are_counted_and_refused_where_the_split_loads(tiny_model, tmp_path):
+    """Issue 37. A save_to_disk folder (validation reads no such folder without datasets) whose pairs carry images in 2
+    of 4 rows: refused in one line naming the column and how many rows, before TRL would drop the images unseen."""
+    rows = [{**r, "images": ["cat.png"] if i % 2 else []} for i, r in enumerate(CONV[:4])]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "vl"))
+    with pytest.raises(RecipeError) as e:
+        read("dpo", "--dataset_name", str(tmp_path / "vl"), "--splits", "train")
+    assert str(e.value).startswith(f"images: 2 of 4 rows of dataset_name {tmp_path / 'vl'} (train) carry images "
+                                   "(column 'images': 2 rows);") and "\n" not in str(e.value), str(e.value)
+
+
 def test_errors_of_a_mixture_entry_name_its_columns(tiny_model, tmp_path):
     bad = write_jsonl(tmp_path / "qa.jsonl", [{"question": "q", "answer": "a"}])
     with pytest.raises(RecipeError, match=r"^datasets\[1\]\.columns: datasets\[1\] \(.*qa.jsonl, train\) \(has question, answer\) is none of the shapes method dpo reads"):

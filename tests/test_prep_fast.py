@@ -13,7 +13,7 @@ import pytest
 from test_tool_calls import QWEN_LIKE, TEXT_ONLY, THINKING_SWITCH, WEATHER
 from test_tool_calls import ROWS as TOOL_ROWS
 
-from sftrecipes import chat, data, tokenization
+from sftrecipes import chat, data, fastencode, tokenization
 from sftrecipes.errors import RecipeError
 from sftrecipes.formats import detect_format
 from sftrecipes.recipe import load_recipe
@@ -189,13 +189,13 @@ def test_every_familys_tokenizer_and_template(family_models, tmp_path, flags):
 
 
 def test_ids_without_offsets_are_the_tokenizer_calls_ids(family_models):
-    """tokenization.encode's road without offsets (the Rust encode_batch_fast) gives every family's tokenizer call's ids,
+    """fastencode.encode's road without offsets (the Rust encode_batch_fast) gives every family's tokenizer call's ids,
     with and without special tokens, special tokens in the text split or not; and a tokenizer with its own encoding
     is called as it is."""
     texts = ["<|im_start|>user\nHi there<|im_end|>\n", "", "  two  spaces\tand a tab \u00e9\u4e2d ", "</s><s>a<unk>b"]
     for family, folder in {"tiny": TINY, **family_models}.items():
         tok, _, _ = load_tokenizer(load_recipe(["recipes/tiny/lora.yaml", "--model_name_or_path", str(folder), "--output_dir", "/tmp/x"]))
-        assert tokenization._plain_fast(tok), family
+        assert fastencode._plain_fast(tok), family
         for split in (False, True):
             tok.split_special_tokens = split
             for special in (False, True):
@@ -203,7 +203,7 @@ def test_ids_without_offsets_are_the_tokenizer_calls_ids(family_models):
                 tok.split_special_tokens = not split  # encode sets the backend's state from the tokenizer's, as the call does
                 tok._tokenizer.encode_special_tokens = not split
                 tok.split_special_tokens = split
-                assert tokenization.encode(tok, texts, special, False) == (want, None), (family, split, special)
+                assert fastencode.encode(tok, texts, special, False) == (want, None), (family, split, special)
         tok.split_special_tokens = False
 
     class OwnEncoding(type(tok)):
@@ -213,8 +213,8 @@ def test_ids_without_offsets_are_the_tokenizer_calls_ids(family_models):
 
     calls = []
     tok.__class__ = OwnEncoding
-    assert not tokenization._plain_fast(tok)
-    assert tokenization.encode(tok, texts, False, False)[0] == tok(texts, add_special_tokens=False)["input_ids"]
+    assert not fastencode._plain_fast(tok)
+    assert fastencode.encode(tok, texts, False, False)[0] == tok(texts, add_special_tokens=False)["input_ids"]
     assert calls and calls[0] == texts
 
 

@@ -8,8 +8,10 @@ import logging
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -19,7 +21,7 @@ import pytest
 
 import conftest
 from conftest import ROOT, accelerate_launch, free_port, run_cli
-from sftrecipes import prepcache, prepkey, sources
+from sftrecipes import prepattempt, prepcache, prepkey, sources
 from sftrecipes.errors import RecipeError
 from sftrecipes.recipe import load_recipe
 from sftrecipes.schema import DataOptions
@@ -72,6 +74,8 @@ SHAPING = {
     "eval_packing": ([], ["--eval_packing", "True"]),
     "packing_strategy": ([], WRAPPED),
     "shuffle_dataset": (WRAPPED, [*WRAPPED, "--shuffle_dataset", "True"]),
+    "shuffle_dataset bfd": ([], ["--shuffle_dataset", "True"]),  # the entry holds the rows shuffled as TRL would
+    "seed shuffled": (["--shuffle_dataset", "True"], ["--shuffle_dataset", "True", "--seed", "7"]),
     "seed": (MIXTURE, [*MIXTURE, "--seed", "7"]),
     "seed wrapped": ([*WRAPPED, "--shuffle_dataset", "True"], [*WRAPPED, "--shuffle_dataset", "True", "--seed", "7"]),
     "model_name_or_path": ([], ["--model_name_or_path", "QWEN2"]),
@@ -225,7 +229,7 @@ def test_the_preparers_error_is_every_waiters_line(tok_eot, tmp_path):
 
 
 def test_a_waiting_process_says_how_far_the_preparer_is_and_the_time_left(tok_eot, tmp_path, caplog, monkeypatch):
-    """The stand-in's beats carry rows prepared of rows to prepare (as _Heartbeat writes them from the progress
+    """The stand-in's beats carry rows prepared of rows to prepare (as prepattempt.Heartbeat writes them from the progress
     folder): the waiting process's lines give the share and the time left at the rate it saw."""
     caplog.set_level(logging.INFO, logger="sftrecipes")
     monkeypatch.setattr(prepcache, "PROGRESS_S", 0.5)
@@ -249,29 +253,30 @@ def test_a_waiting_process_says_how_far_the_preparer_is_and_the_time_left(tok_eo
         done, rate = int(done.replace(",", "")), int(rate.replace(",", ""))
         assert int(share) == round(100 * done / 20000) and 1500 < rate < 4000, said
         assert abs(int(left) - (20000 - done) / rate) <= 1, said
-    assert prepcache.describe_progress({"phase": "saving"}, {}, 1.0) == "saving"
+    assert prepattempt.describe_progress({"phase": "saving"}, {}, 1.0) == "saving"
 
 
 def test_the_preparer_counts_its_rows_in_every_worker(tok_eot, tmp_path, monkeypatch):
-    """Under a preparation (prepcache's progress folder set), tokenize_split announces the rows of the split and each
-    process that maps it counts what it prepared; the heartbeat record carries the sums."""
+    """Under a preparation (an attempt current: prepattempt.py), tokenize_split announces the rows of the split and each
+    process that maps it counts what it prepared (the heartbeat record carries the sums), and writes no text column."""
     from sftrecipes import data  # noqa: PLC0415
 
     rows = [json.loads(line) for line in open(ROOT / "data/tiny_chat/train.jsonl")] * 30  # 9,600 rows: 2 workers
     f = tmp_path / "rows.jsonl"
     f.write_text("".join(json.dumps(row) + "\n" for row in rows))
     r = load_recipe(BASE + ["--dataset_name", str(f), "--splits", "train", "--data_cache_dir", str(tmp_path / "cache")])
-    folder = tmp_path / "progress-t"
-    folder.mkdir()
-    monkeypatch.setattr(prepcache, "_progress", folder)
+    attempt = prepattempt.Attempt(tmp_path / "entry", "t")
+    folder = attempt.progress
+    monkeypatch.setattr(prepattempt, "_current", attempt)
     datasets.disable_caching()
     try:
-        data.load_datasets(r, *tok_eot)
+        train = data.load_datasets(r, *tok_eot)[0]
     finally:
         datasets.enable_caching()
-    assert prepcache.read_progress(folder) == (9600, 9600)
+    assert prepattempt.read_progress(folder) == (9600, 9600)
+    assert train.column_names == ["input_ids", "labels"]  # the rendered text is not written under an attempt
     assert len([p for p in folder.iterdir() if p.name.startswith("done-")]) == 2  # one per worker
-    beat = prepcache._Heartbeat(tmp_path / "heartbeat.json", "t", 60.0, folder)
+    beat = prepattempt.Heartbeat(tmp_path / "heartbeat.json", "t", 60.0, folder)
     beat.stop()
     record = json.loads((tmp_path / "heartbeat.json").read_text())
     assert (record["done"], record["total"]) == (9600, 9600)
@@ -312,10 +317,10 @@ def test_a_rebuild_says_which_inputs_changed(tok_eot, tmp_path, caplog):
 # ------------------------------------------------------------------------------------------ runs
 
 
-def _big_data(tmp: Path) -> Path:
+def _big_data(tmp: Path, times: int = 6) -> Path:
     """The tiny chat rows six times over (1920 rows): preparation takes a few seconds, long enough to compare."""
-    f = tmp / "big.jsonl"
-    f.write_text((ROOT / "data/tiny_chat/train.jsonl").read_text() * 6)
+    f = tmp / f"big-{times}.jsonl"
+    f.write_text((ROOT / "data/tiny_chat/train.jsonl").read_text() * times)
     return f
 
 
@@ -340,7 +345,7 @@ def test_prepare_says_where_rows_time_and_rate(prepared_runs):
                      r"prepared in ([\d.]+)s at (\d+) rows/s; this command's data step [\d.]+s", line)
     assert m, line
     entry = Path(m.group(1))
-    assert (entry / "complete").is_file() and (entry / "prepared" / "train" / "dataset_info.json").is_file()
+    assert (entry / "complete").is_file() and (entry / "prepared" / "train.arrow").is_file()
     assert not (entry / "lock").exists()
     assert "data: prepared in " in first.stderr and "no earlier entry for this data" in first.stderr
 
@@ -351,28 +356,32 @@ def test_a_run_with_another_learning_rate_reads_it_without_tokenizing(prepared_r
     tmp, first, run = prepared_runs
     log = run.stdout + run.stderr
     assert "data: reused prepared data " in log and "Formatting and tokenizing" not in log, log[-3000:]
-    assert "data: train split: 1920 read (1920 messages)" in log  # prepare's own data line, said again
+    assert "data: train split: 1920 read (1920 messages" in log  # prepare's own data line, said again
     prep = json.loads((tmp / "b" / "run_summary.json").read_text())["data"]["preparation"]
     built = json.loads(next((tmp / "cache").glob("*/complete")).read_text())
+    # the run wrote nothing into the entry: TRL's packing was done into it once (trainrows.py), not again at launch
+    assert _files(Path(prep["path"])) == ENTRY_FILES, _files(Path(prep["path"]))
     assert prep["reused"] is True and prep["how"] == "reused" and prep["rows"] == 1920 and prep["rows_per_s"] > 0
     assert prep["build_seconds"] == pytest.approx(built["seconds"])
     assert prep["seconds"] < 0.25 * built["seconds"], (prep, built)  # measured here: ~0.05 of it
 
 
 def test_a_preparation_longer_than_ddp_timeout_ends_well_on_two_ranks(tiny_model, tmp_path, monkeypatch):
-    """ddp_timeout 10 s, and the preparer sleeps 14 s first (SFTRECIPES_TEST_SLOW_PREPARATION_S, heartbeat running).
+    """ddp_timeout 10 s, and the preparer sleeps 14 s before its second map batch (SFTRECIPES_TEST_SLOW_PREPARATION_S,
+    heartbeat running; 12,800 rows in one process).
     The cpu target's gloo group is bound by ddp_timeout as NCCL's is on GPUs (backends.training_args): with
     main_process_first the waiting rank's barrier timed out ("Timed out waiting 8000ms" at 8 s for 12 s, checked by
     hand); now it waits on the entry's files, and both ranks train."""
     out, cache = tmp_path / "out", tmp_path / "cache"
-    monkeypatch.setenv(prepcache.SLOW_ENV, "14")
+    monkeypatch.setenv(prepattempt.SLOW_ENV, "14")
     res = accelerate_launch("recipes/tiny/ddp.yaml", out, "train.py",
-                            ["--max_steps", "2", "--sample_max_new_tokens", "0", "--ddp_timeout", "10", "--data_cache_dir", str(cache)])
+                            ["--max_steps", "2", "--sample_max_new_tokens", "0", "--ddp_timeout", "10", "--data_cache_dir", str(cache),
+                             "--dataset_name", str(_big_data(tmp_path, 40)), "--splits", "train", "--dataset_num_proc", "1"])
     log = res.stdout + res.stderr
     assert log.count("data: prepared in ") == 1 and log.count("prepares the data into") == 1, log[-4000:]
     waited = re.search(r"while this process waited ([\d.]+)s", log)
     assert waited and float(waited.group(1)) > 10, log[-4000:]
-    assert len(re.findall(r"Formatting and tokenizing train split:\s+0%\|", log)) == 1
+    assert len(re.findall(r"Formatting and tokenizing train split[^:]*:\s+0%\|", log)) == 1
     summary = json.loads((out / "run_summary.json").read_text())
     assert summary["steps"] == 2 and summary["data"]["preparation"]["how"] in ("built", "waited")
 
@@ -395,3 +404,104 @@ def test_an_error_in_preparation_is_exit_2_on_every_rank(tiny_model, tmp_path):
     assert not (tmp_path / "out" / "preempted.json").exists()
     error = json.loads(next((tmp_path / "cache").glob("*/error.json")).read_text())
     assert error["kind"] == "recipe" and error["message"].startswith(start)
+
+
+# ------------------------------------------------------------------------------------------ what a preparation leaves
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(str(f.relative_to(folder)) for f in folder.rglob("*") if f.is_file()) if folder.exists() else []
+
+
+ENTRY_FILES = ["complete", "prepared/inputs.json", "prepared/prepared.json", "prepared/train.arrow"]  # train split only
+
+
+@pytest.mark.parametrize("flags", [
+    ["--shuffle_dataset", "True"],  # bfd, the rows shuffled before packing and the packed rows after
+    ["--packing_strategy", "wrapped", "--shuffle_dataset", "True"],
+    ["--packing", "False", "--shuffle_dataset", "True", "--eval_packing", "True"],
+])
+def test_a_preparation_leaves_only_its_entry_which_holds_what_trl_trains_on(tok_eot, tmp_path, monkeypatch, flags):
+    """Two sources (a jsonl file, which datasets converts to Arrow in its cache, and a save_to_disk folder, beside
+    whose files datasets writes a map's output by default) with an eval split: after the preparation datasets' cache
+    holds nothing, the saved folder is as it was, and the entry holds its records and one Arrow file per split of
+    input_ids and labels (seq_lengths when bfd packs), no text; those rows are the very rows SFTTrainer's own
+    preparation makes of the same prepared data (packing, shuffle_dataset, eval_packing), which train.py has it skip
+    (1,960 training rows: TRL's packing map sees 2 batches; the entry's record batches of ~100 KB here)."""
+    from sftrecipes import backends, data, model as models, trainrows  # noqa: PLC0415 - torch
+    from trl import SFTTrainer  # noqa: PLC0415
+
+    monkeypatch.setattr(trainrows, "WRITE_BYTES", 100_000)
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_json(str(ROOT / "data/tiny_chat/test.jsonl")).save_to_disk(str(saved))
+    before = _files(saved)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf")  # where datasets writes, read at each call
+    mixture = [{"path": str(_big_data(tmp_path)), "eval_split": None},
+               {"path": str(saved), "split": "train", "eval_split": "train"}]
+    r = load_recipe(BASE + ["--dataset_name", "null", "--datasets", json.dumps(mixture), "--data_cache_dir",
+                            str(tmp_path / "cache"), "--launch.hardware", "cpu", *flags])
+    train, evals, _, counts = data.prepared_datasets(r, *tok_eot)
+    assert _files(tmp_path / "hf") == [] and _files(saved) == before
+    entry = Path(counts["preparation"]["path"])
+    assert _files(entry) == sorted([*ENTRY_FILES, "prepared/eval.arrow"])
+    packed_bfd = "--packing" not in flags and "wrapped" not in flags
+    assert train.column_names == ["input_ids", "labels", *(["seq_lengths"] if packed_bfd else [])]
+    ours, ours_eval, _, _ = data.load_datasets(r, *tok_eot)  # the same rows, not through the cache: as TRL gets them
+    trainer = SFTTrainer(model=models.load_model(r, tok_eot[0], "cpu"), args=backends.training_args(r, "cpu"),
+                         train_dataset=ours, eval_dataset=ours_eval, processing_class=tok_eot[0])
+    for entry_rows, trls in ((train, trainer.train_dataset), (evals, trainer.eval_dataset)):
+        assert len(entry_rows) == len(trls) and all(entry_rows[c] == trls[c] for c in entry_rows.column_names)
+    assert len(train) < counts["train"]["kept"] or not packed_bfd  # (packed: fewer rows than samples)
+
+
+@pytest.mark.real_processes  # a preparer killed outright, as an OOM kill or a lost node ends it
+def test_a_killed_prepare_leaves_nothing_once_another_takes_over(tiny_model, tmp_path):
+    """`prepare` and its 2 workers are SIGKILLed while they write the rows (each one's first map batch written:
+    SFTRECIPES_TEST_SLOW_PREPARATION_S holds them before the second, datasets' temporary files open): the next
+    `prepare` takes the entry over, and once it is done nothing of the killed attempt is left, in the entry or in
+    datasets' cache (HF_DATASETS_CACHE)."""
+    hf, cache = tmp_path / "hf", tmp_path / "cache"
+    argv = ["-m", "sftrecipes", "prepare", "recipes/tiny/lora.yaml", "--dataset_name", str(_big_data(tmp_path, 80)),
+            "--splits", "train", "--data_cache_dir", str(cache), "--output_dir", str(tmp_path / "o")]  # 25,600 rows
+    killed = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              env={**os.environ, "HF_DATASETS_CACHE": str(hf), "SFTRECIPES_TEST_SLOW_PREPARATION_S": "120"},
+                              start_new_session=True)
+    deadline = time.monotonic() + 240
+    try:
+        while len([f for f in (*hf.rglob("tmp*"), *cache.rglob("tmp*")) if f.is_file()]) < 2:  # each worker's output
+            assert killed.poll() is None, "the preparation ended before it was caught half way"
+            assert time.monotonic() < deadline, "no map output was ever written"
+            time.sleep(0.05)
+    finally:
+        os.killpg(killed.pid, signal.SIGKILL)  # the preparer and its workers, as a job's end or a lost node ends them
+        killed.wait()
+    taker = run_cli(argv, env={"HF_DATASETS_CACHE": str(hf)})
+    assert taker.returncode == 0 and "data: taking over " in taker.stderr, taker.stderr[-3000:]
+    assert _files(hf) == []
+    [entry] = cache.iterdir()
+    assert _files(entry) == ENTRY_FILES
+
+
+def test_arrow_pages_a_pass_reads_are_handed_back(tmp_path):
+    """A pass over a memory-mapped Arrow file keeps every page it read in the process's RSS (the file's mapping in
+    /proc/self/smaps); arrowmem.release() hands them back, the mapping stays and reads the same data again."""
+    import pyarrow.compute as pc  # noqa: PLC0415
+
+    from sftrecipes import arrowmem, pages  # noqa: PLC0415
+
+    path = tmp_path / "rows.arrow"
+    datasets.Dataset.from_dict({"values": [list(range(4096))] * 2048}).with_format("arrow").flatten_indices(
+        cache_file_name=str(path))  # 64 MB of int64
+    rows = datasets.Dataset.from_file(str(path))
+
+    def resident_mb() -> float:
+        return sum(f["Rss"] for *_, p, f in pages.smaps(("Rss",)) if p == str(path.resolve())) / 1024
+
+    def read() -> int:
+        return sum(pc.sum(t.column("values").combine_chunks().flatten()).as_py() for t in rows.with_format("arrow").iter(256))
+
+    total = read()
+    assert resident_mb() > 0.9 * path.stat().st_size / 2**20
+    assert arrowmem.release() >= path.stat().st_size // 2
+    assert resident_mb() < 1
+    assert read() == total

@@ -9,7 +9,9 @@ and FSDP with 2 CPU ranks, a DPO run on FSDP and a DDP run on streamed data. One
    preempted.json names it;
 4. resumed again: it ends with exactly the straight run's weights, and preempted.json is gone;
 5. started again: a finished run is a no-op (exit 0, every file in the folder untouched; it used to train a step more);
-6. (single process) the final save lost: resuming from the checkpoint at max_steps only saves, the same weights.
+6. (single process) the final save lost: resuming from the checkpoint at max_steps only saves, the same weights;
+7. (streamed) its data as a folder whose last line is cut: every rank stops with a complete checkpoint (exit 2, one
+   line naming the file and line); the line repaired, the run resumes there and ends with the straight run's weights.
 
 Steps 2 and 3 (the kill, the preemption) start every process as a user does; the others, which are about weights and
 files, start them as forks of the suite's fork server (conftest), which skips their imports.
@@ -23,6 +25,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -193,6 +196,33 @@ def test_kill_preempt_resume_gives_the_uninterrupted_weights(tiny_model, tmp_pat
     finish(start(resume, out, forked=True), out)
     assert f"holds a finished run ({STEPS} steps" in log_of(out).rsplit("===== launch", 1)[1]
     assert snapshot(out) == files
+
+    # 7. (streamed) the same rows as a folder of two files, the second's last line cut mid-string (a copy interrupted):
+    #    every rank stops after the last whole step the rows before it cover, with a complete checkpoint, and says the
+    #    file and line (exit 2, nothing left running); with the cut line gone the run resumes there, one line saying
+    #    what changed, and ends with the uninterrupted run's weights
+    if "--streaming" in argv:
+        lines = list(open(ROOT / "data" / "tiny_chat" / "train.jsonl"))
+        folder = tmp_path / "cut-data"
+        folder.mkdir()
+        (folder / "train-0.jsonl").write_text("".join(lines[:200]))
+        (folder / "train-1.jsonl").write_text("".join(lines[200:]) + lines[0][:40])
+        shutil.copy(ROOT / "data" / "tiny_chat" / "test.jsonl", folder / "test.jsonl")
+        cut, on_folder = tmp_path / "cut", argv + ["--dataset_name", str(folder)]
+        finish(start(on_folder, cut, forked=True), cut, expect=2)
+        last = max(int(c.rsplit("-", 1)[1]) for c in complete_checkpoints(cut))
+        said = "train-1.jsonl line 121 cannot be read (not valid JSON"
+        log = log_of(cut)
+        assert log.count(said) >= world and f"training stopped after step {last}: {cut}/checkpoint-{last} is complete" in log, log[-3000:]
+        assert f"launch: every rank stopped (exit 2): dataset_name: {folder}/{said}" in log, log[-3000:]  # not "refused"
+        assert 0 < last < STEPS and (cut / f"checkpoint-{last}" / "stream_position.json").is_file() and not processes_of(cut)
+        assert not (cut / "run_summary.json").exists()
+        (folder / "train-1.jsonl").write_text("".join(lines[200:]))  # the cut line removed
+        finish(start(on_folder + ["--resume_from_checkpoint", "auto"], cut, forked=True), cut)
+        resumed = log_of(cut).rsplit("===== launch", 1)[1]
+        assert f"changed since checkpoint-{last} was saved (train-1.jsonl: size " in resumed and "read the same" in resumed
+        c = final_weights(cut)
+        assert max((a[k].float() - c[k].float()).abs().max().item() for k in a) <= 1e-6
 
     # 6. (single process) a run that died after its last checkpoint, before its final save was marked complete: it
     #    resumes from checkpoint-STEPS and only saves (transformers would train a step more: STEPS is no multiple of

@@ -1,11 +1,16 @@
 """Streamed training data (`streaming: true`, sftrecipes/stream.py): the rows a stream gives are the rows the prepared
 split holds (every data format, cuts, masks, drops and counts), a stream resumed from any position a checkpoint
 records gives the very rows the uninterrupted stream gives next (unpacked and every packing strategy, across
-buffers and data epochs, through the JSON file), and a checkpoint of another stream is refused in one line.
+buffers and data epochs, through the JSON file), and a checkpoint of another stream is refused in one line. A row the
+stream cannot read ends it on a whole step; the checkpoint saved there resumes on the repaired data (the rows it
+stands on read the same: one line says what changed), and is refused in one line saying what differs where they do
+not.
 Training through it, killed, preempted and resumed to the uninterrupted weights: tests/test_resume.py (ddp-stream);
 on another process count: tests/test_faults.py."""
 
 import itertools
+import logging
+import os
 import types
 
 import pytest
@@ -107,9 +112,67 @@ def test_a_checkpoint_of_another_stream_is_refused_in_one_line(tiny_model, tmp_p
     stream.save(ckpt, 10, ONE)
     for flags, pattern in ((["--streaming_buffer_rows", "64"], r"^streaming_buffer_rows: checkpoint-10 was streamed with buffer_rows 48, this run has 64; resume with 48"),
                            (["--seed", "7"], r"^seed: checkpoint-10 was streamed with seed 42, this run has 7"),
-                           (["--dataset_name", str(tmp_path / "other.jsonl")], r"^dataset_name: the data of checkpoint-10 was data/tiny_chat")):
+                           (["--dataset_name", str(tmp_path / "other.jsonl"), "--splits", "train"],
+                            r"^dataset_name: checkpoint-10 streamed data/tiny_chat \(train\), this run streams .*other.jsonl \(train\); "
+                            r"resume with dataset_name data/tiny_chat, or start a new output_dir$")):
         (tmp_path / "other.jsonl").write_text((open("data/tiny_chat/train.jsonl").read()))  # same rows, another source
         other = load_recipe(["recipes/tiny/lora.yaml", "--streaming", "true", "--streaming_buffer_rows", "48",
                              "--output_dir", str(tmp_path / "o"), *flags])
         with pytest.raises(RecipeError, match=pattern):
             streams.streamed_datasets(other, tok, eot, resume_from=str(ckpt))
+
+
+def test_a_stream_cut_short_by_a_bad_line_resumes_where_it_stopped_once_the_file_is_repaired(tiny_model, tmp_path, caplog):
+    """train-1.jsonl's last line cut mid-string: the stream ends after 88 rows (11 steps of 8, 2 rows read past them
+    not given); a checkpoint there, the line completed: the resumed stream gives the rows a stream of the repaired
+    data gives from row 88, with one line saying what changed; saved again inside that first buffer and resumed, the
+    same again. train-0.jsonl changed instead (a letter, its size and time kept; its first line gone): refused, naming
+    its content's digest, then its size, before and after."""
+    folder = tmp_path / "cut"
+    folder.mkdir()
+    rows = list(open("data/tiny_chat/train.jsonl"))  # its lines, each with its newline
+    (folder / "train-0.jsonl").write_text("".join(rows[:100]))
+    (folder / "train-1.jsonl").write_text("".join(rows[100:150]) + rows[150][:40])
+    r = load_recipe(["recipes/tiny/lora.yaml", "--dataset_name", str(folder), "--splits", "train", "--streaming", "true",
+                     "--streaming_buffer_rows", "30", "--packing", "false", "--output_dir", str(tmp_path / "o")])
+    tok, eot, _ = load_tokenizer(r)
+    eight = types.SimpleNamespace(per_device_train_batch_size=8, gradient_accumulation_steps=1, world_size=1)
+    stream, *_ = streams.streamed_datasets(r, tok, eot)
+    stream.dataset(8)
+    given = list(stream.rows())
+    assert len(given) == 88 and stream.counts["read"] == 90 and "train-1.jsonl line 51 cannot be read" in str(stream.failure)
+    ckpt = tmp_path / "checkpoint-11"
+    ckpt.mkdir()
+    stream.save(ckpt, 11, eight)
+    before = (folder / "train-1.jsonl").stat().st_size
+    (folder / "train-1.jsonl").write_text("".join(rows[100:151]))  # the line completed
+    fresh, *_ = streams.streamed_datasets(r, tok, eot)
+    want = list(itertools.islice(fresh.rows(), 88 + 40))
+    assert want[:88] == given
+    with caplog.at_level(logging.INFO, logger="sftrecipes"):
+        resumed, *_ = streams.streamed_datasets(r, tok, eot, resume_from=str(ckpt))
+    assert (f"changed since checkpoint-11 was saved (train-1.jsonl: size {before} -> {(folder / 'train-1.jsonl').stat().st_size} "
+            "bytes, modified ") in caplog.text
+    assert "the 90 rows it stands on (data epoch 0, buffers 0-2) read the same, so the stream goes on from its position" in caplog.text
+    resumed.keep_rows = 10**9
+    assert list(itertools.islice(resumed.rows(), 40)) == want[88:]
+    again = tmp_path / "checkpoint-12"
+    again.mkdir()
+    resumed.save(again, 12, ONE)  # one row on from checkpoint-11's 88, still inside the buffer it resumed in
+    twice, *_ = streams.streamed_datasets(r, tok, eot, resume_from=str(again))
+    assert list(itertools.islice(twice.rows(), 39)) == want[89:]
+    first = folder / "train-0.jsonl"  # a letter changed, the size and time kept: named by its content's digest
+    st = first.stat()
+    first.write_text(first.read_text().replace("plum", "plun", 1))
+    os.utime(first, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(RecipeError, match=r"^dataset_name: .* changed since checkpoint-11 was saved \(train-0.jsonl: content "
+                       r"sha256 [0-9a-f]{12} -> [0-9a-f]{12} \(same size and time\); .*no longer read the same"):
+        streams.streamed_datasets(r, tok, eot, resume_from=str(ckpt))
+    size = (folder / "train-0.jsonl").stat().st_size
+    (folder / "train-0.jsonl").write_text("".join(rows[1:100]))
+    with pytest.raises(RecipeError, match=rf"^dataset_name: {folder} changed since checkpoint-11 was saved \(train-0.jsonl: "
+                       rf"size {size} -> {size - len(rows[0])} bytes, modified .*; train-1.jsonl: size {before} -> .*\), and the "
+                       r"\d+ rows it stands on \(data epoch 0, buffers 0-2\) no longer read the same: resuming would skip or "
+                       r"repeat rows; restore the data as checkpoint-11 read it, or train on the data as it is now from a "
+                       r"new output_dir$"):
+        streams.streamed_datasets(r, tok, eot, resume_from=str(ckpt))
