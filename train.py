@@ -24,7 +24,7 @@ if __name__ == "__main__" and os.environ.get("SFTRECIPES_FORK_SERVER"):  # the t
 
     forkserver.exit_in_fork(sys.argv)  # (returns where no server answered: this process runs it)
 
-from sftrecipes import lifecycle  # noqa: E402
+from sftrecipes import evalonly, lifecycle  # noqa: E402
 
 if __name__ == "__main__":  # first thing: a SIGTERM/SIGUSR1 while this process starts waits for RunLife (no sudden death)
     lifecycle.hold_signals()
@@ -56,8 +56,12 @@ def run(recipe, life=None):
     backends.apply_process_env(recipe, target)
     unpacked = models.packing_fallback(recipe)  # packed batches a kernel cannot keep apart here: padded rows instead
     unckpt = models.checkpointing_fallback(recipe)  # checkpointing on a class without it: the run goes without
-    args = backends.training_args(recipe, target)
     life = life or lifecycle.RunLife(recipe)
+    if evalonly.eval_only(recipe):  # do_train: false / max_steps: 0: the eval split evaluated, nothing trained or saved
+        from sftrecipes import evaluate  # noqa: PLC0415 - as above
+
+        return evaluate.run(recipe, target, life, [unpacked])  # (its own training arguments: ZeRO-1/2 without the engine)
+    args = backends.training_args(recipe, target)
     life.started(args)  # every rank up: the lock is this run's
     resume = checkpoints.resolve_resume(recipe.trl.get("resume_from_checkpoint"), args.output_dir)
     checkpoints.match_resume(resume, recipe, args)  # its backend and global batch at this process count, or one line why not
@@ -192,6 +196,7 @@ def run(recipe, life=None):
             # preparation: built, waited or reused, seconds, rows, rows/s, the cache entry (prepcache.py)
             "method": recipe.method,
             "preference": methods.preference_log(trainer.state.log_history),  # dpo/kto: rewards, margins, accuracies
+            "eval": evalonly.eval_history(trainer.state.log_history, recipe.method),  # eval_strategy steps/epoch: each evaluation, the last
             "push_later": push_later,
         }
         with open(f"{args.output_dir}/run_summary.json", "w") as f:
@@ -200,8 +205,9 @@ def run(recipe, life=None):
             stop = (f"stopped on {sample['stopped_on']}" if sample["stopped_on"] else
                     f"no end of turn within {sample['new_tokens']} tokens (sample_max_new_tokens)")
             log.info("sample: %r -> %r (%s)", prompt[-1]["content"] if isinstance(prompt, list) else prompt, sample["reply"], stop)
-        log.info("done: %d steps in %.1fs, %s, %d tensors saved to %s", summary["steps"], seconds,
-                 loss_words(losses, summary["train_loss"], args.logging_steps, summary["steps"]), n_tensors, args.output_dir)
+        evaluated = f", last eval (step {summary['eval']['last'].get('step')}): {evalonly.eval_words(summary['eval']['last'])}" if summary["eval"] else ""
+        log.info("done: %d steps in %.1fs, %s%s, %d tensors saved to %s", summary["steps"], seconds,
+                 loss_words(losses, summary["train_loss"], args.logging_steps, summary["steps"]), evaluated, n_tensors, args.output_dir)
     life.finish(trainer.state.global_step)  # final.complete.json: resume 'auto' on this folder has nothing to do
     return trainer, summary
 
@@ -254,8 +260,9 @@ def main(argv: list[str] | None = None) -> int:
             run(recipe, life)
     except RecipeError as e:
         say_error(e)
-        lifecycle.note_refusal(str(e))  # under launch: it exits 2 too when every rank refused
-        return 2
+        stopped = getattr(e, "every_rank", False)  # streamtrain.DataStopped: every rank, after training
+        lifecycle.note_refusal(str(e), "stopped" if stopped else "refused")  # under launch: it exits 2 too, saying which
+        return leave_process_group(2) if stopped else 2
     except PreparationFailed as e:  # the process preparing the data failed or went silent: one line, every rank
         say_error(e)
         return 1

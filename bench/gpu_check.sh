@@ -28,4 +28,7 @@ if "$PY" -c "import pytest" 2>/dev/null; then
 else
   echo "gpu_check: pytest is not importable here; the GPU-marked tests (pytest -m gpu, SFT_GPU_TESTS=1) were not run" >&2
 fi
+# activation offloading: the GPU's and the pinned host memory's peak with it off and on against the plan
+# (bench/offload_probe.py, docs/planner.md "Activation offloading"); a failure here does not stop the check
+"$PY" bench/offload_probe.py --out "bench/results/offload-probe-$(date +%Y%m%d)" || echo "gpu_check: offload probe failed (above)" >&2
 exec "$PY" bench/gpu_check.py "$@"

@@ -12,6 +12,7 @@ import logging
 import os
 
 from .errors import RecipeError
+from .limits import check_offloading
 from .recipe import Recipe
 from .schema import CONFIGS, TRL_DEFAULTS
 from .snapshots import trl_class  # imports trl when called: launch/emit import this module and stay torch-free
@@ -100,6 +101,7 @@ def apply_process_env(recipe: Recipe, target: str) -> None:
 def training_kwargs(recipe: Recipe, target: str) -> dict:
     """The SFTConfig keyword arguments: the recipe's explicit TRL keys plus what the project derives (what the target
     cannot run, e.g. use_liger_kernel on a CPU, is refused before this by preflight.in_run)."""
+    check_offloading(recipe, target)  # activation_offloading on a machine without a GPU (launch.hardware: auto)
     kw = {k: v for k, v in recipe.trl.items() if k not in CONSUMED_BY_PIPELINE}
     for key in TRL_DEFAULTS:  # the project's own defaults for a few TRL keys (schema.TRL_DEFAULTS)
         kw.setdefault(key, recipe.trl_value(key))

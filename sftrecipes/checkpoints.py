@@ -17,6 +17,7 @@ import types
 from pathlib import Path
 
 from .errors import RecipeError
+from .evalonly import eval_only
 
 log = logging.getLogger("sftrecipes")
 
@@ -151,8 +152,8 @@ def forget_finished(output_dir: str | Path) -> None:
 def finished_run(recipe) -> str | None:
     """resume_from_checkpoint: auto on an output_dir whose run finished (final save complete, every file it listed
     still of its size) has nothing to do (a SLURM requeue of a finished job): the line that says so, else None."""
-    if recipe.trl.get("resume_from_checkpoint") != "auto":
-        return None
+    if recipe.trl.get("resume_from_checkpoint") != "auto" or eval_only(recipe):  # (evaluation only: it resumes nothing,
+        return None  # so a finished training run in its output_dir neither stops it nor is marked again: evalonly.py)
     out = Path(recipe.trl.get("output_dir") or "trainer_output")
     if torn(out, FINAL) is not None:
         return None
@@ -267,6 +268,8 @@ def check_resume(recipe) -> None:
     match_resume checks it at the process count the recipe launches, so a run that cannot continue it stops with one
     line and exit 2 from the launcher, not in every rank behind a launcher traceback. The ranks check again (and
     adjust gradient accumulation) themselves."""
+    if eval_only(recipe):  # nothing is resumed (evalonly.check refused a checkpoint folder)
+        return
     ckpt = resolve_resume(recipe.trl.get("resume_from_checkpoint"), recipe.trl["output_dir"])
     world = recipe.launch.world_size
     match_resume(ckpt, recipe, types.SimpleNamespace(  # process_index 1: quiet, rank 0 logs what it adjusts

@@ -32,6 +32,7 @@ from pathlib import Path
 from . import emit, folders, launch, paths, plan, recipe_copy, schema, snapshots, tiny
 from .backends import launcher_env
 from .errors import RecipeError
+from .evalonly import eval_only, why
 from .options_doc import options_markdown
 from .preflight import before_launch
 from .recipe import load_recipe
@@ -145,6 +146,8 @@ def _prepare(argv: list[str]) -> int:
     from .data import prepared_datasets  # noqa: PLC0415 - tokenizers, datasets, TRL's packing: torch
     from .tokenizer import load_tokenizer  # noqa: PLC0415 - transformers: torch
 
+    if eval_only(recipe):  # what the evaluation reads: its eval split (no train split, no merged start model)
+        return _prepare_evaluation(recipe, load_tokenizer)
     from .startmodel import ensure  # noqa: PLC0415 - as above
 
     merged = ensure(recipe.model.model_name_or_path, recipe.run.heartbeat_timeout)  # before any rank starts, as the data
@@ -165,6 +168,21 @@ def _prepare(argv: list[str]) -> int:
     how = {"built": "built", "waited": "built by another process (waited)", "reused": "reused"}[p["how"]]
     print(f"prepare: {p['path']}: {how}; {p['rows']} rows ({splits}); prepared in {p['build_seconds']:.2f}s at "
           f"{p['rows_per_s']:.0f} rows/s; this command's data step {p['seconds']:.2f}s")
+    return 0
+
+
+def _prepare_evaluation(recipe, load_tokenizer) -> int:
+    """prepare for an evaluation-only recipe: the eval splits the run evaluates read (a hub dataset downloaded into
+    datasets' cache), checked and tokenized as the run does (evaluate.eval_dataset), to say what the run will evaluate;
+    nothing is written to data_cache_dir (the run prepares its eval rows itself), no train split is read, and an
+    adapter is not merged (the run evaluates it on its base)."""
+    from .evaluate import eval_dataset  # noqa: PLC0415 - peft, datasets: torch
+
+    tokenizer, eot, _ = load_tokenizer(recipe)
+    _, counts, read = eval_dataset(recipe, tokenizer, eot)
+    print(f"prepare: {why(recipe)}: evaluation only: {', '.join(read)}: {counts['read']} read, {counts['kept']} kept, "
+          "checked as the run reads them; nothing cached in data_cache_dir (the run prepares its eval rows itself), no "
+          "train split read, no start model merged (an adapter is evaluated on its base)")
     return 0
 
 

@@ -31,6 +31,7 @@ from . import forkserver, heartbeats, lifecycle, procs, runlock, startmodel
 from .backends import accelerate_config, launcher_env
 from .checkpoints import check_resume, finished_run
 from .errors import RecipeError
+from .evalonly import eval_only, summary_path
 from .preflight import before_launch
 from .paths import ROOT
 from .recipe import Recipe, load_recipe, parse_argv
@@ -128,6 +129,8 @@ def launch_command(args: list[str], environ: Mapping[str, str] | None = None) ->
     world = L.world_size
     rank, address, port = topology(recipe, environ)
     config_path = Path(recipe.trl["output_dir"]) / LAUNCH_CONFIG
+    if eval_only(recipe):  # beside its summary: never over the config of a training run's results (evalonly.summary_path)
+        config_path = summary_path(recipe.trl["output_dir"]).parent / LAUNCH_CONFIG
     job = environ.get("SLURM_JOB_ID", "") if L.num_machines > 1 else ""
     if job:
         # the rendezvous id (torch reads PET_RDZV_ID; its default is "none" for every job) prefixes every rendezvous
@@ -193,8 +196,10 @@ def main(argv: list[str]) -> int:
         os.execve(run.argv[0], run.argv, {**os.environ, **run.env})
     lock = runlock.take_lock(out, run.recipe.run.force_lock) if main_machine else None  # before anything is written
     try:
-        # an adapter as model_name_or_path: merged into its base once, here, before the ranks start (they then find it)
-        startmodel.ensure(run.recipe.model.model_name_or_path, run.recipe.run.heartbeat_timeout)
+        # an adapter as model_name_or_path: merged into its base once, here, before the ranks start (they then find it);
+        # an evaluation-only run evaluates the adapter on its base (evaluate.py): no merged copy
+        if not eval_only(run.recipe):
+            startmodel.ensure(run.recipe.model.model_name_or_path, run.recipe.run.heartbeat_timeout)
         write_launch_config(run)
         print(f"launch: {run.topology}: {shlex.join(run.argv)}", file=sys.stderr)
         return supervise(run, lock)
@@ -270,8 +275,9 @@ def supervise(run: Launch, lock: runlock.Lock | None = None) -> int:
     - A rank of this node whose heartbeat stopped (heartbeat_timeout) ends this node's part of the run with a line
       naming it (exit 1); the ranks watch each other across nodes (and under launchers other than this one).
     - Every rank of this node refused the recipe (a RecipeError inside the ranks, each exiting 2 with its one line,
-      left in a temporary folder outside output_dir: lifecycle.note_refusal), or some did and the agent stopped the
-      others: exit 2, as for bad input found here.
+      left in a temporary folder outside output_dir: lifecycle.note_refusal) or stopped after training (a streamed
+      row it could not read), or some did and the agent stopped the others: exit 2, as for bad input found here.
+    - An evaluation-only run signalled: its ranks leave that line and exit; this command says it and exits 75.
     Returns the exit code (outcome()): 75 when preempted.json was written during this run and this command was
     signalled or the ranks all ended well, else the agent's 0, else 2 (the recipe refused), else 1."""
     recipe = run.recipe
@@ -314,8 +320,10 @@ def _supervise(run: Launch, agent_env: dict, out: Path, timeout: int, refused: P
                 handled += 1
                 if deadline is None:
                     deadline = time.time() + timeout
-                    print(f"launch: {signal.Signals(sig).name}: asking the ranks to finish their step, save a checkpoint and "
-                          f"exit (up to preempt_timeout {timeout}s)", file=sys.stderr, flush=True)
+                    what = ("stop the evaluation (nothing to save)" if eval_only(recipe) else
+                            "finish their step, save a checkpoint and exit")
+                    print(f"launch: {signal.Signals(sig).name}: asking the ranks to {what} (up to preempt_timeout "
+                          f"{timeout}s)", file=sys.stderr, flush=True)
                 elif sig == signal.SIGINT:
                     return _kill_run(agent, "second SIGINT: killing the run now (no checkpoint)", 130)
             if deadline is not None:  # every rank once, also one the agent starts later (once its handlers are set)
@@ -337,7 +345,8 @@ def _supervise(run: Launch, agent_env: dict, out: Path, timeout: int, refused: P
             signal.signal(s, h)
     record = lifecycle.read_preempted(out, since=started)
     code, line = outcome(code, asked=bool(asked), preempted=record, refused=lifecycle.refusals(refused),
-                         ranks=recipe.launch.gpus_per_node)
+                         ranks=recipe.launch.gpus_per_node, stopped=lifecycle.refusals(refused, "stopped"),
+                         interrupted=lifecycle.refusals(refused, "interrupted"))
     if line:
         print(f"launch: {line}", file=sys.stderr, flush=True)
     if record and code != lifecycle.EXIT_PREEMPTED:
@@ -345,26 +354,35 @@ def _supervise(run: Launch, agent_env: dict, out: Path, timeout: int, refused: P
     return code
 
 
-def outcome(agent_code: int, asked: bool, preempted: dict | None, refused: list[str], ranks: int) -> tuple[int, str | None]:
+def outcome(agent_code: int, asked: bool, preempted: dict | None, refused: list[str], ranks: int,
+            stopped: list[str] = (), interrupted: list[str] = ()) -> tuple[int, str | None]:
     """launch's exit code and its last line, from what the run left: the agent's exit code, whether this command was
-    signalled (asked), the preempted.json rank 0 wrote during the run, the refusal lines of this node's ranks.
+    signalled (asked), the preempted.json rank 0 wrote during the run, the lines of this node's ranks that refused the
+    recipe, stopped after training (a streamed row they could not read: a complete checkpoint of the steps trained)
+    or interrupted an evaluation-only run (lifecycle.note_refusal).
 
-    A rank signalled before training writes preempted.json and exits 0 (under launch). torch's agent sends SIGTERM to
-    every rank when one fails, so a rank that refused the recipe (exit 2) or crashed while another still loaded or
-    waited for the data leaves that record too: it is a preemption only when this command was signalled or every rank
-    ended well; otherwise the failure is the outcome: 2 when every rank refused, or some did and the agent stopped the
-    others (nobody asked), else 1."""
+    A rank signalled before training writes preempted.json and exits 0 (under launch); a rank of an evaluation-only
+    run leaves its line instead (nothing to resume: run it again; 75 all the same, so a requeue runs it again). torch's
+    agent sends SIGTERM to every rank when one fails, so a rank that refused the recipe (exit 2) or crashed while
+    another still loaded or waited for the data leaves that record too: it is a preemption only when this command was
+    signalled or every rank ended well; otherwise the failure is the outcome: 2 when every rank refused or stopped, or
+    some did and the agent stopped the others (nobody asked), else 1."""
     if preempted and (asked or agent_code == 0):
         return lifecycle.EXIT_PREEMPTED, (f"preempted by {preempted['signal']} at step {preempted['step']}: "
                                           f"{preempted['checkpoint']} is complete; resume with resume_from_checkpoint: auto "
                                           "(exit 75)")
+    if interrupted and (asked or agent_code == 0):
+        return lifecycle.EXIT_PREEMPTED, interrupted[0]
     if agent_code == 0:
         return 0, None
-    if refused and len(refused) >= ranks:
-        return 2, f"every rank refused the recipe (exit 2): {refused[0]}"
-    if refused and not asked:
-        return 2, (f"{len(refused)} of {ranks} ranks refused the recipe and torch's agent stopped the others (exit 2): "
-                   f"{refused[0]}")
+    if (refused or stopped) and len(refused) + len(stopped) >= ranks:
+        if refused:
+            return 2, f"every rank refused the recipe (exit 2): {refused[0]}"
+        return 2, f"every rank stopped (exit 2): {stopped[0]}"
+    if (refused or stopped) and not asked:
+        what = "refused the recipe" if refused else "stopped"
+        return 2, (f"{len(refused or stopped)} of {ranks} ranks {what} and torch's agent stopped the others (exit 2): "
+                   f"{(refused or stopped)[0]}")
     if asked:
         return 1, "the ranks ended without saving a preemption checkpoint; the latest complete checkpoint stays"
     return 1, None

@@ -7,7 +7,8 @@ heartbeats.py own those).
     read_preempted()     <output_dir>/preempted.json, what `launch` reports after a preemption
 
 The exit codes of a run: 0 done, 1 training failed, 2 bad input, 75 preempted (a complete checkpoint was saved; resume
-with resume_from_checkpoint: auto). See docs/reliability.md for what each piece guarantees and the test that shows it.
+with resume_from_checkpoint: auto) or, for an evaluation-only run (evalonly.py), interrupted (nothing was written:
+run it again). See docs/reliability.md for what each piece guarantees and the test that shows it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from datetime import datetime
 from pathlib import Path
 
 from .checkpoints import finished_run, forget_finished, is_complete, latest_checkpoint, mark_finished
+from .evalonly import eval_only
 from .heartbeats import HEARTBEATS, Heartbeat, Watch, beat_interval, describe_silent
 from .procs import die_with_parent, now_iso
 from .recipe import Recipe
@@ -33,6 +35,9 @@ log = logging.getLogger("sftrecipes")
 
 LOCK_ENV = "SFTRECIPES_LOCK"  # the token of the lock `launch` took for the ranks it starts
 REFUSED_ENV = "SFTRECIPES_REFUSED_DIR"  # set by `launch`: a rank that refuses the recipe (exit 2) leaves its line there
+# what a rank's line in that folder says it did (file name prefix): refused the recipe, stopped after training (a
+# streamed row it could not parse: streamtrain.DataStopped, exit 2), or interrupted an evaluation-only run (a signal)
+NOTE_PREFIX = {"refused": "rank-", "stopped": "stopped-rank-", "interrupted": "interrupted-rank-"}
 SUPERVISED_ENV = "SFTRECIPES_SUPERVISED"  # set by `launch` for its ranks: it turns their preemption into exit 75 itself
 PREEMPTED = "preempted.json"
 EXIT_PREEMPTED = 75
@@ -277,6 +282,12 @@ class RunLife:
                     self._exit(1)
 
     def _on_signal(self, sig: signal.Signals) -> None:
+        if eval_only(self.recipe):  # an evaluation saves nothing to resume from: no preempted.json
+            line = (f"evaluation interrupted by {sig.name} before it finished: nothing was written (an evaluation-only "
+                    "run saves no checkpoint to resume from); run it again (exit 75)")
+            log.warning("%s", line)
+            note_refusal(line, "interrupted")  # under launch: it says so and exits 75 (this rank exits 0, as preempted)
+            self._exit(preempted_exit_code())
         if self.phase == "setup":
             if self.owns:
                 last = latest_checkpoint(self.out)
@@ -385,14 +396,15 @@ class RunLife:
             mark_finished(self.out, step)
 
 
-def note_refusal(message: str) -> None:
-    """A rank refused the recipe (RecipeError, exit 2): leave its one line in the folder `launch` gave its ranks
-    (REFUSED_ENV, outside output_dir: nothing of the run is written), so `launch` exits 2 too when every rank did."""
+def note_refusal(message: str, kind: str = "refused") -> None:
+    """A rank refused the recipe (RecipeError, exit 2), stopped after training (kind "stopped": streamtrain.DataStopped,
+    exit 2) or interrupted an evaluation (kind "interrupted"): leave its one line in the folder `launch` gave its ranks
+    (REFUSED_ENV, outside output_dir: nothing of the run is written), so `launch` ends as they did and says why."""
     folder = os.environ.get(REFUSED_ENV)
     if folder and Path(folder).is_dir():
-        (Path(folder) / f"rank-{os.environ.get('RANK', '0')}").write_text(message)
+        (Path(folder) / f"{NOTE_PREFIX[kind]}{os.environ.get('RANK', '0')}").write_text(message)
 
 
-def refusals(folder: Path) -> list[str]:
-    """The lines the ranks that refused the recipe left (note_refusal), one per rank."""
-    return [f.read_text() for f in sorted(folder.glob("rank-*"))]
+def refusals(folder: Path, kind: str = "refused") -> list[str]:
+    """The lines the ranks left (note_refusal) of one kind, one per rank."""
+    return [f.read_text() for f in sorted(folder.glob(f"{NOTE_PREFIX[kind]}*"))]

@@ -90,11 +90,56 @@ class Recipe:
 # ----------------------------------------------------------------------------------------------- loading
 
 
+class DuplicateKey(yaml.YAMLError):
+    """A mapping of a recipe file names one key twice (UniqueKeyLoader)."""
+
+    def __init__(self, where: str, key, lines: tuple[int, int]):
+        super().__init__(f"{where}{key}")
+        self.where, self.key, self.lines = where, key, lines
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a mapping that names a key twice (PyYAML keeps the last silently), at any depth:
+    the top level, `launch:`, a `datasets:` entry, a dict-valued option. Keys a merge (`<<: *anchor`) brings in may be
+    overridden, as YAML says; only keys written in the mapping itself count."""
+
+    def construct_document(self, node):
+        self._unique_keys(node, "", set())
+        return super().construct_document(node)
+
+    def _unique_keys(self, node, where: str, seen_nodes: set) -> None:
+        if id(node) in seen_nodes:  # an alias to a node already walked
+            return
+        seen_nodes.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                self._unique_keys(item, f"{where.rstrip('.')}[{i}].", seen_nodes)
+        if not isinstance(node, yaml.MappingNode):
+            return
+        first: dict = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True) if isinstance(key_node, yaml.ScalarNode) else key_node.start_mark
+            try:
+                hash(key)
+            except TypeError:
+                key = repr(key)
+            line = key_node.start_mark.line + 1
+            if key in first:
+                raise DuplicateKey(where, key, (first[key], line))
+            first[key] = line
+            self._unique_keys(value_node, f"{where}{key}.", seen_nodes)
+
+
 def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise RecipeError(f"recipe: file '{path}' not found; pass the path of a recipe YAML (see recipes/)")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except DuplicateKey as e:
+        raise RecipeError(f"{e.where}{e.key}: set twice in '{path}' (lines {e.lines[0]} and {e.lines[1]}; YAML would keep "
+                          f"the last silently); keep one") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""

@@ -1,6 +1,6 @@
 """Every recipe option, declared once: the project's own sections (dataclasses whose fields carry help, default and
 type), what the project changes in TRL's defaults and accepts as aliases, and which of peft's LoraConfig fields are
-recipe keys. TRL's ``SFTConfig`` and peft's ``LoraConfig`` are used as they are, never copied by hand: their fields
+recipe keys (peftkeys.py lists those that are not). TRL's ``SFTConfig`` and peft's ``LoraConfig`` are used as they are, never copied by hand: their fields
 come from the snapshots snapshots.py reads (owner ``trl``; owner ``peft``, applied with ``use_peft_lora``, except
 those in :data:`PEFT_NOT_EXPOSED`, each with the reason). ``all_options()`` is the one table of every key.
 """
@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from .peftkeys import PEFT_NOT_EXPOSED, PEFT_NOTES
 from .snapshots import METHOD_CONFIGS, Option, load_methods_snapshot, load_peft_snapshot, load_trl_snapshot, options_of
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -113,6 +114,13 @@ class ModelOptions:
     )
     use_reentrant: bool = opt(
         False, "Gradient checkpointing: use the reentrant implementation (activation_checkpointing_kwargs)."
+    )
+    max_length_beyond_positions: bool = opt(
+        False,
+        "Train with a max_length above the positions the model's config.json declares (max_position_embeddings, or its "
+        "text_config's) without scaling the rope: tokens past them sit at positions the model never saw. Off: such a "
+        "max_length is refused when the recipe is read, unless model_init_kwargs scales the rope (rope_parameters or "
+        "rope_scaling with a rope_type) or sets max_position_embeddings. The planner counts max_length either way.",
     )
 
 
@@ -331,6 +339,10 @@ NESTED: dict[str, type] = {"launch": LaunchOptions}
 
 # TRL/transformers keys whose default the project sets (key -> (default, why)); shown in --help and docs/generated/options.md.
 TRL_DEFAULTS: dict[str, tuple[Any, str]] = {
+    "do_train": (True, "sftrecipes' default: train (transformers leaves do_train to the script). do_train: false (or "
+                 "max_steps: 0) evaluates the eval split without training: no checkpoint, no adapter or model written, "
+                 "a run from an adapter evaluated as the adapter on its base; eval_loss and perplexity land in "
+                 "run_summary.json (<output_dir>/eval/run_summary.json where output_dir holds a training run's)."),
     "ddp_timeout": (900, "sftrecipes' default: 15 minutes, not transformers' 30, so that a rank stuck outside a "
                     "collective ends the run sooner (a stopped or dead rank: heartbeat_timeout). Raise it when rank 0 "
                     "alone reads a 70B checkpoint from slow storage for longer. Data preparation is not bound by it: the other "
@@ -354,63 +366,6 @@ ALIASES: dict[str, str] = {
 NULL_IS_A_VALUE: dict[str, str] = {
     "max_length": "null: no cut, samples keep their whole length",
     "pad_to_multiple_of": "null: no padding to a multiple; unset: the project pads packed batches under sdpa on a GPU",
-}
-
-
-# peft's LoraConfig fields that are not recipe keys, and why. Every other field is a recipe key of the same name
-# (owner "peft"; it needs use_peft_lora and goes to LoraConfig as given). tests/test_schema_and_assets.py fails when
-# a field of the installed peft is in neither group, so a field peft adds is placed on purpose.
-PEFT_NOT_EXPOSED: dict[str, str] = {
-    # the project's own keys, spelled as the PEFT SFT guide's flags
-    "r": "the project's key lora_r",
-    "lora_alpha": "the project's key lora_alpha",
-    "lora_dropout": "the project's key lora_dropout",
-    "target_modules": "the project's key lora_target_modules (expert parameters and the router: lora_target_router)",
-    # set by the project or by peft itself
-    "task_type": "set by the project (CAUSAL_LM)",
-    "peft_type": "LoraConfig's own (LORA)",
-    "auto_mapping": "peft's bookkeeping for custom model classes",
-    "peft_version": "written by peft when it saves the adapter",
-    "base_model_name_or_path": "written by peft from the model loaded (model_name_or_path)",
-    "revision": "the base model's revision is part of model_name_or_path's loading, not of the adapter",
-    "inference_mode": "a training run needs it off; peft turns it on in the saved config",
-    "trainable_token_indices": "set by the project for the tokens a chat template adds (chat_template_format)",
-    "runtime_config": "run-time only (ephemeral GPU offload when loading), never saved",
-    "megatron_config": "Megatron-LM tensor-parallel layers; the project trains transformers models",
-    "megatron_core": "Megatron-LM tensor-parallel layers; the project trains transformers models",
-    # adapters the streaming merge, or the models trained here, cannot take
-    "fan_in_fan_out": "GPT-2 style Conv1D weights; the models here use nn.Linear, where peft turns it off",
-    "lora_bias": "adds a bias to layers that have none in Llama-class models: the merged model would not load as the "
-                 "base architecture (and peft's expert-parameter wrapper refuses it)",
-    "layer_replication": "duplicates decoder layers: the merged model would have more layers than its config",
-    "use_qalora": "QALoRA is for GPTQ-quantized bases; the project quantizes with bitsandbytes",
-    "qalora_group_size": "QALoRA is for GPTQ-quantized bases; the project quantizes with bitsandbytes",
-    "alora_invocation_tokens": "activated LoRA acts only after its invocation tokens, so it cannot be merged into weights",
-    "arrow_config": "Arrow routes among several adapters per token: nothing to merge",
-    "kasa_config": "KaSA truncates the base weights when the adapter is created; the merge reads the original base",
-    "use_bdlora": "block-diagonal LoRA factors for multi-adapter serving; the streaming merge reads plain factors",
-    "monteclora_config": "Monte Carlo sampling around the adapter; the streaming merge reads plain factors",
-    "velora_config": "a memory-saving backward pass configured by an object; not settable from a recipe",
-    "ensure_weight_tying": "ties adapters on tied embeddings; the project trains added-token rows through "
-                           "trainable_token_indices and never targets the tied embeddings",
-    "loftq_config": "configures init_lora_weights: loftq, which rewrites the base weights (refused)",
-    "eva_config": "configures init_lora_weights: eva, which needs a pass over the data before training (refused)",
-    "corda_config": "configures init_lora_weights: corda, which rewrites the base weights from calibration data (refused)",
-    "lora_ga_config": "configures init_lora_weights: lora_ga, which needs gradients before training (refused)",
-}
-
-
-# What the project adds to peft's help of an exposed field (shown in --help and docs/generated/options.md).
-PEFT_NOTES: dict[str, str] = {
-    "init_lora_weights": "sftrecipes: true, false, gaussian and orthogonal train and export; eva, olora, pissa*, corda, "
-                         "loftq and mica are refused when the recipe is read (they need data before training, rewrite the "
-                         "base weights, or leave lora_B out of the adapter).",
-    "exclude_modules": "sftrecipes: a YAML list (or several words after the flag) is names; one string is a regex that "
-                       "must match the whole module name. Also excludes expert parameters.",
-    "layers_to_transform": "sftrecipes: also selects among the expert parameters of mixture-of-experts models.",
-    "target_parameters": "sftrecipes: mixture-of-experts expert tensors need no entry: lora_target_modules (all-linear, "
-                         "gate_up_proj, down_proj, ...) and lora_target_router adapt them. No lora_dropout, no DoRA here.",
-    "use_dora": "sftrecipes: merged by the streaming export; not with expert parameters or target_parameters.",
 }
 
 

@@ -150,6 +150,84 @@ SETUPS = {
 }
 
 
+# issue 37: rows that carry images (an images column, an image column, image content parts) and content given as parts
+
+
+def _vl_rows(n: int, kind: str) -> list[dict]:
+    """TRL's vision-language rows, every other one with an image: kind 'images' (a list column + image parts), 'image'
+    (one image column, string content), 'parts' (image parts, no column; the first row has none), 'text_parts'
+    (content as text parts only)."""
+    rows = []
+    for i in range(n):
+        img = i % 2 == 1
+        user = [{"type": "image"}] * (img and kind in ("images", "parts")) + [{"type": "text", "text": "What is this?"}]
+        answer = [{"type": "text", "text": "A cat."}]
+        if kind == "image":
+            rows.append({"image": "cat.png" if img else None,
+                         "messages": [{"role": "user", "content": "What is this?"}, {"role": "assistant", "content": "A cat."}]})
+            continue
+        row = {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]}
+        if kind == "images":
+            row["images"] = ["cat.png"] if img else []
+        rows.append(row)
+    return rows
+
+
+def _vl_folder(kind: str):
+    def setup(tmp: Path, tiny: Path) -> None:
+        (tmp / "vl").mkdir()
+        for split in ("train", "test"):
+            (tmp / "vl" / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _vl_rows(6, kind)))
+    return setup
+
+
+def _images_saved(tmp: Path, tiny: Path) -> None:
+    """The images rows as a save_to_disk folder: not readable without datasets, counted in the run before tokenizing."""
+    import datasets
+
+    split = datasets.Dataset.from_list(_vl_rows(6, "images"))
+    datasets.DatasetDict({"train": split, "test": split}).save_to_disk(str(tmp / "vl"))
+
+
+SETUPS.update({"images_jsonl": _vl_folder("images"), "image_column_jsonl": _vl_folder("image"),
+               "image_parts_jsonl": _vl_folder("parts"), "text_parts_jsonl": _vl_folder("text_parts"),
+               "images_saved": _images_saved})
+
+
+# issue 37: data files (datafiles.py, badrows.py): a folder whose files cannot be read together, a cut line
+
+
+def _chat_lines(n: int) -> str:
+    return "".join(json.dumps({"messages": [{"role": "user", "content": f"Q{i}"}, {"role": "assistant", "content": f"A{i}"}]}) + "\n"
+                   for i in range(n))
+
+
+def _jsonl_and_txt_folder(tmp: Path, tiny: Path) -> None:
+    """A folder of chat rows and a notes file: datasets read the jsonl alone and said nothing of the txt."""
+    (tmp / "mixed").mkdir()
+    (tmp / "mixed" / "a.jsonl").write_text(_chat_lines(4))
+    (tmp / "mixed" / "notes.txt").write_text("where the data came from\n")
+
+
+def _columns_differ_folder(tmp: Path, tiny: Path) -> None:
+    """messages rows in parquet, prompt/completion rows in jsonl: datasets read the parquet alone."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp / "mixed").mkdir()
+    pq.write_table(pa.Table.from_pylist([json.loads(x) for x in _chat_lines(4).splitlines()]), tmp / "mixed" / "a.parquet")
+    (tmp / "mixed" / "b.jsonl").write_text(json.dumps({"prompt": "Q", "completion": "A"}) + "\n")
+
+
+def _cut_line_jsonl(tmp: Path, tiny: Path) -> None:
+    """Chat rows whose last line was cut mid-string (a copy interrupted): it was a pyarrow traceback."""
+    (tmp / "cut.jsonl").write_text(_chat_lines(3) + _chat_lines(1)[:30])
+
+
+SETUPS.update({"jsonl_and_txt_folder": _jsonl_and_txt_folder, "columns_differ_folder": _columns_differ_folder,
+               "cut_line_jsonl": _cut_line_jsonl})
+
+
 # ----------------------------------------------------------------------------------------------- running
 
 

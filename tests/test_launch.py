@@ -260,3 +260,28 @@ def test_launch_outcome_tells_a_preemption_from_a_rank_the_agent_stopped(agent_c
     record = {"signal": "SIGTERM", "step": 3, "checkpoint": "out/checkpoint-3"} if preempted else None
     code, line = outcome(agent_code, asked=asked, preempted=record, refused=refused, ranks=2)
     assert code == expected[0] and (line is None if expected[1] is None else line.startswith(expected[1])), (code, line)
+
+
+STOPPED = ("dataset_name: cut.jsonl line 4 cannot be read; training stopped after step 3: out/checkpoint-3 is complete; "
+           "once the data is fixed, resume with resume_from_checkpoint: auto")
+INTERRUPTED = "evaluation interrupted by SIGTERM before it finished: nothing was written (...); run it again (exit 75)"
+
+
+@pytest.mark.parametrize("agent_code, asked, refused, stopped, interrupted, expected", [
+    # every rank stopped on a streamed row it could not read, after training, with a complete checkpoint: not a refusal
+    (1, False, [], [STOPPED, STOPPED], [], (2, f"every rank stopped (exit 2): {STOPPED}")),
+    (1, False, [], [STOPPED], [], (2, f"1 of 2 ranks stopped and torch's agent stopped the others (exit 2): {STOPPED}")),
+    (1, False, ["bad data", "bad data"], [], [], (2, "every rank refused the recipe (exit 2): bad data")),
+    # an evaluation-only run signalled (launch, or the ranks by the scheduler): 75, no checkpoint, run it again
+    (0, True, [], [], [INTERRUPTED, INTERRUPTED], (75, INTERRUPTED)),
+    (0, False, [], [], [INTERRUPTED, INTERRUPTED], (75, INTERRUPTED)),
+    # a rank refused, and torch's agent's SIGTERM reached the other in its evaluation: the refusal is the outcome
+    (1, False, ["bad data"], [], [INTERRUPTED], (2, "1 of 2 ranks refused the recipe and torch's agent stopped the others")),
+])
+def test_launch_outcome_words_a_stop_after_training_and_an_interrupted_evaluation(agent_code, asked, refused, stopped,
+                                                                                   interrupted, expected):
+    from sftrecipes.launch import outcome
+
+    code, line = outcome(agent_code, asked=asked, preempted=None, refused=refused, ranks=2, stopped=stopped,
+                         interrupted=interrupted)
+    assert code == expected[0] and line.startswith(expected[1]), (code, line)

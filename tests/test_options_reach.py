@@ -51,6 +51,8 @@ SPECIAL = {
     "deepspeed": ({"zero_optimization": {"stage": 2}}, {}, lambda a: a.hf_deepspeed_config.config["zero_optimization"]["stage"] == 2),
     "use_liger_kernel": (True, {"bf16": False}, lambda a: a.use_liger_kernel is True),  # gpu target (GPU_ONLY) on a CPU machine
     "padding_free": (True, {"packing": True}, lambda a: a.padding_free is True),  # without packing: refused (sources.TRL_DATA_KEYS)
+    "activation_offloading": (True, {"bf16": False}, None),  # gpu target (GPU_ONLY) on a CPU machine
+    "max_length": (1000, {}, None),  # within the tiny model's 1024 positions (past them: refused, limits.check_positions)
 }
 # Applied by the data pipeline, not by SFTConfig: observed in tests/test_data.py and tests/test_train.py.
 PIPELINE = {
@@ -85,7 +87,7 @@ REFUSED = {"enable_jit_checkpoint": "the run handles SIGTERM/SIGUSR1 itself (lif
            "dataset_kwargs": "sources.TRL_DATA_KEYS; test_data.py::test_refused_data_keys_are_one_line_errors_and_the_fix_loads"}
 # Refused on the cpu target or without the package by preflight.in_run (test_train.py::test_liger_is_refused_without_a_gpu_or_its_package):
 # probed on the gpu target.
-GPU_ONLY = {"use_liger_kernel"}
+GPU_ONLY = {"use_liger_kernel", "activation_offloading"}  # (activation_offloading: refused on the cpu target, limits.py)
 # (method, key): every SFTConfig key under sft; under the preference methods the keys of their config class that
 # SFTConfig lacks or defines differently (the keys they all share reach it alike)
 TRL_KEYS = sorted([("sft", n) for n, o in all_options().items() if o.owner == "trl" and not o.methods
@@ -260,6 +262,16 @@ def obs_bnb_4bit_quant_storage_dtype(tiny_model, tmp_path):
 def obs_use_reentrant(tiny_model, tmp_path):
     args = backends.training_args(recipe("--gradient_checkpointing", "True", "--use_reentrant", "True"), "cpu")
     assert args.activation_checkpointing_kwargs["use_reentrant"] is True
+
+
+def obs_max_length_beyond_positions(tiny_model, tmp_path):
+    """A max_length past the model's 1024 positions is taken as asked, and planned at that length."""
+    from sftrecipes.plan import plan_recipe
+
+    with pytest.raises(RecipeError, match="max_length_beyond_positions: true"):
+        recipe("--max_length", 2048)
+    plan = plan_recipe(recipe("--max_length", 2048, "--max_length_beyond_positions", "true"), _alternatives=False)
+    assert any("x 2048 tokens" in i.note for i in plan.live[plan.peak_phase])
 
 
 def obs_dataset_name(tiny_model, tmp_path):

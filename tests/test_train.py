@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 import train
-from conftest import run_cli
+from conftest import ROOT, run_cli
 from sftrecipes.recipe import load_recipe
 from test_recipe import GUIDE_ZERO3
 
@@ -361,3 +361,120 @@ def test_packing_under_sdpa_on_a_gpu_pads_to_a_bounded_set_of_shapes():
     assert pad("--packing", "false", *sdpa) is None
     assert pad("--packing", "true", *sdpa, target="cpu") is None
     assert pad("--packing", "true", *sdpa, "--pad_to_multiple_of", "64") == 64
+
+
+def _files(folder):
+    """Every file under folder with its size and modification time."""
+    return {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()}
+
+
+def test_evaluation_only_trains_nothing_and_summaries_hold_eval_loss(tiny_model, tmp_path):
+    """Issue 37. A training run evaluating at its start and every 2 steps records each evaluation and the last one in
+    run_summary.json (eval_loss, perplexity = exp(eval_loss)). do_train: false on its adapter, in its own finished
+    output_dir with resume_from_checkpoint: auto, evaluates the adapter on its base: the same eval_loss the run measured
+    at its last step, only <output_dir>/eval/run_summary.json written (no merged copy, no checkpoint, the training's
+    files and finished marker untouched), the log's last line naming the adapter and the metric. max_steps: 0 with
+    eval_on_start (the user's command) on the base model trains no step: the run's step-0 evaluation, one file written."""
+    import math
+
+    from sftrecipes.checkpoints import FINAL, torn
+
+    common = ["recipes/tiny/lora.yaml", "--max_seq_len", "128", "--sample_max_new_tokens", "0",
+              "--per_device_eval_batch_size", "8", "--resume_from_checkpoint", "auto"]
+    out = tmp_path / "run"
+    res = run_cli(["train.py", *common, "--output_dir", str(out), "--max_steps", "4", "--eval_strategy", "steps",
+                   "--eval_steps", "2", "--eval_on_start", "true"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    evals = json.loads((out / "run_summary.json").read_text())["eval"]
+    assert [e["step"] for e in evals["history"]] == [0, 2, 4] and evals["last"] == evals["history"][-1]
+    assert all(e["perplexity"] == pytest.approx(math.exp(e["eval_loss"])) for e in evals["history"])
+    assert "last eval (step 4): eval_loss" in res.stderr
+    before = _files(tmp_path)
+
+    # prepare on the evaluation's recipe: what the evaluation reads (its eval split), no adapter merged into a copy of
+    # its base, nothing cached (the run prepares its eval rows itself): nothing written at all
+    evaluation = [*common, "--model_name_or_path", str(out), "--output_dir", str(out), "--do_train", "false", "--do_eval", "true"]
+    res = run_cli(["-m", "sftrecipes", "prepare", *evaluation, "--data_cache_dir", str(tmp_path / "cache")])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "prepare: do_train: false: evaluation only: dataset_name data/tiny_chat (test): 40 read, 40 kept" in res.stdout
+    assert "train split" not in res.stderr and _files(tmp_path) == before
+
+    res = run_cli(["train.py", *evaluation])
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads((out / "eval" / "run_summary.json").read_text())
+    assert summary["evaluation_only"] and summary["adapter"] == str(out) and summary["base"] == ".assets/tiny-llama"
+    assert summary["eval"]["eval_loss"] == pytest.approx(evals["last"]["eval_loss"], rel=1e-5)
+    assert summary["eval"]["perplexity"] == pytest.approx(math.exp(summary["eval"]["eval_loss"]))
+    last = res.stderr.strip().splitlines()[-1]
+    assert f"evaluated: the adapter {out} on its base .assets/tiny-llama on dataset_name" in last and "eval_loss" in last
+    after = _files(tmp_path)
+    assert set(after) - set(before) == {out / "eval" / "run_summary.json"}
+    assert {p: after[p] for p in before} == before  # nothing else written, nothing rewritten
+    assert torn(out, FINAL) is None  # the training run is still finished, and was not marked again
+
+    base_eval = tmp_path / "base"
+    res = run_cli(["train.py", *common, "--output_dir", str(base_eval), "--max_steps", "0", "--eval_on_start", "true"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [p.name for p in base_eval.iterdir()] == ["run_summary.json"]
+    summary = json.loads((base_eval / "run_summary.json").read_text())
+    assert summary["why"] == "max_steps: 0" and "steps" not in summary
+    assert summary["eval"]["eval_loss"] == pytest.approx(evals["history"][0]["eval_loss"], rel=1e-5)
+
+
+def test_evaluation_only_under_zero2_runs_data_parallel_without_deepspeeds_engine(tiny_model, tmp_path):
+    """Issue 37. ZeRO-1/2 partition no weights, and transformers evaluates under DeepSpeed only with ZeRO-3: the
+    ZeRO-2 twin's evaluation through its launcher (2 ranks, 8 eval rows, one eval batch of 2 rows per rank and step)
+    runs without DeepSpeed's engine, data-parallel (accelerate's MULTI_CPU over 2 processes), says so in one line, and
+    measures the eval_loss of the same recipe evaluated in one process. Pre-flight printed the training plan as an
+    upper bound of the evaluation's memory, not refused on; the launch's accelerate config went beside the summary."""
+    from conftest import free_port, launch_twin
+
+    data = tmp_path / "d"
+    data.mkdir()
+    (data / "test.jsonl").write_text("".join((ROOT / "data/tiny_chat/test.jsonl").read_text().splitlines(keepends=True)[:8]))
+    flags = ["--do_train", "false", "--dataset_name", str(data), "--splits", "test", "--eval_packing", "false",
+             "--per_device_eval_batch_size", "2"]
+    out = tmp_path / "zero2"
+    summary, log = launch_twin("zero2", out, flags, env={"MAIN_PROCESS_PORT": str(free_port())})
+    assert summary["evaluation_only"] and (summary["processes"], summary["distributed_type"]) == (2, "MULTI_CPU")
+    assert log.count("launch.zero_stage: 2: evaluated without DeepSpeed's engine, data-parallel as under DDP") == 1
+    assert "EVALUATION ONLY: do_train: false: no evaluation is planned here" in log
+    assert sorted(p.name for p in out.iterdir()) == ["accelerate_config.yaml", "run_summary.json"]
+    one = tmp_path / "one"
+    res = run_cli(["train.py", "recipes/tiny/zero2.yaml", "--launch.gpus_per_node", "1", "--output_dir", str(one), *flags])
+    assert res.returncode == 0, res.stderr[-3000:]
+    reference = json.loads((one / "run_summary.json").read_text())
+    assert reference["processes"] == 1 and summary["data"]["eval"]["kept"] == reference["data"]["eval"]["kept"] == 8
+    assert summary["eval"]["eval_loss"] == pytest.approx(reference["eval"]["eval_loss"], rel=1e-6)
+
+
+def test_a_signal_interrupts_an_evaluation_only_run_without_a_preemption_record(tiny_model, tmp_path):
+    """Issue 37. An evaluation has no checkpoint to resume: SIGTERM during an evaluation-only run ends it with one line
+    saying it was interrupted and to run it again, exit 75 (a requeue runs it again), no preempted.json, nothing
+    written. Under `launch` (supervised) the rank exits 0 and leaves its line for launch, which exits 75 with it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from sftrecipes import lifecycle
+    from sftrecipes.launch import outcome
+
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    for supervised in (False, True):
+        out = tmp_path / f"ev-{supervised}"
+        env = {**os.environ, **({lifecycle.SUPERVISED_ENV: "1", lifecycle.REFUSED_ENV: str(notes)} if supervised else {})}
+        proc = subprocess.Popen([sys.executable, "train.py", "recipes/tiny/lora.yaml", "--do_train", "false", "--output_dir",
+                                 str(out)], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+        for line in proc.stderr:  # the evaluation has begun (tokenizer, data, model and evaluate still to come)
+            if "evaluation only" in line:
+                proc.send_signal(signal.SIGTERM)
+                break
+        rest = proc.stderr.read()
+        assert proc.wait(timeout=120) == (0 if supervised else 75), rest[-3000:]
+        assert "evaluation interrupted by SIGTERM before it finished: nothing was written" in rest.strip().splitlines()[-1]
+        assert not (out / lifecycle.PREEMPTED).exists() and not (out / "run_summary.json").exists()
+    noted = lifecycle.refusals(notes, "interrupted")
+    assert len(noted) == 1 and "run it again" in noted[0]
+    assert outcome(0, asked=True, preempted=None, refused=[], ranks=1, interrupted=noted) == (75, noted[0])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 
 from ..errors import RecipeError
+from ..evalonly import eval_only, why
 from .estimate import CUDA_CONTEXT_GB, FRAGMENTATION, Plan, estimate
 from .pitfalls import pitfalls
 from ..recipe import Recipe, load_recipe
@@ -44,10 +45,27 @@ def pipeline_bubble(p: int, m: int) -> float:
 
 def verdict(recipe: Recipe) -> tuple[bool, str]:
     """(fits, the printed plan with its pitfalls): what the plan command prints and exits by, and what pre-flight
-    (preflight.before_launch) asks first. Unknown GPU memory counts as fitting (nothing to check against)."""
+    (preflight.before_launch) asks first. Unknown GPU memory counts as fitting (nothing to check against).
+    An evaluation-only recipe (evalonly.eval_only) is planned as one training step, printed as an upper bound of what
+    its evaluation holds and never refused on (evaluation_words): no evaluation's own figures are planned."""
     plan = plan_recipe(recipe)
     ok = plan.fits is not False and plan.cpu_fits is not False
-    return ok, format_plan(plan, pitfalls(recipe))
+    evaluation = evaluation_words(recipe) if eval_only(recipe) else None
+    return ok or evaluation is not None, format_plan(plan, pitfalls(recipe), evaluation)
+
+
+def evaluation_words(recipe: Recipe) -> str:
+    """What the plan of an evaluation-only recipe is: the training step's, which holds what an evaluation does not
+    (gradients, optimizer states, the activations saved for backward) besides the weights both hold; its logits are
+    the train batch's, so it bounds an evaluation whose eval batch is no larger."""
+    train_b, eval_b = recipe.trl_value("per_device_train_batch_size"), recipe.trl_value("per_device_eval_batch_size")
+    batch = (f"per_device_eval_batch_size {eval_b} is above per_device_train_batch_size {train_b}: a forward's "
+             f"activations and logits for {eval_b} rows are not bounded by it" if eval_b > train_b else
+             f"per_device_eval_batch_size {eval_b} is not above per_device_train_batch_size {train_b}")
+    return (f"{why(recipe)}: no evaluation is planned here; the plan below is of one training step of this recipe, an "
+            "upper bound of what the evaluation holds (the weights, without the gradients, optimizer states and saved "
+            f"activations) where the eval batch is no larger ({batch}); plan and pre-flight do not refuse an evaluation "
+            "on it")
 
 
 # ----------------------------------------------------------------------------------------------- output
@@ -58,7 +76,9 @@ def _up_to(low_gb: float, high_gb: float | None) -> str:
     return f" (up to {high_gb * 1e3:,.0f})" if high_gb is not None and high_gb - low_gb >= 5e-4 else ""
 
 
-def format_plan(plan: Plan, warnings: list[str] | None = None) -> str:
+def format_plan(plan: Plan, warnings: list[str] | None = None, evaluation: str | None = None) -> str:
+    """The plan as printed; evaluation: an evaluation-only recipe's words (evaluation_words), said first and on the
+    verdict line, which is then the training step's and refuses nothing."""
     w = 44
     line = lambda i: f"  {i.name:<{w}} {i.gb:8.2f} GB  {i.note}"  # noqa: E731
     active = f" ({plan.active_params / 1e9:.2f}B active per token)" if plan.active_params not in (0, plan.params) else ""
@@ -66,7 +86,7 @@ def format_plan(plan: Plan, warnings: list[str] | None = None) -> str:
     unit = " pairs" if plan.method in PAIRED else {"kto": " completions"}.get(plan.method, "")
     out = [f"{plan.model}: {method}{plan.params / 1e9:.2f}B params{active}, {plan.trainable / 1e6:.2f}M trainable; {plan.backend} on "
            f"{plan.nodes} node(s) x {plan.gpus_per_node} GPU(s) = {plan.world}; global batch {plan.global_batch}{unit}",
-           "", "Per GPU — model states (always resident):"]
+           *([f"EVALUATION ONLY: {evaluation}"] if evaluation else []), "", "Per GPU — model states (always resident):"]
     out += [line(i) for i in plan.states]
     out += [f"  {'= model states':<{w}} {plan.model_states_gb:8.2f} GB", "", f"Per GPU — also live at the peak ({plan.peak_phase}):"]
     out += [line(i) for i in plan.peak if i.gb > 0]
@@ -102,6 +122,9 @@ def format_plan(plan: Plan, warnings: list[str] | None = None) -> str:
                    f"{plan.gpu_limit_gb:g} GB per GPU")
     if plan.cpu_fits is not None:
         verdict += f"; CPU RAM {plan.cpu_total_gb:.0f} of {plan.cpu_limit_gb:g} GB per node {'fits' if plan.cpu_fits else 'DOES NOT FIT'}"
+    if evaluation:
+        verdict = (verdict.replace("VERDICT: ", "VERDICT of one training step (an upper bound for this evaluation-only "
+                                   "recipe, which is not refused on it): ", 1))
     out += ["", verdict] + ([f"  {plan.reference}"] if plan.reference else [])
     if plan.alternatives:
         out += ["", "Strategies (fitting first; same model before * (changes what is trained); then by network + PCIe time "

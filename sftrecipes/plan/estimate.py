@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from . import offload
 from .activations import TRL_VOCAB_TILE, Activations, activations, layer_lora_params
 from ..backends import PARTITIONED, RANK0_READS, weight_reading
 from ..recipe import Recipe
@@ -105,9 +106,15 @@ def estimate(recipe: Recipe) -> Plan:
     shape, s, L = model_shape(recipe.model.model_name_or_path), setup(recipe), recipe.launch
     notes: list[str] = []
     st = _model_states(recipe, shape, s)  # 1
-    live = _live_phases(recipe, shape, s, st, activations(recipe, shape, s, st.adapted))  # 2
+    act, moved = offload.apply(recipe, activations(recipe, shape, s, st.adapted),  # activation_offloading: to host
+                               recipe.gradient_checkpointing and not checkpointing_off(recipe, shape))
+    live = _live_phases(recipe, shape, s, st, act)  # 2
     phases, peak_phase, allowance = _peak(recipe, shape, s, st, live, notes)  # 3
     cpu, cpu_total = _cpu_ram(recipe, shape, s, st)  # 4
+    if moved:  # (during training, beside the offloaded states: not while loading)
+        cpu.append(Item("offloaded activations", s.gpn * moved / GB, "per rank x ranks on the node (pinned; activation_offloading)"))
+        cpu_total = cpu[0].gb + max(cpu[1].gb, sum(i.gb for i in cpu[2:]))  # (as _cpu_ram sums: processes + the larger phase)
+        notes.append(offload.note(moved, s.gpn, GB))
     ga = recipe.trl_value("gradient_accumulation_steps")
     comm, comm_gb = _communication(recipe, shape, s, st.trainable * (2 if s.mixed16 else st.g_b),  # 5
                                    shape.params * st.gather_b, ga, st.ref)
