@@ -7,7 +7,7 @@
     python train.py --help                                      # every option, its default and help
 
 Flow: parse -> hardware target -> tokenizer -> datasets -> model -> the method's trainer -> train (resume) -> save + check.
-Around it (sftrecipes/lifecycle.py, runlock.py, heartbeats.py): the output_dir lock, preemption signals (SIGTERM/SIGUSR1: save, exit 75), death
+Around it (sftrecipes/run/lifecycle.py, runlock.py, heartbeats.py): the output_dir lock, preemption signals (SIGTERM/SIGUSR1: save, exit 75), death
 with the launcher, heartbeats. The logic lives in the `sftrecipes` package; this file only wires it up.
 """
 
@@ -20,20 +20,21 @@ import sys
 import time
 
 if __name__ == "__main__" and os.environ.get("SFTRECIPES_FORK_SERVER"):  # the test suite, the sweep: this process
-    from sftrecipes import forkserver  # is a fork of one that has imported torch & co. already (sftrecipes/forkserver.py)
+    from sftrecipes.core import forks as forkserver  # is a fork of one that has imported torch & co. already (sftrecipes/core/forks.py)
 
     forkserver.exit_in_fork(sys.argv)  # (returns where no server answered: this process runs it)
 
-from sftrecipes import evalonly, lifecycle  # noqa: E402
+from sftrecipes.recipe import evalonly  # noqa: E402
+from sftrecipes.run import lifecycle  # noqa: E402
 
 if __name__ == "__main__":  # first thing: a SIGTERM/SIGUSR1 while this process starts waits for RunLife (no sudden death)
     lifecycle.hold_signals()
 
-from sftrecipes.checkpoints import TrainingStopped  # noqa: E402
-from sftrecipes.errors import RecipeError, say_error
-from sftrecipes.options_doc import help_text  # noqa: E402
-from sftrecipes.prepcache import PreparationFailed  # noqa: E402
-from sftrecipes.recipe import load_recipe  # noqa: E402
+from sftrecipes.run.checkpoints import TrainingStopped  # noqa: E402
+from sftrecipes.core.errors import RecipeError, say_error
+from sftrecipes.recipe.options_doc import help_text  # noqa: E402
+from sftrecipes.data.prepcache import PreparationFailed  # noqa: E402
+from sftrecipes.recipe.load import load_recipe  # noqa: E402
 
 log = logging.getLogger("sftrecipes")
 
@@ -43,12 +44,27 @@ def run(recipe, life=None):
     process's lifecycle.RunLife (main() enters it: lock, signals, heartbeats); callers without one get a plain run."""
     # torch and the training modules load here, not at the top: `--help` and a recipe that fails validation answer
     # (exit 2) before torch is imported
-    from sftrecipes import (  # noqa: PLC0415 - as above
-        backends, checkpoints, data, finalsave, folders, hub, lora, methods, metrics, model as models, nonfinite, precision,
-        preference, preflight, probes, quantload, startmodel, stream as streams, streamtrain,
-    )
-    from sftrecipes.plan.pitfalls import pitfalls  # noqa: PLC0415 - as above
-    from sftrecipes.tokenizer import load_tokenizer  # noqa: PLC0415 - as above
+    from sftrecipes.train import args as backends
+    from sftrecipes.run import checkpoints
+    from sftrecipes.data import load as data
+    from sftrecipes.train import finalsave
+    from sftrecipes.facts import folders
+    from sftrecipes.train import hub
+    from sftrecipes.model import lora
+    from sftrecipes.train import methods
+    from sftrecipes.train import metrics
+    from sftrecipes.model import load as models
+    from sftrecipes.train import nonfinite
+    from sftrecipes.train import precision
+    from sftrecipes.data import preference
+    from sftrecipes.launch import preflight
+    from sftrecipes.train import probes
+    from sftrecipes.model import quantload
+    from sftrecipes.facts import startmodel
+    from sftrecipes.data import stream as streams
+    from sftrecipes.train import streamtrain
+    from sftrecipes.plan.pitfalls import pitfalls
+    from sftrecipes.data.tokenizer import load_tokenizer
 
     # 1. where we run: the cpu target sets use_cpu/gloo/threads so GPU command lines work as written
     target = backends.hardware(recipe)
@@ -58,7 +74,7 @@ def run(recipe, life=None):
     unckpt = models.checkpointing_fallback(recipe)  # checkpointing on a class without it: the run goes without
     life = life or lifecycle.RunLife(recipe)
     if evalonly.eval_only(recipe):  # do_train: false / max_steps: 0: the eval split evaluated, nothing trained or saved
-        from sftrecipes import evaluate  # noqa: PLC0415 - as above
+        from sftrecipes.train import evaluate
 
         return evaluate.run(recipe, target, life, [unpacked])  # (its own training arguments: ZeRO-1/2 without the engine)
     args = backends.training_args(recipe, target)
@@ -87,7 +103,7 @@ def run(recipe, life=None):
         log.warning("trust_remote_code: on — the model's own Python code from %s will run", recipe.model.model_name_or_path)
 
     # 2. tokenizer (chat template, special tokens) and data: prepared once per set of inputs that shape the rows
-    #    (sftrecipes/prepcache.py); one process prepares, the others wait on its files: no collective, so no
+    #    (sftrecipes/data/prepcache.py); one process prepares, the others wait on its files: no collective, so no
     #    ddp_timeout, however long it takes
     tokenizer, end_of_turn, added_tokens = load_tokenizer(recipe)
     stream, data_callbacks = None, []
@@ -233,7 +249,7 @@ def leave_process_group(code: int = 0) -> int:
     """Ranks that exit with the process group alive can abort in teardown ("terminate called without an active
     exception", seen on a QLoRA+FSDP twin), failing a run that had finished. Called by main(), not run(): callers of
     run() may still need the group (an in-run merge under ZeRO-3)."""
-    import torch.distributed as dist  # noqa: PLC0415 - torch: this file's top stays torch-free (--help)
+    import torch.distributed as dist
 
     if dist.is_initialized():
         dist.barrier()

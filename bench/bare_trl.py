@@ -37,7 +37,7 @@ args = SFTConfig(packing=a.packing, **common) if a.method == "sft" else DPOConfi
 lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
 if a.attn_implementation == "sft_varlen":  # the project's packed-attention kernel (what train.py's auto picks packed)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from sftrecipes.attention import register
+    from sftrecipes.model.attention import register
 
     register()
 model = AutoModelForCausalLM.from_pretrained(a.model, attn_implementation=a.attn_implementation)

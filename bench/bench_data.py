@@ -95,9 +95,10 @@ def child(kind: str, rows_file: str, out: str) -> dict:
     os.chdir(ROOT)
     import datasets
 
-    from sftrecipes import data, tokenization
-    from sftrecipes.recipe import load_recipe
-    from sftrecipes.tokenizer import load_tokenizer
+    from sftrecipes.data import load as data
+    from sftrecipes.data import tokenization
+    from sftrecipes.recipe.load import load_recipe
+    from sftrecipes.data.tokenizer import load_tokenizer
 
     datasets.utils.logging.disable_progress_bar()
     recipe = load_recipe([RECIPE, "--dataset_name", rows_file, "--splits", "train", "--output_dir", str(Path(out) / "o")])
@@ -153,8 +154,9 @@ def streamed(rows_file: str, out: str, tok, eot) -> dict:
     memory over the epoch above its resident memory at the start (the kernel's high-water mark, reset there)."""
     import gc
 
-    from sftrecipes import probes, stream as streams
-    from sftrecipes.recipe import load_recipe
+    from sftrecipes.train import probes
+    from sftrecipes.data import stream as streams
+    from sftrecipes.recipe.load import load_recipe
 
     recipe = load_recipe([RECIPE, "--dataset_name", rows_file, "--splits", "train", "--output_dir", str(Path(out) / "o"),
                           "--streaming", "true", "--max_steps", "1"])
@@ -255,7 +257,7 @@ def report(results: dict[tuple[str, int], dict[str, list[dict]]], agree: dict[tu
         lines.append(f"| {n:,} {shape} | {ag.get('tokens_per_row', 0):.0f} ({ag.get('cut', 0):,}) | {trl['rows_per_s']:,.0f} | "
                      f"{ours['rows_per_s']:,.0f} ({ours['workers']}) | {ratio:.1f}x | {one['rows_per_s']:,.0f} | "
                      f"{one['rows_per_s'] / trl['rows_per_s']:.1f}x | {before} | {same} | {'met' if ratio >= GOAL else 'missed'} |")
-    lines += ["", "Streamed (`streaming: true`, sftrecipes/stream.py), one process as each rank reads the stream: one data "
+    lines += ["", "Streamed (`streaming: true`, sftrecipes/data/stream.py), one process as each rank reads the stream: one data "
               "epoch of the same file, in buffers of 10,000 rows prepared, shuffled and packed (bfd, max_length 256) as "
               "they are read; its clock covers reading and preparing; memory: the process's peak resident memory over "
               "the epoch above its resident memory at the start (VmHWM, reset there).", "",
@@ -272,7 +274,7 @@ def report(results: dict[tuple[str, int], dict[str, list[dict]]], agree: dict[tu
 
 NOTES = """
 Tokens and labels agree row for row (the column above). Where the two preparations differ by design
-(sftrecipes/tokenization.py's docstring), nothing in these rows reaches it: TRL ignores add_special_tokens and
+(sftrecipes/data/tokenization.py's docstring), nothing in these rows reaches it: TRL ignores add_special_tokens and
 append_concat_token and appends a second end of turn to ChatML text data (these rows are conversations, both keys
 false); TRL keeps a row whose only trained label is at position 0, the project needs one past it; the project drops
 and counts the rows the cut leaves untrainable (here every label is trained, so neither drops a row).
@@ -313,7 +315,7 @@ Before this change (git HEAD faa6c2b, measured once on the 50,000 multi-turn row
 def write_section(text: str, path: Path = DOCS, start: str = START, end: str = END) -> None:
     """Replace only the text between the data-bench markers (append the section when absent); keep the rest. The scale
     table's own markers: inside the data-bench section, at its end when absent."""
-    import bench_train  # noqa: PLC0415 - the one section writer of the bench scripts (bench/ is on sys.path)
+    import bench_train
 
     old = path.read_text() if path.exists() else ""
     if start == SCALE_START and SCALE_START not in old and END in old:

@@ -73,7 +73,7 @@ def build(folder: Path, layers: int) -> int:
     from peft import LoraConfig
 
     from sftrecipes.export.writer import SafetensorsStreamWriter, _nbytes, _shards
-    from sftrecipes.meta import build
+    from sftrecipes.model.meta import build
 
     cfg = llama_config(layers)
     base = folder / "base"

@@ -9,7 +9,7 @@ Each twin runs through its own launcher (scripts/run_tiny-<twin>.sh, 2 ranks) wi
 (twin A, B, ..., then A, B, ... again) so that a drift of the host shows as a spread rather than as a backend's cost.
 Every figure is read from the run's own `run_summary.json` -> `memory`: per rank, the RSS before loading (baseline)
 and each phase's peak from the kernel's high-water mark reset at the phase's start (loading, wrapping, first_steps;
-sftrecipes.probes.PhaseMemory). A cell is `min-max` over the repeats of the phase's peak less the baseline and less
+sftrecipes.train.probes.PhaseMemory). A cell is `min-max` over the repeats of the phase's peak less the baseline and less
 the libraries' file pages mapped since (probes.growth_mb: how many pages a touch maps is the filesystem's), MB.
 Beside loading's peak, what is held at its end and the first steps' peak: the planner's figure for the same recipe
 (Plan.rank_loading, Plan.rank_steps: sftrecipes/plan/ranks.py) and its distance from the farthest run. --from-results re-plans an earlier results.json.
@@ -57,7 +57,7 @@ def planned(twin: str, model: Path, steps: int) -> dict[int, tuple]:
     the libraries' file pages), MB."""
     from sftrecipes.plan import plan_recipe
     from sftrecipes.plan.ranks import loading_of
-    from sftrecipes.recipe import load_recipe
+    from sftrecipes.recipe.load import load_recipe
 
     plan = plan_recipe(load_recipe([f"recipes/tiny/{twin}.yaml", *overrides(model, steps)]), _alternatives=False)
     def mb(gb: float | None) -> float | None:
@@ -101,7 +101,7 @@ def against(measured: list[float], plan: float, up_to: float | None = None) -> s
 
 
 def table(results: dict[str, list[list[dict]]], params: int, weights_mb: float, plans: dict[str, dict]) -> str:
-    from sftrecipes.probes import growth_mb
+    from sftrecipes.train.probes import growth_mb
 
     lines = [f"Measured {datetime.date.today()} on {platform.machine()}, {os.cpu_count()} cores, 2 ranks, model "
              f"{params / 1e6:.0f}M parameters ({weights_mb:,.0f} MB in bf16), {len(next(iter(results.values())))} runs "
@@ -139,8 +139,8 @@ def main() -> int:
     ap.add_argument("--no-docs", action="store_true")
     ap.add_argument("--from-results", metavar="JSON", help="render and plan an earlier call's results.json, run nothing")
     args = ap.parse_args()
-    from sftrecipes.paths import ASSETS
-    from sftrecipes.probes import growth_mb
+    from sftrecipes.core.paths import ASSETS
+    from sftrecipes.train.probes import growth_mb
     from sftrecipes.tiny import ensure_tiny_model
 
     model = ensure_tiny_model(ASSETS / "large-llama", "large")

@@ -7,7 +7,7 @@
 The grid: gradient checkpointing off/on x batch 4/8 x packed/unpacked x LoRA/full fine-tune (16 rows). In each row
 (a) `train.py recipes/tiny/{lora,full}.yaml` and (b) `bench/bare_trl.py` (the same model, data and training settings
 in a few lines of TRL) run with the same flags, alternating a, b, a, b. Both run as their own process under
-`python -m sftrecipes.metrics`, so one instrument (ThroughputCallback) measures both: steady-state time per 1,000
+`python -m sftrecipes.train.metrics`, so one instrument (ThroughputCallback) measures both: steady-state time per 1,000
 real tokens (a packed step carries several times the real tokens of a padded one, so per-step times are not
 comparable), step time, the real-token share of the batches, and the time from launching the process to the end of
 its first optimizer step. Both get the same thread count (OMP_NUM_THREADS=1, the recipes' cpu_threads) and the same
@@ -73,7 +73,7 @@ Findings (unpacked, batch 4, checkpointing on, LoRA, where the issue measured tr
   both false; a bare script that leaves them at TRL's defaults is 1.5-2.3x slower per real token, so
   `bench/bare_trl.py` takes each as a flag and the grid sets both scripts alike.
 - Packing is now 0.42-0.60x unpacked per real token on every row (goal <= 0.8; it was 1.9x): packed batches go
-  through `sft_varlen` (sftrecipes/attention.py), which attends within each packed sample instead of through
+  through `sft_varlen` (sftrecipes/model/attention.py), which attends within each packed sample instead of through
   transformers' dense block-diagonal mask; on CPU the samples are grouped by length into padded causal-sdpa calls.
   Before it, 67% of a packed run's CPU time was the dense 2048 x 2048 mask's attention
   (`_scaled_dot_product_flash_attention_for_cpu`); bare TRL gets the same kernel registered in the packed rows.
@@ -104,7 +104,7 @@ DPO_GRID = [Row(c, b, False, "LoRA", "dpo") for c, b in itertools.product((False
 
 
 def command(which: str, row: Row, steps: int, out: Path) -> list[str]:
-    run = [sys.executable, "-m", "sftrecipes.metrics"]
+    run = [sys.executable, "-m", "sftrecipes.train.metrics"]
     flags = ["--max_steps", str(steps), "--per_device_train_batch_size", str(row.batch), "--gradient_checkpointing",
              str(row.checkpointing).lower(), "--attn_implementation", ATTENTION[row.packing]]
     if row.trainer == "dpo":  # (DPOConfig has no packing key)
@@ -155,10 +155,10 @@ def best(runs: list[dict], key: str) -> float:
 
 
 def versions() -> str:
-    import peft  # noqa: PLC0415
-    import torch  # noqa: PLC0415
-    import transformers  # noqa: PLC0415
-    import trl  # noqa: PLC0415
+    import peft
+    import torch
+    import transformers
+    import trl
 
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     grid = DPO_GRID if args.dpo else GRID
     rows = grid if args.rows == "all" else [grid[int(i)] for i in args.rows.split(",")]
     sys.path.insert(0, str(ROOT))
-    from sftrecipes.tiny import ensure_tiny_model  # noqa: PLC0415
+    from sftrecipes.tiny import ensure_tiny_model
 
     os.chdir(ROOT)
     ensure_tiny_model()  # .assets/tiny-llama, built once (make assets)

@@ -126,7 +126,7 @@ def scale_report(results: list[dict], argv: list[str], seconds: float, where: st
 
 
 SCALE_NOTES = """
-The bounds (sftrecipes/prepcache.py, prepattempt.py, trainrows.py, arrowmem.py, tokenization.py):
+The bounds (sftrecipes/data/prepcache.py, prepattempt.py, trainrows.py, arrowmem.py, tokenization.py):
 - Memory: no row is held for the split's sake. Every pass goes through batches into files (a map batch of 10,000
   rows prepared 1,000 at a time, one tokenizer call each; the marks counted 100,000 rows at a time; packing 1,000 rows
   at a time, as TRL's map hands them to pack_dataset), pyarrow's pool is handed back after each packed batch, and the

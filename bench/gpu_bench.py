@@ -51,7 +51,7 @@ def write_inputs(folder: Path, size: str, samples: int, words: int) -> tuple[Pat
 
 
 def random_loader(model_dir: Path, device: str):
-    """A stand-in for sftrecipes.model.load_model that builds the config's model with random weights on `device`
+    """A stand-in for sftrecipes.model.load.load_model that builds the config's model with random weights on `device`
     (nothing read from disk), in the recipe's load dtype, with the attention the recipe resolves to (the run summary
     reads back what ran)."""
 
@@ -59,11 +59,11 @@ def random_loader(model_dir: Path, device: str):
         import torch
         from transformers import AutoModelForCausalLM, LlamaConfig
 
-        from sftrecipes import model as models
+        from sftrecipes.model import load as models
 
         impl = models.choose_attention(recipe, target)[0]  # the kernel train.py's load_model would use
         if impl == models.VARLEN:
-            from sftrecipes.attention import register
+            from sftrecipes.model.attention import register
 
             register()
         with torch.device(device):
@@ -111,8 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import train
-    from sftrecipes import model as models, plan, tiny
-    from sftrecipes.recipe import load_recipe
+    from sftrecipes import plan, tiny
+    from sftrecipes.model import load as models
+    from sftrecipes.recipe.load import load_recipe
 
     tiny.ensure_tiny_model()
     out = Path(a.out)

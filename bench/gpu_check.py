@@ -19,7 +19,7 @@
 Writes DIR/gpu_check.json (schema: check_schema) and DIR/gpu_check.md (the tables).
 
 The varlen kernel is looked up by name in transformers' AttentionInterface: VARLEN_NAME ("sft_varlen", the project's
-varlen attention; --varlen-name to change), registered when sftrecipes.attention (or sftrecipes.model) is imported.
+varlen attention; --varlen-name to change), registered when sftrecipes.model.attention (or sftrecipes.model.load) is imported.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class time_limit:
 
 def varlen_registered(name: str) -> bool:
     """Import the project's attention modules (registration happens there), then ask transformers."""
-    for mod in ("sftrecipes.attention", "sftrecipes.model"):
+    for mod in ("sftrecipes.model.attention", "sftrecipes.model.load"):
         try:
             importlib.import_module(mod)
         except ImportError:
@@ -244,8 +244,9 @@ def run_row(row: dict, a, model_dirs: dict, data: dict, device: str) -> dict:
     import torch
 
     import train
-    from sftrecipes import model as models, plan
-    from sftrecipes.recipe import load_recipe
+    from sftrecipes import plan
+    from sftrecipes.model import load as models
+    from sftrecipes.recipe.load import load_recipe
 
     models.load_model = gpu_bench.random_loader(model_dirs[row["size"]], device)
     tag = f"{row['run']}-{row['size']}-ckpt{int(row['gradient_checkpointing'])}-{row['attention']}-{'packed' if row['packed'] else 'padded'}{'-liger' if row['liger'] else ''}"
@@ -348,8 +349,8 @@ def qlora_loading(size: str, device: str, folder: Path, timeout_s: int) -> list[
 
     import yaml
 
-    from sftrecipes.backends import accelerate_config, launcher_env
-    from sftrecipes.recipe import load_recipe
+    from sftrecipes.train.args import accelerate_config, launcher_env
+    from sftrecipes.recipe.load import load_recipe
 
     missing = [m for m in ("deepspeed", "bitsandbytes") if importlib.util.find_spec(m) is None]
     if missing:

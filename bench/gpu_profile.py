@@ -73,8 +73,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import gpu_bench
     import train
-    from sftrecipes import model as models, tiny
-    from sftrecipes.recipe import load_recipe
+    from sftrecipes import tiny
+    from sftrecipes.model import load as models
+    from sftrecipes.recipe.load import load_recipe
 
     tiny.ensure_tiny_model()
     torch.backends.cuda.enable_cudnn_sdp(a.cudnn_sdp == "on")

@@ -55,7 +55,7 @@ def _host_peak() -> float | None:
 
 
 def row(a, model_dir: Path, data: Path, offload: bool, plan_only: bool) -> dict:
-    from sftrecipes.recipe import load_recipe
+    from sftrecipes.recipe.load import load_recipe
 
     out = Path(a.out) / "runs" / f"offload-{int(offload)}"
     gpu_gb = None
@@ -70,7 +70,7 @@ def row(a, model_dir: Path, data: Path, offload: bool, plan_only: bool) -> dict:
     import torch
 
     import train
-    from sftrecipes import model as models
+    from sftrecipes.model import load as models
 
     models.load_model = gpu_bench.random_loader(model_dir, "cuda")
     torch.cuda.empty_cache()

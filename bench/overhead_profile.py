@@ -32,12 +32,12 @@ READS = ("<method 'item' of 'torch._C.TensorBase' objects>", "<method 'tolist' o
 
 def child(out: str, argv: list[str]) -> None:
     """Run argv[0] as __main__ with the trainer's inner loop profiled; write OUT.prof, OUT.ops.json, OUT.config.json."""
-    import cProfile  # noqa: PLC0415
+    import cProfile
 
-    import time  # noqa: PLC0415
+    import time
 
-    import transformers  # noqa: PLC0415
-    from transformers.trainer_callback import CallbackHandler  # noqa: PLC0415
+    import transformers
+    from transformers.trainer_callback import CallbackHandler
 
     inner, end = transformers.Trainer._inner_training_loop, CallbackHandler.on_train_end
     state = {}
@@ -51,7 +51,7 @@ def child(out: str, argv: list[str]) -> None:
             Path(out + ".end.json").write_text(json.dumps({"train_end_cpu_s": time.thread_time() - t0}))
 
     def profiled(self, *a, **kw):
-        from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+        from torch.profiler import ProfilerActivity, profile
 
         Path(out + ".config.json").write_text(json.dumps(describe(self), indent=0, default=str, sort_keys=True))
         prof, ops = cProfile.Profile(), profile(activities=[ProfilerActivity.CPU])
@@ -96,7 +96,7 @@ def describe(trainer) -> dict:
 
 def commands(row, steps: int, out: Path) -> dict[str, list[str]]:
     sys.path.insert(0, str(ROOT / "bench"))
-    import bench_train  # noqa: PLC0415
+    import bench_train
 
     runs = {}
     for which in ("train.py", "bare_trl.py"):
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=15)
     a = p.parse_args(argv)
     sys.path.insert(0, str(ROOT / "bench"))
-    import bench_train  # noqa: PLC0415
+    import bench_train
 
     row = bench_train.GRID[a.row]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}

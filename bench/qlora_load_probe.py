@@ -3,10 +3,10 @@
     accelerate launch --config_file CFG --num_processes N bench/qlora_load_probe.py RECIPE [--key value ...]
 
 Run under accelerate with a QLoRA ZeRO-3 recipe, each rank loads the recipe's model as train.py does
-(sftrecipes.model.load_model) twice: partitioned as it loads (zero3_init: sftrecipes/quantload.py), then whole
+(sftrecipes.model.load.load_model) twice: partitioned as it loads (zero3_init: sftrecipes/model/quantload.py), then whole
 (zero3_init false: transformers' own bitsandbytes load), each from a clean device. Measured per load: on a GPU, torch's
 peak allocated memory over the load less what was allocated before it; on the cpu target, the RSS high-water mark's
-growth over the load (sftrecipes.probes.PhaseMemory, the run summary's measure). Beside each: the planner's figure for
+growth over the load (sftrecipes.train.probes.PhaseMemory, the run summary's measure). Beside each: the planner's figure for
 that load (the GPU plan's loading phase; on the cpu target, plan/ranks.py's peak for this rank). Writes
 <output_dir>/qlora-load-rank<N>.json."""
 
@@ -25,8 +25,9 @@ def measure(recipe, tokenizer, target: str) -> tuple[float, int]:
     """(the load's peak over what was held before it, GB; decoder layers the loaded model holds partitioned)."""
     import torch
 
-    from sftrecipes import meta, model as models
-    from sftrecipes.probes import PhaseMemory
+    from sftrecipes.model import meta
+    from sftrecipes.model import load as models
+    from sftrecipes.train.probes import PhaseMemory
 
     if target == "gpu":
         torch.cuda.synchronize()
@@ -62,9 +63,9 @@ def planned(recipe, target: str, rank: int) -> tuple[str, float]:
 
 
 def main(argv: list[str]) -> None:
-    from sftrecipes import backends
-    from sftrecipes.recipe import load_recipe
-    from sftrecipes.tokenizer import load_tokenizer
+    from sftrecipes.train import args as backends
+    from sftrecipes.recipe.load import load_recipe
+    from sftrecipes.data.tokenizer import load_tokenizer
 
     recipe = load_recipe(argv)
     target = backends.hardware(recipe)

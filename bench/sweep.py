@@ -37,8 +37,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from sftrecipes.paths import SWEEP_DOC as OUT  # noqa: E402 - after the path the package is found on
-from sftrecipes.paths import SWEEP_ROWS as ROWS  # noqa: E402
+from sftrecipes.core.paths import SWEEP_DOC as OUT  # noqa: E402 - after the path the package is found on
+from sftrecipes.core.paths import SWEEP_ROWS as ROWS  # noqa: E402
 PARAM_TOL = 1e-3  # the plan's parameters within 0.1% of the meta model's
 
 
@@ -52,7 +52,7 @@ def left_out(mt: str) -> str | None:
     """Why an entry of the causal-LM mapping is not a decoder-only text model this sweep trains, or None."""
     from transformers import AutoConfig
 
-    from sftrecipes.meta import build, decoder_layers
+    from sftrecipes.model.meta import build, decoder_layers
 
     cfg = AutoConfig.for_model(mt)
     d = cfg.to_dict()
@@ -125,11 +125,11 @@ def two_ranks_one(mt: str, work: Path, twins: tuple[str, ...] = TWINS) -> dict:
 def run_one(mt: str, work: Path) -> dict:
     """Everything for one architecture, in this process; the row as a dict."""
     import train
-    from sftrecipes import meta
+    from sftrecipes.model import meta
     from sftrecipes.export import merge_lora
     from sftrecipes.plan import plan_recipe
-    from sftrecipes.recipe import load_recipe
-    from sftrecipes.shape import model_shape
+    from sftrecipes.recipe.load import load_recipe
+    from sftrecipes.facts.shape import model_shape
     row: dict = {"arch": mt, "result": "fail", "reason": "", "class": "", "attention": "", "targets": "", "note": ""}
     try:
         why = left_out(mt)

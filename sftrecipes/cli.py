@@ -29,13 +29,20 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from . import emit, folders, launch, paths, plan, recipe_copy, schema, snapshots, tiny
-from .backends import launcher_env
-from .errors import RecipeError
-from .evalonly import eval_only, why
-from .options_doc import options_markdown
-from .preflight import before_launch
-from .recipe import load_recipe
+from sftrecipes import plan, tiny
+from sftrecipes.launch import emit
+from sftrecipes.facts import folders
+from sftrecipes.launch import supervise as launch
+from sftrecipes.core import paths
+from sftrecipes.recipe import copying as recipe_copy
+from sftrecipes.recipe import schema
+from sftrecipes.recipe import snapshots
+from sftrecipes.train.args import launcher_env
+from sftrecipes.core.errors import RecipeError
+from sftrecipes.recipe.evalonly import eval_only, why
+from sftrecipes.recipe.options_doc import options_markdown
+from sftrecipes.launch.preflight import before_launch
+from sftrecipes.recipe.load import load_recipe
 
 PROG = "python -m sftrecipes"
 OPTIONS_DOC = paths.GENERATED_DOCS / "options.md"  # the option table, written by `schema --docs` (make docs)
@@ -84,7 +91,7 @@ def _merge(argv: list[str]) -> int:
                    "unmerged adapter on the base (one line; exit 2 above the dtype's tolerance; needs RAM for two fp32 copies)")
     ns = p.parse_args(argv)
     folders.merge_base(folders.adapter_config(Path(ns.adapter)), ns.base)  # a wrong folder: one line before torch
-    from .export import merge_lora  # noqa: PLC0415 - torch: --help and the other verbs stay torch-free
+    from sftrecipes.export import merge_lora
 
     print(merge_lora(ns.adapter, ns.out, base=ns.base, dtype=ns.dtype, verify=ns.verify))
     return 0
@@ -100,7 +107,7 @@ def _export(argv: list[str]) -> int:
     ns = p.parse_args(argv)
     if folders.export_kind(Path(ns.src)) == "adapter":  # a wrong folder: one line before torch
         folders.merge_base(folders.adapter_config(Path(ns.src)), ns.base)
-    from .export import export  # noqa: PLC0415 - torch: --help and the other verbs stay torch-free
+    from sftrecipes.export import export
 
     print(export(ns.src, ns.dest, dtype=ns.dtype, base=ns.base, verify=ns.verify))
     return 0
@@ -137,18 +144,18 @@ def _prepare(argv: list[str]) -> int:
         return 0
     dry = "--dry-run" in args
     recipe = load_recipe([a for a in args if a not in ("--dry-run", "--force")])
-    from . import prepcache  # noqa: PLC0415 - torch-free, but --help and the other verbs need none of it
+    from sftrecipes.data import prepcache
 
     if dry:
         print(f"prepare: would prepare the data of {recipe.sources[-1] if recipe.sources else 'the flags'} into {prepcache.cache_root(recipe)} "
               "(--dry-run: nothing prepared)")
         return 0
-    from .data import prepared_datasets  # noqa: PLC0415 - tokenizers, datasets, TRL's packing: torch
-    from .tokenizer import load_tokenizer  # noqa: PLC0415 - transformers: torch
+    from sftrecipes.data.load import prepared_datasets
+    from sftrecipes.data.tokenizer import load_tokenizer
 
     if eval_only(recipe):  # what the evaluation reads: its eval split (no train split, no merged start model)
         return _prepare_evaluation(recipe, load_tokenizer)
-    from .startmodel import ensure  # noqa: PLC0415 - as above
+    from sftrecipes.facts.startmodel import ensure
 
     merged = ensure(recipe.model.model_name_or_path, recipe.run.heartbeat_timeout)  # before any rank starts, as the data
     if merged is not None:
@@ -176,7 +183,7 @@ def _prepare_evaluation(recipe, load_tokenizer) -> int:
     datasets' cache), checked and tokenized as the run does (evaluate.eval_dataset), to say what the run will evaluate;
     nothing is written to data_cache_dir (the run prepares its eval rows itself), no train split is read, and an
     adapter is not merged (the run evaluates it on its base)."""
-    from .evaluate import eval_dataset  # noqa: PLC0415 - peft, datasets: torch
+    from sftrecipes.train.evaluate import eval_dataset
 
     tokenizer, eot, _ = load_tokenizer(recipe)
     _, counts, read = eval_dataset(recipe, tokenizer, eot)
@@ -210,7 +217,7 @@ def _preflight(argv: list[str]) -> int:
 
 def _demo(argv: list[str]) -> int:
     _parser("demo").parse_args(argv)
-    from .demo import demo  # noqa: PLC0415 - torch: demo loads transformers; --help and the other verbs stay torch-free
+    from sftrecipes.demo import demo
 
     return demo()
 

@@ -13,9 +13,9 @@ import time
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from .export import merge_lora
-from .paths import ROOT
-from .tiny import ensure_tiny_model
+from sftrecipes.export import merge_lora
+from sftrecipes.core.paths import ROOT
+from sftrecipes.tiny import ensure_tiny_model
 
 RECIPE = "recipes/tiny/lora.yaml"
 PROMPT = [{"role": "user", "content": "What is the capital of France?"}]

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from .paths import ASSETS, DATA_DIR
+from sftrecipes.core.paths import ASSETS, DATA_DIR
 
 TINY_MODEL = ASSETS / "tiny-llama"
 
@@ -98,7 +98,7 @@ def _corpus() -> list[str]:
 
 
 def build_tokenizer(vocab_size: int = 512):
-    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415 - transformers: cli imports tiny (FAMILIES) and --help stays torch-free
+    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -110,7 +110,7 @@ def build_tokenizer(vocab_size: int = 512):
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
                                    pad_token="<pad>", additional_special_tokens=["<|im_start|>", "<|im_end|>"])
-    from .tokenizer import CHATML_TEMPLATE  # noqa: PLC0415 - tokenizer imports transformers; cli stays torch-free
+    from sftrecipes.data.tokenizer import CHATML_TEMPLATE
 
     fast.chat_template = CHATML_TEMPLATE
     return fast
@@ -118,8 +118,8 @@ def build_tokenizer(vocab_size: int = 512):
 
 def build_model(out: Path = TINY_MODEL, size: str = "tiny", seed: int = 0) -> Path:
     """Random-init Llama + local tokenizer, saved as a hub-style folder. Deterministic for a given seed."""
-    import torch  # noqa: PLC0415 - torch: cli imports tiny (FAMILIES) and --help stays torch-free
-    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415 - transformers: cli imports tiny (FAMILIES) and --help stays torch-free
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     tok = build_tokenizer()
     # initializer_range 0.1 (not 0.02): a random tiny model then has output rows large enough for LoRA alone to
@@ -247,7 +247,7 @@ def family_dir(name: str) -> Path:
 
 def build_family_tokenizer(name: str, vocab_size: int = 512):
     """A BPE tokenizer trained on the shipped chat data, with the family's special tokens and template."""
-    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415 - transformers: cli imports tiny (FAMILIES) and --help stays torch-free
+    from transformers import PreTrainedTokenizerFast
 
     fam = FAMILIES[name]
     named = [t for t in ("<unk>", fam.bos, fam.eos, fam.pad) if t]
@@ -270,8 +270,8 @@ def build_family_tokenizer(name: str, vocab_size: int = 512):
 
 def build_family(name: str, out: Path | None = None, seed: int = 0) -> Path:
     """Random-init tiny model of a family + its tokenizer, saved as a hub-style folder. Deterministic."""
-    import torch  # noqa: PLC0415 - torch: cli imports tiny (FAMILIES) and --help stays torch-free
-    import transformers  # noqa: PLC0415 - transformers: cli imports tiny (FAMILIES) and --help stays torch-free
+    import torch
+    import transformers
 
     fam = FAMILIES[name]
     out = out or family_dir(name)
@@ -281,7 +281,7 @@ def build_family(name: str, out: Path | None = None, seed: int = 0) -> Path:
     cfg = getattr(transformers, cls_name)(vocab_size=len(tok), max_position_embeddings=1024, initializer_range=0.1,
                                           **ids, **kwargs)
     torch.manual_seed(seed)
-    from transformers import AutoModelForCausalLM  # noqa: PLC0415 - transformers: cli imports tiny (FAMILIES) and --help stays torch-free
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(cfg)
     model.generation_config.eos_token_id = cfg.eos_token_id

@@ -42,7 +42,7 @@ def _repo_cwd(monkeypatch):
 
 
 # Training processes start as forks of one server that has imported torch, transformers, TRL, peft and DeepSpeed
-# once (sftrecipes/forkserver.py): each rank of each run would otherwise spend ~8 s importing them, and `python -m
+# once (sftrecipes/core/forks.py): each rank of each run would otherwise spend ~8 s importing them, and `python -m
 # sftrecipes launch` and torch's agent ~5 s each (both are forks too: sftrecipes/__main__.py, launch._start_agent). What a run computes, writes and logs is its own; what differs is the process: its parent, its libraries
 # imported before it started. Tests about processes themselves (signals, kills, a frozen rank, SLURM) or about a
 # rank's memory from its first byte are marked `real_processes` and start every process as users do. The variable is
@@ -59,7 +59,7 @@ def _start_fork_server() -> str:
     log = open(tmp / "forkserver.log", "w")  # noqa: SIM115 - open while the server lives
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     env.pop(FORK_SERVER_ENV, None)
-    proc = subprocess.Popen([sys.executable, "-m", "sftrecipes.forkserver", sock], cwd=ROOT, env=env, text=True,
+    proc = subprocess.Popen([sys.executable, "-m", "sftrecipes.train.forkserver", sock], cwd=ROOT, env=env, text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
     line = proc.stdout.readline()  # {"ready": pid} once it has imported everything (~10 s)
     assert '"ready"' in line, f"the fork server did not start: {line!r}; see {tmp / 'forkserver.log'}"
@@ -83,13 +83,13 @@ def pytest_runtest_setup(item):
 
 def pytest_terminal_summary(terminalreporter):
     """The machine the suite's times belong to, last (CI shows the tail of the output): cores, CPU capability (a CPU
-    below AVX512 has no bf16 GEMM: sftrecipes/cpumath.py), SLURM present or not."""
+    below AVX512 has no bf16 GEMM: sftrecipes/model/cpumath.py), SLURM present or not."""
     import platform
     import shutil
 
     import torch
 
-    from sftrecipes import cpumath
+    from sftrecipes.model import cpumath
 
     slurm = "slurm" if shutil.which("slurmctld") else "no slurm (its tests skipped)"
     terminalreporter.write_line(f"machine: {os.cpu_count()} cores, {platform.processor() or platform.machine()}, torch CPU "
@@ -113,7 +113,7 @@ def launcher_argv(argv: list[str]) -> list[str]:
     """`python ARGV` for a launcher (`-m accelerate.commands.launch ...`): as a fork of the fork server when the test
     uses it, so that the launcher's own import of torch is skipped too."""
     sock = os.environ.get(FORK_SERVER_ENV)
-    return ["-m", "sftrecipes.forkserver", "--run", sock, *argv] if sock else list(argv)
+    return ["-m", "sftrecipes.core.forks", sock, *argv] if sock else list(argv)
 
 
 def run_cli(args: list[str], timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -186,8 +186,8 @@ def accelerate_launch(recipe: str, out, script: str, extra=(), accelerate_config
     """Launch `script` on 2 processes as the twin launchers do (accelerate config + the recipe's env), on a free port."""
     import yaml
 
-    from sftrecipes.backends import accelerate_config as acc_cfg, launcher_env
-    from sftrecipes.recipe import load_recipe
+    from sftrecipes.train.args import accelerate_config as acc_cfg, launcher_env
+    from sftrecipes.recipe.load import load_recipe
 
     args = [recipe, "--output_dir", str(out), *extra]
     r = load_recipe(args)
@@ -221,8 +221,8 @@ def accelerate_command(argv: list[str], out: Path) -> tuple[list[str], dict]:
 
     import yaml
 
-    from sftrecipes.backends import accelerate_config, launcher_env
-    from sftrecipes.recipe import load_recipe
+    from sftrecipes.train.args import accelerate_config, launcher_env
+    from sftrecipes.recipe.load import load_recipe
 
     recipe = load_recipe(argv)
     if recipe.launch.backend == "none":

@@ -27,9 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 
-from sftrecipes import backends, meta, model as models, quantload  # noqa: E402
-from sftrecipes.recipe import load_recipe  # noqa: E402
-from sftrecipes.tokenizer import load_tokenizer  # noqa: E402
+from sftrecipes.train import args as backends  # noqa: E402
+from sftrecipes.model import meta  # noqa: E402
+from sftrecipes.model import load as models  # noqa: E402
+from sftrecipes.model import quantload  # noqa: E402
+from sftrecipes.recipe.load import load_recipe  # noqa: E402
+from sftrecipes.data.tokenizer import load_tokenizer  # noqa: E402
 
 
 def params4bit(model) -> dict:
@@ -146,7 +149,7 @@ def check_fsdp(argv: list[str], target: str, rank: int) -> dict:
     from accelerate import Accelerator
     from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
-    from sftrecipes.quantload import check_kept_rows, kept_rows
+    from sftrecipes.model.quantload import check_kept_rows, kept_rows
 
     parted, whole, held_at_handover, layer_bytes = load_both(argv, target, quantload.LayerSender,
                                                              "--launch.fsdp_cpu_ram_efficient_loading")

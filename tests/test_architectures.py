@@ -1,6 +1,6 @@
 """Any architecture transformers builds, beyond the hand-held families: a tiny random-init model of each (built
 offline from its config class by sftrecipes.tiny.tiny_config, with the tiny Llama's tokenizer) is planned from the
-model transformers builds on the meta device (sftrecipes/meta.py) -- its parameters, and LoRA's trainable count through
+model transformers builds on the meta device (sftrecipes/model/meta.py) -- its parameters, and LoRA's trainable count through
 the run's own LoraConfig -- and a representative few train LoRA in one process and merge with --verify, their plan's
 count equal to what the run trained. `make sweep` does the same for every decoder-only text architecture.
 """
@@ -12,14 +12,14 @@ import pytest
 
 import train
 from conftest import free_port, run_cli
-from sftrecipes import meta
+from sftrecipes.model import meta
 from sftrecipes.export import merge_lora
-from sftrecipes.errors import RecipeError
-from sftrecipes.lora import moe_layout
+from sftrecipes.core.errors import RecipeError
+from sftrecipes.model.lora import moe_layout
 from sftrecipes.plan import plan_recipe
 from sftrecipes.plan.activations import planned_attention
-from sftrecipes.recipe import load_recipe
-from sftrecipes.shape import model_shape
+from sftrecipes.recipe.load import load_recipe
+from sftrecipes.facts.shape import model_shape
 
 # the families people bring that shape.py's table does not hold (plus Qwen2-MoE, which it does), the multimodal
 # Gemma-3 config as gemma-3-4b-it ships it (text + SigLIP vision tower), and sizes that vary by layer (Gemma-4's head
@@ -170,7 +170,7 @@ def test_lora_trains_merges_and_verifies(mt, arch_models, tmp_path, caplog):
 
 def test_padding_free_fallback_names_the_key_set(arch_models):
     """The fallback's line names the keys it turned off, and the one to set to silence it."""
-    from sftrecipes.model import packing_fallback
+    from sftrecipes.model.load import packing_fallback
 
     recipe = lora_recipe(arch_models("qwen3_5"), "--packing", "false", "--padding_free", "true", "--max_length", "null")
     line = packing_fallback(recipe)
@@ -282,7 +282,7 @@ TARGET_CASES = {
 def test_all_linear_targets_read_from_the_module_structure(mt):
     from transformers import AutoConfig
 
-    from sftrecipes.lora import lora_targets
+    from sftrecipes.model.lora import lora_targets
     from sftrecipes.tiny_archs import tiny_config
 
     want, never, experts, routers = TARGET_CASES[mt]
@@ -313,7 +313,7 @@ def test_zero3_leaves_are_the_modules_whose_calls_the_data_decides(mt):
     marked under another backend."""
     from transformers import AutoConfig
 
-    from sftrecipes.model import zero3_leaves
+    from sftrecipes.model.load import zero3_leaves
     from sftrecipes.tiny_archs import tiny_config
 
     model = meta.build(AutoConfig.for_model(**tiny_config(mt)))
@@ -344,8 +344,8 @@ def test_merge_writes_the_stored_layout_and_verifies(mt, arch_models, tmp_path, 
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from sftrecipes import compat
-    from sftrecipes.lora import lora_config
+    from sftrecipes.model import compat
+    from sftrecipes.model.lora import lora_config
 
     folder = arch_models(mt)
     compat.keep_dense_linears_in_moe_conversion()
@@ -374,7 +374,7 @@ def test_conv1d_adapter_merges_like_peft(tmp_path):
     from peft import get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from sftrecipes.lora import lora_config
+    from sftrecipes.model.lora import lora_config
     from sftrecipes.tiny_archs import tiny_config
 
     torch.manual_seed(0)
@@ -402,9 +402,9 @@ def test_layouts_the_sweep_found_unread(tmp_path):
 
     from transformers import AutoConfig
 
-    from sftrecipes import model as models
-    from sftrecipes.model import VARLEN
-    from sftrecipes.shape import read_config
+    from sftrecipes.model import load as models
+    from sftrecipes.model.load import VARLEN
+    from sftrecipes.facts.shape import read_config
     from sftrecipes.tiny_archs import tiny_config
 
     cfg = AutoConfig.for_model(**tiny_config("deepseek_v32"))
@@ -437,7 +437,7 @@ def test_a_module_run_several_times_a_forward_goes_without_checkpointing_on_zero
     warning, and the plan sizes the run as it goes (equal to asking for no checkpointing). Other models rerun nothing."""
     from transformers import AutoConfig
 
-    from sftrecipes import model as models
+    from sftrecipes.model import load as models
     from sftrecipes.tiny_archs import tiny_config
 
     AutoConfig.for_model(**tiny_config("hrm_text")).save_pretrained(tmp_path)

@@ -1,4 +1,4 @@
-"""sft_varlen (sftrecipes/attention.py): packed samples attend within themselves exactly as sdpa's block-diagonal mask
+"""sft_varlen (sftrecipes/model/attention.py): packed samples attend within themselves exactly as sdpa's block-diagonal mask
 makes them, in logits and gradients, for every family shape (GQA, sliding windows, Gemma-3's scaling); padded batches
 and cached generation are sdpa's; auto picks it for packed recipes where the loaded class's attention has nothing it
 lacks (GPT-OSS's sinks, Gemma-2's soft-capping: eager), and an explicit kernel the class cannot run is one line."""
@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from conftest import run_cli
-from sftrecipes import attention, model as models
-from sftrecipes.errors import RecipeError
-from sftrecipes.recipe import load_recipe
-from sftrecipes.tokenizer import load_tokenizer
+from sftrecipes.model import attention
+from sftrecipes.model import load as models
+from sftrecipes.core.errors import RecipeError
+from sftrecipes.recipe.load import load_recipe
+from sftrecipes.data.tokenizer import load_tokenizer
 
 WINDOW = 4  # sliding windows small enough to cut into the packed samples below
 LENGTHS = [7, 12, 1, 9, 3, 12, 1, 1]  # unequal lengths (several groups), pad-like 1-token segments

@@ -1,4 +1,4 @@
-"""The upstream shims (sftrecipes/compat.py): one canary per shim that runs the upstream code without it and expects the
+"""The upstream shims (sftrecipes/model/compat.py): one canary per shim that runs the upstream code without it and expects the
 upstream failure (when upstream fixes the gap the canary fails: drop the shim), the version guard, and the pins.
 
 The canaries call the upstream function directly on the tiny model (seconds), not a training run; tests/test_twins.py
@@ -13,14 +13,14 @@ import sys
 import pytest
 from conftest import ROOT, free_port
 
-from sftrecipes import compat
+from sftrecipes.model import compat
 
 
 def fixed_upstream(name: str) -> str:
     shim = compat.SHIMS[name]
     found = ", ".join(f"{d} {compat.installed_version(d)}" for d, _ in shim.written_for)
     return (f"upstream ({found}) no longer fails the way compat.{name} works around ({shim.gap}): "
-            f"drop the shim from sftrecipes/compat.py and its call in backends.apply_process_env")
+            f"drop the shim from sftrecipes/model/compat.py and its call in backends.apply_process_env")
 
 
 def test_every_shim_has_a_canary():

@@ -1,4 +1,4 @@
-"""sftrecipes/cpumath.py: on a CPU without a bf16 GEMM, bf16 matrix products run on fp32 copies and round to bf16."""
+"""sftrecipes/model/cpumath.py: on a CPU without a bf16 GEMM, bf16 matrix products run on fp32 copies and round to bf16."""
 
 import os
 import subprocess
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import ROOT, launcher_argv
-from sftrecipes import cpumath
-from sftrecipes.errors import RecipeError
+from sftrecipes.model import cpumath
+from sftrecipes.core.errors import RecipeError
 
 
 def test_choice_follows_the_variable_and_the_machine():

@@ -15,10 +15,14 @@ from trl import SFTConfig, SFTTrainer
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 import train as train_script
-from sftrecipes import backends, data, model as models, sources, tokenization
-from sftrecipes.errors import RecipeError
-from sftrecipes.recipe import load_recipe
-from sftrecipes.tokenizer import load_tokenizer
+from sftrecipes.train import args as backends
+from sftrecipes.data import load as data
+from sftrecipes.model import load as models
+from sftrecipes.recipe import sources
+from sftrecipes.data import tokenization
+from sftrecipes.core.errors import RecipeError
+from sftrecipes.recipe.load import load_recipe
+from sftrecipes.data.tokenizer import load_tokenizer
 
 
 BASE = ["--model_name_or_path", ".assets/tiny-llama", "--dataset_name", "data/tiny_chat", "--output_dir", "outputs/t"]
@@ -655,7 +659,7 @@ def test_a_template_error_never_suggests_the_template_in_use_and_image_parts_are
     """Issue 37: content given as parts fails under chatml and zephyr; the hint names the recipe's template and
     suggests something else, never the template in use. A row whose content holds an image part is refused as such
     wherever its split was not counted before (a streamed split), not as a template error."""
-    from sftrecipes.chat import Chat
+    from sftrecipes.data.chat import Chat
 
     parts = [{"role": "user", "content": [{"type": "text", "text": "What is this?"}]},
              {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]}]

@@ -1,4 +1,4 @@
-"""Local data files (sftrecipes/datafiles.py, badrows.py): every file of a folder's split is read whatever its format,
+"""Local data files (sftrecipes/data/datafiles.py, badrows.py): every file of a folder's split is read whatever its format,
 prepared or streamed, and counted per format on the data line and in the counts; the splits are the ones datasets
 names from the file names, with the files it leaves out counted in one line; a mix that cannot be read together is
 refused in one line naming what it holds; a split the source lacks is refused before anything is read; a row that
@@ -15,10 +15,11 @@ import pyarrow.parquet as pq
 import pytest
 from test_stream import first_epoch, pairs
 
-from sftrecipes import data, stream as streams
-from sftrecipes.errors import RecipeError
-from sftrecipes.recipe import load_recipe
-from sftrecipes.tokenizer import load_tokenizer
+from sftrecipes.data import load as data
+from sftrecipes.data import stream as streams
+from sftrecipes.core.errors import RecipeError
+from sftrecipes.recipe.load import load_recipe
+from sftrecipes.data.tokenizer import load_tokenizer
 
 ROWS = [json.loads(line) for line in open("data/tiny_chat/train.jsonl")]
 TEST = [json.loads(line) for line in open("data/tiny_chat/test.jsonl")]
@@ -178,7 +179,7 @@ def test_a_row_that_cannot_be_parsed_is_named_by_its_file_and_line(tmp_path):
     for source, pattern in cases.items():
         with pytest.raises(RecipeError, match=pattern):
             data.load_raw(recipe(tmp_path, source, "--splits", "train"))
-    from sftrecipes import badrows  # noqa: PLC0415 - (here: the module is new, the tests above fail without it one by one)
+    from sftrecipes.data import badrows
 
     latin = tmp_path / "latin.jsonl"  # (the locator alone: a recipe naming it fails in images.py's check first)
     latin.write_bytes(b'{"prompt": "Q", "completion": "A"}\n{"prompt": "caf\xe9", "completion": "A"}\n')

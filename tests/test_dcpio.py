@@ -10,7 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from sftrecipes.export import dcp as dcpio  # torch.distributed.checkpoint is `dcp` here
-from sftrecipes.errors import RecipeError
+from sftrecipes.core.errors import RecipeError
 
 
 def tensors():

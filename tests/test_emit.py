@@ -11,11 +11,12 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from sftrecipes import cli, emit
-from sftrecipes.paths import SWEEP_DOC, SWEEP_ROWS
-from sftrecipes.recipe import load_recipe
-from sftrecipes.errors import RecipeError
-from sftrecipes.paths import RECIPES
+from sftrecipes import cli
+from sftrecipes.launch import emit
+from sftrecipes.core.paths import SWEEP_DOC, SWEEP_ROWS
+from sftrecipes.recipe.load import load_recipe
+from sftrecipes.core.errors import RecipeError
+from sftrecipes.core.paths import RECIPES
 
 # emit (and the launchers' pre-flight) read the tiny recipes, whose models are built in .assets/: on a fresh clone this
 # file run alone builds them first, as the whole suite does
@@ -263,7 +264,7 @@ def test_launcher_refuses_a_recipe_that_does_not_fit():
 def test_slurm_warns_in_time_for_the_save_launch_waits_for():
     """The time-limit signal leaves run.preempt_timeout (+ a minute) for the last step and its checkpoint, never less
     than 10 minutes, never more than half the time limit (a short job would be told to stop as it starts)."""
-    from sftrecipes.emit import slurm_script
+    from sftrecipes.launch.emit import slurm_script
 
     def lead(*flags):
         r = load_recipe(["recipes/tiny/multinode.yaml", *flags])

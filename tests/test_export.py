@@ -18,8 +18,8 @@ from conftest import ROOT, accelerate_launch, free_port, launch_twin
 
 from sftrecipes import export as ex
 from sftrecipes.export.adapters import _peft_name
-from sftrecipes.errors import RecipeError
-from sftrecipes.model import DTYPES
+from sftrecipes.core.errors import RecipeError
+from sftrecipes.model.load import DTYPES
 
 STEPS = ["--max_steps", "3", "--save_strategy", "steps", "--save_steps", "3", "--sample_max_new_tokens", "0"]
 IDS = torch.tensor([[1, 20, 30, 40, 50, 60, 70, 80]])
@@ -50,7 +50,7 @@ def runs(tiny_model, twin_runs, tmp_path_factory):
                               accelerate_config=ROOT / "configs/tiny-zero3.yaml")
         elif name == "qlora":
             import train
-            from sftrecipes.recipe import load_recipe
+            from sftrecipes.recipe.load import load_recipe
 
             train.run(load_recipe(["recipes/tiny/qlora.yaml", "--output_dir", str(out), "--max_steps", "5", "--sample_max_new_tokens", "0"]))
         else:  # +tokens: the zephyr template adds 3 tokens the tiny tokenizer lacks (as ChatML does to Llama-2)

@@ -15,13 +15,13 @@ from safetensors.torch import load_file, save_file
 
 import train
 from conftest import FAMILIES, ROOT, run_cli
-from sftrecipes import model as models
+from sftrecipes.model import load as models
 from sftrecipes.export import export, merge_lora
-from sftrecipes.errors import RecipeError
-from sftrecipes.pages import file_mappings
-from sftrecipes.recipe import load_recipe
+from sftrecipes.core.errors import RecipeError
+from sftrecipes.core.pages import file_mappings
+from sftrecipes.recipe.load import load_recipe
 from sftrecipes.tiny import FAMILIES as SPECS
-from sftrecipes.tokenizer import end_of_turn, load_tokenizer, set_generation_stop
+from sftrecipes.data.tokenizer import end_of_turn, load_tokenizer, set_generation_stop
 from test_launch import sft
 
 MOE = {"qwen3_moe", "mixtral"}
@@ -317,7 +317,7 @@ def test_model_init_kwargs_are_taken_not_overwritten(tiny_model):
 def test_gemma3_family_has_the_released_layer_pattern(family_models):
     """Gemma-3 runs 5 sliding-window layers to 1 full: the tiny family has that pattern, which 2 layers would hide,
     and the planner reads its 6 layers from config.json."""
-    from sftrecipes.shape import model_shape
+    from sftrecipes.facts.shape import model_shape
 
     config = json.loads((family_models["gemma3"] / "config.json").read_text())
     assert config["layer_types"] == ["sliding_attention"] * 5 + ["full_attention"]

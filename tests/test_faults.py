@@ -22,9 +22,10 @@ from safetensors.torch import load_file, save_file
 
 import train
 from conftest import ROOT, accelerate_command, run_cli
-from sftrecipes import checkpoints as ck, finalsave
-from sftrecipes.errors import RecipeError
-from sftrecipes.recipe import load_recipe
+from sftrecipes.run import checkpoints as ck
+from sftrecipes.train import finalsave
+from sftrecipes.core.errors import RecipeError
+from sftrecipes.recipe.load import load_recipe
 
 RECIPES = {"ddp": "recipes/tiny/ddp.yaml", "fsdp": "recipes/tiny/fsdp.yaml", "zero3": "recipes/tiny/zero3.yaml",
            "ddp-stream": "recipes/tiny/ddp.yaml"}

@@ -1,4 +1,4 @@
-"""The suite's fork server (sftrecipes/forkserver.py) starts a process as `python ARGV` would: its argv, folder,
+"""The suite's fork server (sftrecipes/core/forks.py) starts a process as `python ARGV` would: its argv, folder,
 environment, stdio and own session; signals sent to the stand-in reach it, the stand-in ends as it ended (its exit
 status, or the signal that killed it), and it ends when the stand-in is SIGKILLed."""
 
@@ -30,7 +30,7 @@ time.sleep(60)
 def start(tmp_path, mode: str) -> subprocess.Popen:
     script = tmp_path / "probe.py"
     script.write_text(SCRIPT)
-    return subprocess.Popen([sys.executable, "-m", "sftrecipes.forkserver", "--run", os.environ[FORK_SERVER_ENV],
+    return subprocess.Popen([sys.executable, "-m", "sftrecipes.core.forks", os.environ[FORK_SERVER_ENV],
                              str(script), mode], cwd=tmp_path, env={**os.environ, "PROBE": mode, "PYTHONPATH": str(ROOT)}, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
@@ -89,7 +89,7 @@ def test_a_forked_launcher_is_held_as_popen_holds_a_child(tmp_path):
     children are the ranks `launch` watches), in a session of its own; wait(timeout) raises TimeoutExpired while it
     runs; the signals in `ignore` are ignored (SIGUSR1 would end a default process); kill ends it; and
     `python -m sftrecipes VERB` hands itself to the server but does not hand itself over again inside the fork."""
-    from sftrecipes.forkserver import Forked
+    from sftrecipes.core.forks import Forked
 
     script = tmp_path / "probe.py"
     script.write_text(SCRIPT)

@@ -18,7 +18,7 @@ import yaml
 
 from conftest import ROOT, bindable, free_port
 from sftrecipes import cli
-from sftrecipes.recipe import load_recipe
+from sftrecipes.recipe.load import load_recipe
 
 PKG = str(ROOT / "sftrecipes")  # `python PATH/TO/sftrecipes VERB`: the command line from any directory
 
@@ -255,7 +255,7 @@ def test_launcher_flags_choose_the_backend_that_runs(tmp_path):
     (0, False, False, [], (0, None)),
 ])
 def test_launch_outcome_tells_a_preemption_from_a_rank_the_agent_stopped(agent_code, asked, preempted, refused, expected):
-    from sftrecipes.launch import outcome
+    from sftrecipes.launch.supervise import outcome
 
     record = {"signal": "SIGTERM", "step": 3, "checkpoint": "out/checkpoint-3"} if preempted else None
     code, line = outcome(agent_code, asked=asked, preempted=record, refused=refused, ranks=2)
@@ -280,7 +280,7 @@ INTERRUPTED = "evaluation interrupted by SIGTERM before it finished: nothing was
 ])
 def test_launch_outcome_words_a_stop_after_training_and_an_interrupted_evaluation(agent_code, asked, refused, stopped,
                                                                                    interrupted, expected):
-    from sftrecipes.launch import outcome
+    from sftrecipes.launch.supervise import outcome
 
     code, line = outcome(agent_code, asked=asked, preempted=None, refused=refused, ranks=2, stopped=stopped,
                          interrupted=interrupted)

@@ -1,4 +1,4 @@
-"""A run's life around training (sftrecipes/lifecycle.py, launch's supervisor): one run per output_dir, a frozen rank
+"""A run's life around training (sftrecipes/run/lifecycle.py, launch's supervisor): one run per output_dir, a frozen rank
 ends the run within heartbeat_timeout, a preemption save is bounded by preempt_timeout, and the lock's rules.
 
 Killing the launcher, preemption and the finished-run no-op run on every backend in tests/test_resume.py.
@@ -18,8 +18,10 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from sftrecipes import heartbeats, procs, runlock
-from sftrecipes.recipe import load_recipe
+from sftrecipes.run import heartbeats
+from sftrecipes.core import procs
+from sftrecipes.run import runlock
+from sftrecipes.recipe.load import load_recipe
 from test_resume import processes_of, ranks_of
 
 pytestmark = pytest.mark.real_processes  # locks, signals, a frozen rank: the processes themselves
@@ -110,7 +112,7 @@ def fake_agent_preemption(tmp_path, preempt_timeout: int) -> tuple[int, float, s
     """launch.supervise over a stand-in for torch's agent that ignores SIGTERM and never ends: SIGTERM to this process
     (the command a user started) asks for a save; supervise gives up after preempt_timeout. Returns (exit code,
     seconds from the signal to the end, TORCH_ELASTIC_SHUTDOWN_TIMEOUT as the agent saw it)."""
-    from sftrecipes.launch import Launch, launch_command, supervise
+    from sftrecipes.launch.supervise import Launch, launch_command, supervise
 
     out = tmp_path / "fake"
     args = ["recipes/tiny/ddp.yaml", "--output_dir", str(out), "--preempt_timeout", str(preempt_timeout)]
@@ -198,7 +200,7 @@ def test_a_second_run_is_refused_and_a_frozen_rank_ends_the_run(tiny_model, tmp_
 def test_error_lines_of_ranks_writing_at_once_are_never_glued():
     """Every rank that refuses a recipe says `error: ...` to the same pipe at once (CI once read two ranks' lines glued
     into one). Eight processes each say 300 lines of 450 bytes to one pipe: every line read back is whole."""
-    code = ("import sys; from sftrecipes.errors import say_error\n"
+    code = ("import sys; from sftrecipes.core.errors import say_error\n"
             "for i in range(300): say_error(sys.argv[1] * 440 + f' {i:04d}')\n")
     r, w = os.pipe()
     procs_ = [subprocess.Popen([sys.executable, "-c", code, chr(ord("a") + k)], stderr=w, cwd=ROOT) for k in range(8)]

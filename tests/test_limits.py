@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from sftrecipes.errors import RecipeError
-from sftrecipes.recipe import load_recipe
+from sftrecipes.core.errors import RecipeError
+from sftrecipes.recipe.load import load_recipe
 
 TINY = ROOT / ".assets/tiny-llama"
 
@@ -82,8 +82,8 @@ def test_positions_of_a_multimodal_config_are_its_text_configs(tmp_path):
     positions = cfg.pop("max_position_embeddings")
     (model / "config.json").write_text(json.dumps({"model_type": "llava", "text_config": {**cfg, "max_position_embeddings": positions},
                                                    "vision_config": {"model_type": "clip_vision_model"}}))
-    from sftrecipes import images
-    from sftrecipes.limits import max_positions
+    from sftrecipes.recipe import images
+    from sftrecipes.recipe.limits import max_positions
 
     assert max_positions(str(model)) == (1024, "text_config.max_position_embeddings")
     assert images.vision_tower(str(model)) is True and images.vision_tower(str(TINY)) is False
@@ -107,7 +107,7 @@ def test_activation_offloading_moves_the_saved_activations_to_host_in_the_plan()
     from sftrecipes.plan.activations import activations
     from sftrecipes.plan.estimate import _model_states
     from sftrecipes.plan.sharding import GB, setup
-    from sftrecipes.shape import model_shape
+    from sftrecipes.facts.shape import model_shape
 
     for ckpt in ("false", "true"):
         base = ["recipes/llama2-70b/lora.yaml", "--gradient_checkpointing", ckpt]
@@ -125,7 +125,7 @@ def test_activation_offloading_moves_the_saved_activations_to_host_in_the_plan()
 
 
 def test_activation_offloading_is_refused_on_the_cpu_target_in_the_run_too():
-    from sftrecipes.backends import training_kwargs
+    from sftrecipes.train.args import training_kwargs
 
     r = load_recipe(["recipes/tiny/lora.yaml", "--activation_offloading", "true"])  # hardware auto: accepted here
     with pytest.raises(RecipeError, match="activation_offloading: .* the cpu target has no GPU"):
@@ -138,7 +138,7 @@ def test_activation_offloading_is_refused_on_the_cpu_target_in_the_run_too():
 def test_image_rows_are_counted_from_arrow_and_from_json_rows_alike():
     import pyarrow as pa
 
-    from sftrecipes import images
+    from sftrecipes.recipe import images
 
     rows = [
         {"images": ["a.png"], "messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}]},
@@ -157,7 +157,7 @@ def test_image_rows_are_counted_from_arrow_and_from_json_rows_alike():
 
 
 def test_an_evaluation_only_recipe_needs_no_training_split_and_evaluates_the_one_named(tmp_path):
-    from sftrecipes import evalonly
+    from sftrecipes.recipe import evalonly
 
     r = load_recipe(["recipes/tiny/lora.yaml", "--do_train", "false", "--splits", "test"])
     assert evalonly.eval_only(r) and [(s.key, s.eval_split) for s in evalonly.eval_sources(r)] == [("dataset_name", "test")]
@@ -175,7 +175,7 @@ def test_an_evaluation_only_recipe_needs_no_training_split_and_evaluates_the_one
 
 
 def test_an_evaluation_only_summary_never_replaces_a_training_runs(tmp_path):
-    from sftrecipes import evalonly
+    from sftrecipes.recipe import evalonly
 
     out = tmp_path / "out"
     assert evalonly.summary_path(out) == out / "run_summary.json"
@@ -190,7 +190,7 @@ def test_an_evaluation_only_recipe_is_not_refused_on_a_training_steps_plan():
     """No evaluation is planned: the plan printed is one training step's, labelled as an upper bound of what the
     evaluation holds, and neither `plan` nor pre-flight refuses the evaluation on it (the same recipe training is)."""
     from sftrecipes.plan import verdict
-    from sftrecipes.preflight import before_launch
+    from sftrecipes.launch.preflight import before_launch
 
     small = ["recipes/tiny/lora.yaml", "--launch.gpu_memory_gb", "0.001", "--launch.cpu_ram_gb", "0.001"]
     ok, text = verdict(load_recipe(small))
@@ -208,7 +208,7 @@ def test_an_evaluation_only_recipe_is_not_refused_on_a_training_steps_plan():
 def test_launch_puts_an_evaluations_accelerate_config_beside_its_summary(tmp_path):
     """`launch` writes the run's accelerate config into output_dir; an evaluation-only run in a folder that holds a
     training run's results writes it into <output_dir>/eval/, beside its summary: the training's config stays."""
-    from sftrecipes.launch import launch_command
+    from sftrecipes.launch.supervise import launch_command
 
     out = tmp_path / "run"
     out.mkdir()

@@ -19,11 +19,11 @@ from safetensors.torch import load_file
 from conftest import ROOT
 
 from sftrecipes import export as ex
-from sftrecipes.folders import local_model_dir as _local_model_dir
+from sftrecipes.facts.folders import local_model_dir as _local_model_dir
 from sftrecipes.export.verify import _base_for_adapter
-from sftrecipes import schema
-from sftrecipes.errors import RecipeError
-from sftrecipes.recipe import load_recipe
+from sftrecipes.recipe import schema
+from sftrecipes.core.errors import RecipeError
+from sftrecipes.recipe.load import load_recipe
 
 MOE = ["qwen3_moe", "mixtral"]
 R, ALPHA = 8, 16  # recipes/tiny/lora.yaml
@@ -130,7 +130,7 @@ def test_moe_lora_dropout_reaches_the_modules_not_the_experts(family_models, fam
     from peft.tuners.lora import Linear as LoraLinear
     from transformers import AutoModelForCausalLM
 
-    from sftrecipes.lora import describe_adapter, lora_config, module_dropout
+    from sftrecipes.model.lora import describe_adapter, lora_config, module_dropout
 
     recipe = load_recipe(["recipes/tiny/zero3.yaml", "--model_name_or_path", str(family_models[family])])
     assert recipe.model.lora_dropout == 0.1
@@ -189,7 +189,7 @@ def test_lora_config_on_the_model_refuses_what_validation_could_not_see(family_m
     model, handed the MoE model)."""
     from transformers import AutoModelForCausalLM
 
-    from sftrecipes.lora import lora_config
+    from sftrecipes.model.lora import lora_config
 
     r = load_recipe(["recipes/tiny/lora.yaml", "--use_dora", "true"])
     with pytest.raises(RecipeError, match=r"^use_dora: True cannot apply to the parameters .*set use_dora: false$"):
@@ -269,7 +269,7 @@ def test_moe_target_lists(family_models, family):
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from sftrecipes.lora import lora_config
+    from sftrecipes.model.lora import lora_config
 
     path = str(family_models[family])
 

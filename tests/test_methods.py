@@ -10,9 +10,10 @@ import textwrap
 import pytest
 
 from conftest import ROOT, run_cli
-from sftrecipes import schema, snapshots
-from sftrecipes.errors import RecipeError
-from sftrecipes.recipe import load_recipe
+from sftrecipes.recipe import schema
+from sftrecipes.recipe import snapshots
+from sftrecipes.core.errors import RecipeError
+from sftrecipes.recipe.load import load_recipe
 
 TINY = ROOT / ".assets/tiny-llama"
 
@@ -29,7 +30,7 @@ def test_methods_snapshot_matches_installed_trl():
 
     stored = snapshots.load_methods_snapshot()
     assert stored.pop("trl_version") == trl.__version__, "run: make schema"
-    assert stored == snapshots.methods_snapshot(), "sftrecipes/trl_methods.json is stale; run: make schema"
+    assert stored == snapshots.methods_snapshot(), "sftrecipes/recipe/trl_methods.json is stale; run: make schema"
 
 
 def test_dpo_loss_types_are_the_branches_of_dpo_trainers_loss():

@@ -1,4 +1,4 @@
-"""sftrecipes.metrics: FLOP arithmetic by hand, token counting against the batches really fed, TensorBoard events,
+"""sftrecipes.train.metrics: FLOP arithmetic by hand, token counting against the batches really fed, TensorBoard events,
 the plot and the per-rank table, single process and 2-process DDP on CPU."""
 
 import json
@@ -10,9 +10,10 @@ import torch
 
 import train
 from conftest import FAMILIES, ROOT
-from sftrecipes import flops, metrics
-from sftrecipes.recipe import load_recipe
-from sftrecipes.shape import model_shape
+from sftrecipes.train import flops
+from sftrecipes.train import metrics
+from sftrecipes.recipe.load import load_recipe
+from sftrecipes.facts.shape import model_shape
 
 # the tiny Llama's shape (.assets/tiny-llama/config.json), written out so the hand computations below are checkable
 TINY = model_shape({"model_type": "llama", "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2,
@@ -122,7 +123,7 @@ def test_phase_memory_peaks_are_each_phases_own(tmp_path):
         import json, mmap, sys
         from types import SimpleNamespace
         import torch
-        from sftrecipes.probes import PhaseMemory
+        from sftrecipes.train.probes import PhaseMemory
 
         mem, state = PhaseMemory(), SimpleNamespace(global_step=0)
         mem.start("loading")
@@ -172,8 +173,8 @@ def test_loading_heap_hands_back_the_temporaries_it_frees():
         pytest.skip("glibc's malloc only")
     code = """if True:
         import json, torch
-        from sftrecipes.heap import steady_heap
-        from sftrecipes.probes import rss_mb
+        from sftrecipes.model.heap import steady_heap
+        from sftrecipes.train.probes import rss_mb
 
         def kept_after_free():  # MB still resident after freeing 6 of 8 blocks of 8 MB, each followed by a small one
             big, small = [], []
@@ -194,7 +195,7 @@ def test_loading_heap_hands_back_the_temporaries_it_frees():
     """
     env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
     for held in (False, True):
-        prog = code.replace("from sftrecipes.heap import steady_heap", "from sftrecipes.heap import hold_steady, release, "
+        prog = code.replace("from sftrecipes.model.heap import steady_heap", "from sftrecipes.model.heap import hold_steady, release, "
                             "steady_heap\n        HELD = " + str(held))
         out = subprocess.run([sys.executable, "-c", prog], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
         acting, inside, still, after = json.loads(out.stdout.splitlines()[-1])
@@ -208,8 +209,8 @@ def test_checkpoint_pages_dropped_only_where_the_mapping_holds_nothing_of_its_ow
     a mapping with a page written in it (copied on write) is left alone, the write kept."""
     import mmap
 
-    from sftrecipes.heap import drop_checkpoint_pages
-    from sftrecipes.pages import smaps
+    from sftrecipes.model.heap import drop_checkpoint_pages
+    from sftrecipes.core.pages import smaps
 
     path = tmp_path / "model.safetensors"
     path.write_bytes(bytes(range(256)) * (16 << 12))  # 16 MiB
@@ -238,8 +239,8 @@ def test_file_pages_split_into_libraries_and_checkpoints(tmp_path):
     of a phase's growth and nothing else. pages.fault_bytes: what one touch of a file's mapping makes resident here."""
     import mmap
 
-    from sftrecipes.pages import PAGE, fault_bytes
-    from sftrecipes.probes import file_pages_mb, growth_mb
+    from sftrecipes.core.pages import PAGE, fault_bytes
+    from sftrecipes.train.probes import file_pages_mb, growth_mb
 
     def mapped(folder):  # a library-like file mapped read-only and a checkpoint mapped private and writable
         folder.mkdir()

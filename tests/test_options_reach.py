@@ -23,15 +23,25 @@ from test_lifecycle import fake_agent_preemption
 from transformers import AutoModelForCausalLM, TrainerControl, TrainerState
 
 import train
-from sftrecipes import (backends, data, emit, heartbeats, methods, model as models, nonfinite, plan, preflight, runlock,
-                        stream as streams, tokenization)
-from sftrecipes.errors import RecipeError
-from sftrecipes.lora import lora_config
-from sftrecipes.recipe import load_recipe
-from sftrecipes.schema import CONFIGS, METHODS
-from sftrecipes.schema import all_options
+from sftrecipes import plan
+from sftrecipes.train import args as backends
+from sftrecipes.data import load as data
+from sftrecipes.launch import emit
+from sftrecipes.run import heartbeats
+from sftrecipes.train import methods
+from sftrecipes.model import load as models
+from sftrecipes.train import nonfinite
+from sftrecipes.launch import preflight
+from sftrecipes.run import runlock
+from sftrecipes.data import stream as streams
+from sftrecipes.data import tokenization
+from sftrecipes.core.errors import RecipeError
+from sftrecipes.model.lora import lora_config
+from sftrecipes.recipe.load import load_recipe
+from sftrecipes.recipe.schema import CONFIGS, METHODS
+from sftrecipes.recipe.schema import all_options
 from sftrecipes.tiny import ensure_family
-from sftrecipes.tokenizer import load_tokenizer
+from sftrecipes.data.tokenizer import load_tokenizer
 
 
 BASE = ["--model_name_or_path", ".assets/tiny-llama", "--dataset_name", "data/tiny_chat", "--output_dir", "outputs/reach"]

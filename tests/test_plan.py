@@ -13,9 +13,9 @@ from torch.utils._pytree import tree_flatten
 from sftrecipes.plan.pitfalls import pitfalls
 from sftrecipes.plan import format_plan, main, pipeline_bubble, plan_recipe, verdict
 from sftrecipes.plan.sharding import GB
-from sftrecipes.errors import RecipeError
-from sftrecipes.recipe import load_recipe
-from sftrecipes.shape import model_shape
+from sftrecipes.core.errors import RecipeError
+from sftrecipes.recipe.load import load_recipe
+from sftrecipes.facts.shape import model_shape
 
 LORA_70B = "recipes/llama2-70b/lora.yaml"
 # The PEFT guide's QLoRA + ZeRO-3 run on 2 x 40 GB (run_peft_qlora_deepspeed_stage3.sh), as overrides of the LoRA recipe
@@ -362,8 +362,8 @@ def test_calibration_plan_vs_measured_peak_on_cpu(tmp_path, family, lora, ckpt):
     from transformers import AutoConfig, AutoModelForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
-    from sftrecipes.lora import lora_config
-    from sftrecipes.model import load_dtype
+    from sftrecipes.model.lora import lora_config
+    from sftrecipes.model.load import load_dtype
 
     cfg = AutoConfig.for_model(**(CAL if family == "llama" else CAL_MOE[family]))
     cfg.save_pretrained(tmp_path / "model")
@@ -436,7 +436,7 @@ def test_cpu_quantization_temporaries_per_element_as_planned():
         pytest.skip("the kernel's high-water mark (/proc/self/clear_refs)")
     code = """if True:
         import json, sys, torch, bitsandbytes as bnb
-        from sftrecipes.heap import steady_heap
+        from sftrecipes.model.heap import steady_heap
 
         def hwm_mb():
             return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")) / 1024
@@ -493,7 +493,7 @@ def test_each_layer_of_a_per_layer_config_saves_what_is_planned_for_it(tmp_path)
     head size for all would be a quarter short on the full layer."""
     from transformers import AutoModelForCausalLM, Gemma4TextConfig
 
-    from sftrecipes import meta
+    from sftrecipes.model import meta
     from sftrecipes.plan.activations import activations
     from sftrecipes.plan.sharding import setup
 

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from sftrecipes.plan import format_plan, main, plan_recipe, verdict
 from sftrecipes.plan.sharding import GB
-from sftrecipes.recipe import load_recipe
-from sftrecipes.shape import model_shape
+from sftrecipes.recipe.load import load_recipe
+from sftrecipes.facts.shape import model_shape
 from test_plan import CAL, LiveStorage, calibration_error, ready_for_steps, write
 
 from conftest import ROOT
@@ -216,8 +216,8 @@ def test_calibration_dpo_plan_vs_measured_peak_on_cpu(tmp_path, lora, ckpt):
     from transformers import AutoModelForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
-    from sftrecipes.lora import lora_config
-    from sftrecipes.model import load_dtype
+    from sftrecipes.model.lora import lora_config
+    from sftrecipes.model.load import load_dtype
 
     cfg, r = cal_recipe(tmp_path, CAL, "dpo", lora, ckpt)
     plan = plan_recipe(r, _alternatives=False)
@@ -295,9 +295,9 @@ def test_calibration_reference_free_plan_vs_measured_peak_on_cpu(tmp_path, metho
 
     from transformers import AutoModelForCausalLM
 
-    from sftrecipes.lora import lora_config
-    from sftrecipes.model import load_dtype
-    from sftrecipes.snapshots import trl_class
+    from sftrecipes.model.lora import lora_config
+    from sftrecipes.model.load import load_dtype
+    from sftrecipes.recipe.snapshots import trl_class
 
     vocab = 32768
     cfg, r = cal_recipe(tmp_path, {**CAL, "vocab_size": vocab}, method, lora, ckpt, f"loss_type: {loss_type}\n" if loss_type else "")

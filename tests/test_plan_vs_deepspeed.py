@@ -25,8 +25,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from sftrecipes import plan  # noqa: E402
 from sftrecipes.plan.estimate import DS_SUB_GROUP_SIZE  # noqa: E402
-from sftrecipes.recipe import load_recipe  # noqa: E402
-from sftrecipes.shape import model_shape  # noqa: E402
+from sftrecipes.recipe.load import load_recipe  # noqa: E402
+from sftrecipes.facts.shape import model_shape  # noqa: E402
 
 GiB, GB = 2**30, 1e9
 NO_OFFLOAD = ["--launch.offload_optimizer", "false", "--launch.offload_params", "false", "--launch.gpus_per_node", "8"]

@@ -10,12 +10,12 @@ import datasets
 import pytest
 from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 
-from sftrecipes import formats
-from sftrecipes.errors import RecipeError
-from sftrecipes.paths import ROOT
-from sftrecipes.preference import preference_datasets, truncation_counts
-from sftrecipes.recipe import load_recipe
-from sftrecipes.tokenizer import load_tokenizer
+from sftrecipes.data import formats
+from sftrecipes.core.errors import RecipeError
+from sftrecipes.core.paths import ROOT
+from sftrecipes.data.preference import preference_datasets, truncation_counts
+from sftrecipes.recipe.load import load_recipe
+from sftrecipes.data.tokenizer import load_tokenizer
 
 BASE = ["--model_name_or_path", ".assets/tiny-llama", "--output_dir", "outputs/t", "--chat_template_format", "chatml"]
 SHIPPED = [json.loads(line) for line in open(ROOT / "data/tiny_dpo/train.jsonl")][:8]
@@ -334,7 +334,7 @@ def test_cut_counts_of_what_orpo_and_cpo_prepared(tiny_model, tmp_path, method):
 
     from trl.data_utils import maybe_apply_chat_template
 
-    from sftrecipes.snapshots import trl_class
+    from sftrecipes.recipe.snapshots import trl_class
 
     shipped = [json.loads(line) for line in open(ROOT / "data/tiny_dpo/train.jsonl")][:40]
     rows = [{**r, "prompt": [{"role": "user", "content": r["prompt"][0]["content"] + " please" * (i % 4)}]} for i, r in enumerate(shipped)]

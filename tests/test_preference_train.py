@@ -11,8 +11,8 @@ import torch
 
 import train
 from conftest import free_port, launch_twin
-from sftrecipes.metrics import save_plot
-from sftrecipes.recipe import load_recipe
+from sftrecipes.train.metrics import save_plot
+from sftrecipes.recipe.load import load_recipe
 from test_twins import BASE_OF, TWINS, assert_loadable
 
 
@@ -161,7 +161,7 @@ def test_a_dead_mergers_lock_is_taken_over(sft_adapter, tmp_path, caplog):
     import subprocess
     import sys
 
-    from sftrecipes import startmodel
+    from sftrecipes.facts import startmodel
 
     sft = tmp_path / "sft"
     shutil.copytree(sft_adapter, sft, ignore=shutil.ignore_patterns("checkpoint-*"))

@@ -14,11 +14,11 @@ from accelerate.commands.launch import _validate_launch_command, launch_command_
 from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 
 from conftest import ROOT, free_port, run_cli
-from sftrecipes import model as models
-from sftrecipes.backends import accelerate_config
-from sftrecipes.errors import RecipeError
-from sftrecipes.preflight import check_launcher_matches
-from sftrecipes.recipe import load_recipe
+from sftrecipes.model import load as models
+from sftrecipes.train.args import accelerate_config
+from sftrecipes.core.errors import RecipeError
+from sftrecipes.launch.preflight import check_launcher_matches
+from sftrecipes.recipe.load import load_recipe
 
 
 def launched_env(recipe, tmp_path) -> dict[str, str]:

@@ -13,12 +13,15 @@ import pytest
 from test_tool_calls import QWEN_LIKE, TEXT_ONLY, THINKING_SWITCH, WEATHER
 from test_tool_calls import ROWS as TOOL_ROWS
 
-from sftrecipes import chat, data, fastencode, tokenization
-from sftrecipes.errors import RecipeError
-from sftrecipes.formats import detect_format
-from sftrecipes.recipe import load_recipe
-from sftrecipes.tokenizer import load_tokenizer, render_plain_turns
-from sftrecipes.tokenization import CUT_AWAY, CUT_KEPT, FULLY_MASKED, KEPT
+from sftrecipes.data import chat
+from sftrecipes.data import load as data
+from sftrecipes.data import fastencode
+from sftrecipes.data import tokenization
+from sftrecipes.core.errors import RecipeError
+from sftrecipes.data.formats import detect_format
+from sftrecipes.recipe.load import load_recipe
+from sftrecipes.data.tokenizer import load_tokenizer, render_plain_turns
+from sftrecipes.data.tokenization import CUT_AWAY, CUT_KEPT, FULLY_MASKED, KEPT
 
 TINY = ".assets/tiny-llama"
 CHATML = ("--chat_template_format", "chatml")

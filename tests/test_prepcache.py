@@ -1,4 +1,4 @@
-"""Prepared data kept once per inputs that shape its rows (sftrecipes/prepkey.py, prepcache.py): the key, reuse, `prepare`, and
+"""Prepared data kept once per inputs that shape its rows (sftrecipes/data/prepkey.py, prepcache.py): the key, reuse, `prepare`, and
 processes that wait on the preparer's files instead of a collective (a preparation longer than ddp_timeout; an error
 in it reaching every rank as exit 2)."""
 
@@ -21,12 +21,15 @@ import pytest
 
 import conftest
 from conftest import ROOT, accelerate_launch, free_port, run_cli
-from sftrecipes import prepattempt, prepcache, prepkey, sources
-from sftrecipes.errors import RecipeError
-from sftrecipes.recipe import load_recipe
-from sftrecipes.schema import DataOptions
+from sftrecipes.data import prepattempt
+from sftrecipes.data import prepcache
+from sftrecipes.data import prepkey
+from sftrecipes.recipe import sources
+from sftrecipes.core.errors import RecipeError
+from sftrecipes.recipe.load import load_recipe
+from sftrecipes.recipe.schema import DataOptions
 from sftrecipes.tiny import ensure_family
-from sftrecipes.tokenizer import load_tokenizer
+from sftrecipes.data.tokenizer import load_tokenizer
 
 BASE = ["recipes/tiny/lora.yaml", "--output_dir", "outputs/prepcache"]  # chatml, packing (bfd), max_length 256, seed 42
 MIXTURE = ["--dataset_name", "null", "--datasets", json.dumps([{"path": "data/tiny_chat", "samples": 7}])]
@@ -259,7 +262,7 @@ def test_a_waiting_process_says_how_far_the_preparer_is_and_the_time_left(tok_eo
 def test_the_preparer_counts_its_rows_in_every_worker(tok_eot, tmp_path, monkeypatch):
     """Under a preparation (an attempt current: prepattempt.py), tokenize_split announces the rows of the split and each
     process that maps it counts what it prepared (the heartbeat record carries the sums), and writes no text column."""
-    from sftrecipes import data  # noqa: PLC0415
+    from sftrecipes.data import load as data
 
     rows = [json.loads(line) for line in open(ROOT / "data/tiny_chat/train.jsonl")] * 30  # 9,600 rows: 2 workers
     f = tmp_path / "rows.jsonl"
@@ -428,8 +431,11 @@ def test_a_preparation_leaves_only_its_entry_which_holds_what_trl_trains_on(tok_
     input_ids and labels (seq_lengths when bfd packs), no text; those rows are the very rows SFTTrainer's own
     preparation makes of the same prepared data (packing, shuffle_dataset, eval_packing), which train.py has it skip
     (1,960 training rows: TRL's packing map sees 2 batches; the entry's record batches of ~100 KB here)."""
-    from sftrecipes import backends, data, model as models, trainrows  # noqa: PLC0415 - torch
-    from trl import SFTTrainer  # noqa: PLC0415
+    from sftrecipes.train import args as backends
+    from sftrecipes.data import load as data
+    from sftrecipes.model import load as models
+    from sftrecipes.data import trainrows
+    from trl import SFTTrainer
 
     monkeypatch.setattr(trainrows, "WRITE_BYTES", 100_000)
     saved = tmp_path / "saved"
@@ -485,9 +491,10 @@ def test_a_killed_prepare_leaves_nothing_once_another_takes_over(tiny_model, tmp
 def test_arrow_pages_a_pass_reads_are_handed_back(tmp_path):
     """A pass over a memory-mapped Arrow file keeps every page it read in the process's RSS (the file's mapping in
     /proc/self/smaps); arrowmem.release() hands them back, the mapping stays and reads the same data again."""
-    import pyarrow.compute as pc  # noqa: PLC0415
+    import pyarrow.compute as pc
 
-    from sftrecipes import arrowmem, pages  # noqa: PLC0415
+    from sftrecipes.data import arrowmem
+    from sftrecipes.core import pages
 
     path = tmp_path / "rows.arrow"
     datasets.Dataset.from_dict({"values": [list(range(4096))] * 2048}).with_format("arrow").flatten_indices(

@@ -1,4 +1,4 @@
-"""4-bit weights partitioned as they load under ZeRO-3 and FSDP2 (sftrecipes/quantload.py), on 2 ranks: what each
+"""4-bit weights partitioned as they load under ZeRO-3 and FSDP2 (sftrecipes/model/quantload.py), on 2 ranks: what each
 rank computes with is the whole load's, bit for bit, and no rank held more than one layer's 4-bit weights whole while
 loading."""
 
@@ -7,7 +7,7 @@ import os
 
 from conftest import FAMILIES, accelerate_launch
 
-from sftrecipes.paths import ASSETS
+from sftrecipes.core.paths import ASSETS
 from sftrecipes.tiny import ensure_tiny_model
 
 
@@ -68,7 +68,7 @@ def test_a_layer_is_handed_over_once_its_last_parameter_is_set_and_not_before(ti
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from sftrecipes import quantload
+    from sftrecipes.model import quantload
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model))
@@ -94,7 +94,7 @@ def test_kept_rows_are_the_chunk_fsdp2_takes():
     import torch
     from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
 
-    from sftrecipes.quantload import kept_rows
+    from sftrecipes.model.quantload import kept_rows
 
     for n in range(41):
         rows = torch.arange(n)

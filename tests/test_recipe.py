@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, run_cli
-from sftrecipes.errors import RecipeError
-from sftrecipes.recipe import load_recipe
+from sftrecipes.core.errors import RecipeError
+from sftrecipes.recipe.load import load_recipe
 
 TINY = ".assets/tiny-llama"
 DATA = "data/tiny_chat"
@@ -246,7 +246,7 @@ def test_help_lists_every_option():
 
 
 def test_transformers_cross_checks_become_one_line_errors(tmp_path):
-    from sftrecipes import backends
+    from sftrecipes.train import args as backends
 
     r = load_recipe([str(minimal(tmp_path, "load_best_model_at_end: true\neval_strategy: epoch\nsave_strategy: steps\n"))])
     with pytest.raises(RecipeError) as e:
@@ -330,7 +330,7 @@ FOUR_BIT = ("use_nested_quant", "bnb_4bit_quant_type", "bnb_4bit_compute_dtype",
 def test_a_qlora_copy_unsets_its_4bit_keys_and_plans_16bit_lora(tmp_path):
     """recipes/llama2-70b/qlora.yaml copied with base: to try 16-bit LoRA: use_4bit_quantization: false and null for
     the 4-bit keys the base sets. The copy is the base's LoRA recipe in 16 bits, and plan says so."""
-    from sftrecipes.schema import ModelOptions
+    from sftrecipes.recipe.schema import ModelOptions
 
     copy = write(tmp_path, "lora16.yaml", f"""\
         base: {ROOT}/recipes/llama2-70b/qlora.yaml
@@ -387,7 +387,7 @@ BASE_SETS = {  # a key of each section and kind -> a value other than its defaul
 def test_null_unsets_what_the_base_set_for_every_kind_of_key(tmp_path, where):
     import yaml
 
-    from sftrecipes.schema import all_options
+    from sftrecipes.recipe.schema import all_options
 
     flat = {k: v for k, v in BASE_SETS.items() if not k.startswith("launch.")}
     launch = {k.split(".", 1)[1]: v for k, v in BASE_SETS.items() if k.startswith("launch.")}
@@ -411,7 +411,7 @@ def test_null_unsets_what_the_base_set_for_every_kind_of_key(tmp_path, where):
 def test_null_means_the_default_with_or_without_a_base(tmp_path):
     """Every key: null, in a recipe without a base, gives its default (not explicit), except where null is a value
     of the key's own (schema.NULL_IS_A_VALUE: max_length: null is no cut). A required key nulled is required again."""
-    from sftrecipes.schema import NULL_IS_A_VALUE, all_options
+    from sftrecipes.recipe.schema import NULL_IS_A_VALUE, all_options
 
     for key in all_options():
         section, _, name = key.rpartition(".")
@@ -435,7 +435,7 @@ def test_null_means_the_default_with_or_without_a_base(tmp_path):
 def test_a_default_written_out_is_not_refused_where_the_key_does_not_apply(tmp_path):
     """A key that applies only in some setting is refused there only with a value that would change something: its
     default written out (use_nested_quant: false without 4-bit) has no effect to lose."""
-    from sftrecipes.backends import accelerate_config
+    from sftrecipes.train.args import accelerate_config
 
     r = load_recipe([str(minimal(tmp_path, "use_nested_quant: false\nbnb_4bit_quant_type: nf4\nlora_r: 64\n"
                                             "lora_target_router: false\nuse_dora: false\nuse_reentrant: false\n"

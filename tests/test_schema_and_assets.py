@@ -3,9 +3,11 @@
 import hashlib
 import json
 
-from sftrecipes import schema, snapshots, tiny
+from sftrecipes import tiny
+from sftrecipes.recipe import schema
+from sftrecipes.recipe import snapshots
 from sftrecipes.cli import OPTIONS_DOC
-from sftrecipes.paths import DATA_DIR
+from sftrecipes.core.paths import DATA_DIR
 
 
 def test_trl_snapshot_matches_installed_trl():
@@ -13,7 +15,7 @@ def test_trl_snapshot_matches_installed_trl():
     import trl
 
     assert stored["trl_version"] == trl.__version__, "run: make schema"
-    assert stored["options"] == snapshots.trl_snapshot(), "sftrecipes/trl_options.json is stale; run: make schema"
+    assert stored["options"] == snapshots.trl_snapshot(), "sftrecipes/recipe/trl_options.json is stale; run: make schema"
 
 
 def test_peft_snapshot_matches_installed_peft():
@@ -22,7 +24,7 @@ def test_peft_snapshot_matches_installed_peft():
 
     stored = snapshots.load_peft_snapshot()
     assert stored["peft_version"] == peft.__version__, "run: make schema"
-    assert stored["options"] == snapshots.peft_snapshot(), "sftrecipes/peft_options.json is stale; run: make schema"
+    assert stored["options"] == snapshots.peft_snapshot(), "sftrecipes/recipe/peft_options.json is stale; run: make schema"
     fields = {row["name"] for row in stored["options"]}
     assert set(schema.PEFT_NOT_EXPOSED) <= fields, "PEFT_NOT_EXPOSED names a field peft no longer has"
     exposed = {n for n, o in schema.all_options().items() if o.owner == "peft"}
@@ -57,6 +59,6 @@ def test_tiny_model_build_is_deterministic(tmp_path, tiny_model):
 
 
 def test_options_doc_is_current():
-    from sftrecipes.options_doc import options_markdown
+    from sftrecipes.recipe.options_doc import options_markdown
 
     assert OPTIONS_DOC.read_text() == options_markdown(), "run: make docs"

@@ -1,4 +1,4 @@
-"""sftrecipes.shape: every shipped config against the model transformers builds from it (meta device, real size),
+"""sftrecipes.facts.shape: every shipped config against the model transformers builds from it (meta device, real size),
 LoRA counts against peft's own, the config-class defaults, the load-dtype rule in the planner, MoE in the planner."""
 
 import dataclasses
@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from conftest import ROOT
-from sftrecipes import meta
-from sftrecipes import shape as shapes
-from sftrecipes import shape_table
+from sftrecipes.model import meta
+from sftrecipes.facts import shape as shapes
+from sftrecipes.facts import shape_table
 from sftrecipes.plan import sharding
 from sftrecipes.plan import main, plan_recipe
 from sftrecipes.plan.sharding import GB
-from sftrecipes.errors import RecipeError
-from sftrecipes.recipe import load_recipe
-from sftrecipes.shape import model_shape, read_config
+from sftrecipes.core.errors import RecipeError
+from sftrecipes.recipe.load import load_recipe
+from sftrecipes.facts.shape import model_shape, read_config
 
 # published totals (model cards / safetensors indexes), in billions, and active parameters of the MoE models
 PUBLISHED = {
@@ -202,7 +202,7 @@ def test_shape_and_plan_import_no_torch():
     code = textwrap.dedent("""
         import sys
         from sftrecipes import plan, shape
-        from sftrecipes.recipe import load_recipe
+        from sftrecipes.recipe.load import load_recipe
         s = shape.model_shape("Qwen/Qwen3-30B-A3B")
         assert s.lora_params("all-linear", 8) > 0
         p = plan.plan_recipe(load_recipe(["recipes/llama2-70b/lora.yaml", "--model_name_or_path", "Qwen/Qwen3-30B-A3B",
@@ -221,7 +221,7 @@ def test_shape_and_plan_import_no_torch():
 def test_memory_constrained_loads_and_plans_in_16_bit():
     """precision memory_constrained: the model loads in bf16 (model.load_dtype) and the planner counts bf16 weights,
     grads and Adam states (2 + 2 + 4 bytes instead of 4 + 4 + 8): model states halve."""
-    from sftrecipes.model import load_dtype
+    from sftrecipes.model.load import load_dtype
 
     base = load_recipe(["recipes/llama2-70b/fsdp.yaml"])
     mc = load_recipe(["recipes/llama2-70b/fsdp.yaml", "--precision", "memory_constrained"])
@@ -248,8 +248,8 @@ def test_planner_counts_the_dtype_the_model_loads_in(argv):
     """One load-dtype rule (shape.load_dtype) for the loader and the planner: the bytes per weight the planner's
     loading RAM counts are those of the dtype model.load_dtype loads in, for every precision setting -- a copy of the
     rule on either side that drifts in one case fails here."""
-    from sftrecipes.backends import EVERY_RANK, RANK0_READS, weight_reading
-    from sftrecipes.model import load_dtype
+    from sftrecipes.train.args import EVERY_RANK, RANK0_READS, weight_reading
+    from sftrecipes.model.load import load_dtype
 
     recipe = load_recipe(argv)
     plan = plan_recipe(recipe, _alternatives=False)
@@ -398,7 +398,7 @@ def test_each_layers_sizes_are_the_models(case):
     builds (its attention and MLP modules), and the attention FLOPs sum each layer's own width."""
     from transformers import Gemma4TextConfig
 
-    from sftrecipes import flops
+    from sftrecipes.train import flops
 
     config = Gemma4TextConfig().to_dict() if case == "gemma4-default" else gemma4_kv_shared()
     s, model = model_shape(config), meta_model(case, config)

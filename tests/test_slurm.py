@@ -26,8 +26,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT, bindable, free_port
-from sftrecipes.emit import job_port_span
-from sftrecipes.recipe import load_recipe
+from sftrecipes.launch.emit import job_port_span
+from sftrecipes.recipe.load import load_recipe
 
 pytestmark = pytest.mark.real_processes  # SLURM starts and kills the processes
 

@@ -1,4 +1,4 @@
-"""Streamed training data (`streaming: true`, sftrecipes/stream.py): the rows a stream gives are the rows the prepared
+"""Streamed training data (`streaming: true`, sftrecipes/data/stream.py): the rows a stream gives are the rows the prepared
 split holds (every data format, cuts, masks, drops and counts), a stream resumed from any position a checkpoint
 records gives the very rows the uninterrupted stream gives next (unpacked and every packing strategy, across
 buffers and data epochs, through the JSON file), and a checkpoint of another stream is refused in one line. A row the
@@ -16,10 +16,11 @@ import types
 import pytest
 from test_prep_fast import AOL, CHATML, CUT, SHAPES, _no_map_cache, setup  # noqa: F401 - autouse: every map prepares
 
-from sftrecipes import data, stream as streams
-from sftrecipes.errors import RecipeError
-from sftrecipes.recipe import load_recipe
-from sftrecipes.tokenizer import load_tokenizer
+from sftrecipes.data import load as data
+from sftrecipes.data import stream as streams
+from sftrecipes.core.errors import RecipeError
+from sftrecipes.recipe.load import load_recipe
+from sftrecipes.data.tokenizer import load_tokenizer
 
 ONE = types.SimpleNamespace(per_device_train_batch_size=1, gradient_accumulation_steps=1, world_size=1)  # 1 row a step
 

@@ -1,4 +1,4 @@
-"""Tool calls, tool turns, `content: null` and reasoning in chat data (sftrecipes/chat.py, docs/chat_data.md): they
+"""Tool calls, tool turns, `content: null` and reasoning in chat data (sftrecipes/data/chat.py, docs/chat_data.md): they
 reach a template that renders them (the tokenizer's own, with the row's `tools`), the project's templates render them
 as documented, a template that leaves them out is counted on the data line, and a row a template cannot render is
 one line naming it. Under assistant_only_loss an assistant tool-call turn is trained, a tool turn is not."""
@@ -9,10 +9,10 @@ import logging
 import datasets
 import pytest
 
-from sftrecipes import data
-from sftrecipes.errors import RecipeError
-from sftrecipes.recipe import load_recipe
-from sftrecipes.tokenizer import load_tokenizer
+from sftrecipes.data import load as data
+from sftrecipes.core.errors import RecipeError
+from sftrecipes.recipe.load import load_recipe
+from sftrecipes.data.tokenizer import load_tokenizer
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}

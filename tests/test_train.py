@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 import train
 from conftest import ROOT, run_cli
-from sftrecipes.recipe import load_recipe
+from sftrecipes.recipe.load import load_recipe
 from test_recipe import GUIDE_ZERO3
 
 PROMPT = [{"role": "user", "content": "What is 7 plus 5?"}]
@@ -87,7 +87,7 @@ def test_streaming_merge_equals_peft_merge(lora_run, tmp_path):
 
 def test_merge_bf16_output_and_bad_inputs(lora_run, tmp_path):
     from sftrecipes.export import merge_lora
-    from sftrecipes.errors import RecipeError
+    from sftrecipes.core.errors import RecipeError
 
     _, _, out = lora_run
     merged = merge_lora(out, tmp_path / "m16", dtype="bfloat16")
@@ -198,8 +198,8 @@ def test_8bit_lora_on_cpu(tiny_model, tmp_path):
 
 
 def test_checkpoints_are_marked_complete_and_torn_ones_never_load(tiny_model, tmp_path):
-    from sftrecipes import checkpoints as ck
-    from sftrecipes.errors import RecipeError
+    from sftrecipes.run import checkpoints as ck
+    from sftrecipes.core.errors import RecipeError
 
     train.run(load_recipe(["recipes/tiny/lora.yaml", "--output_dir", str(tmp_path), "--max_steps", "6", "--save_strategy",
                            "steps", "--save_steps", "2", "--save_total_limit", "2", "--sample_max_new_tokens", "0"]))
@@ -233,7 +233,7 @@ def test_checkpoints_are_marked_complete_and_torn_ones_never_load(tiny_model, tm
 def test_nonfinite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tiny_model, tmp_path, monkeypatch, patience):
     import trl
 
-    from sftrecipes.checkpoints import TrainingStopped
+    from sftrecipes.run.checkpoints import TrainingStopped
 
     compute = trl.SFTTrainer.compute_loss
     calls = {"n": 0}
@@ -307,7 +307,8 @@ def test_liger_is_refused_without_a_gpu_or_its_package(tmp_path, capsys, hardwar
     trainer construction, after the load)."""
     from unittest import mock
 
-    from sftrecipes import model as models, preflight
+    from sftrecipes.model import load as models
+    from sftrecipes.launch import preflight
 
     out = tmp_path / "out"
     argv = ["recipes/tiny/lora.yaml", "--use_liger_kernel", "true", "--launch.hardware", hardware, "--max_steps", "1",
@@ -326,7 +327,7 @@ def test_packing_under_sdpa_on_a_gpu_is_warned(caplog):
     one); sdpa chosen for packed rows on a GPU is warned, on a CPU or unpacked it is not."""
     from unittest import mock
 
-    from sftrecipes import model as models
+    from sftrecipes.model import load as models
 
     def warned(*flags, hardware="gpu"):
         caplog.clear()
@@ -346,8 +347,9 @@ def test_packing_under_sdpa_on_a_gpu_pads_to_a_bounded_set_of_shapes():
     under sft_varlen (auto's choice for packing without flash-attn), where each pad token would be a segment."""
     from unittest import mock
 
-    from sftrecipes import backends, model as models
-    from sftrecipes.model import SDPA_PACKED_PAD
+    from sftrecipes.train import args as backends
+    from sftrecipes.model import load as models
+    from sftrecipes.model.load import SDPA_PACKED_PAD
 
     def pad(*flags, target="gpu", flash=False):
         with mock.patch.object(models, "flash_attn_installed", return_value=flash):
@@ -377,7 +379,7 @@ def test_evaluation_only_trains_nothing_and_summaries_hold_eval_loss(tiny_model,
     eval_on_start (the user's command) on the base model trains no step: the run's step-0 evaluation, one file written."""
     import math
 
-    from sftrecipes.checkpoints import FINAL, torn
+    from sftrecipes.run.checkpoints import FINAL, torn
 
     common = ["recipes/tiny/lora.yaml", "--max_seq_len", "128", "--sample_max_new_tokens", "0",
               "--per_device_eval_batch_size", "8", "--resume_from_checkpoint", "auto"]
@@ -457,8 +459,8 @@ def test_a_signal_interrupts_an_evaluation_only_run_without_a_preemption_record(
     import subprocess
     import sys
 
-    from sftrecipes import lifecycle
-    from sftrecipes.launch import outcome
+    from sftrecipes.run import lifecycle
+    from sftrecipes.launch.supervise import outcome
 
     notes = tmp_path / "notes"
     notes.mkdir()

@@ -19,8 +19,8 @@ import torch
 from conftest import ROOT, accelerate_run, free_port, launch_twin, run_cli
 from sftrecipes.plan import plan_recipe
 from sftrecipes.plan.ranks import loading_of
-from sftrecipes.probes import growth_mb
-from sftrecipes.recipe import load_recipe
+from sftrecipes.train.probes import growth_mb
+from sftrecipes.recipe.load import load_recipe
 
 TWINS = {
     # name: expectations on run_summary["backend"]
@@ -129,7 +129,7 @@ def test_twin_runs_through_its_launcher(twin_runs, family_models, name):
     losses = summary["losses"]
     assert len(losses) == 6 and losses[-1] < losses[0] * 0.9, losses
     assert summary["sample"]["new_tokens"] > 0  # every rank generated (under ZeRO-3/FSDP a rank alone would hang)
-    # every twin packs without flash-attn: each sample attends within itself (sftrecipes/attention.py), read back
+    # every twin packs without flash-attn: each sample attends within itself (sftrecipes/model/attention.py), read back
     # from the trained model's config, on both ranks
     assert summary["attention"] == "sft_varlen" and log.count("attention: sft_varlen") == 2, log[-3000:]
     base = family_models[BASE_OF[name]] if name in BASE_OF else ".assets/tiny-llama"
@@ -242,7 +242,7 @@ def test_ram_efficient_loading_only_rank0_reads(tmp_path):
     its shard by broadcast. The medium model (25.7M params) is stored in bf16 and trained in fp32, so a rank that
     reads it makes a private 103 MB fp32 copy — as 8 ranks loading 70B in fp32 would (2 TB). Its one step runs without
     bf16 autocast: loading is what is measured, and a CPU without AVX-512 emulates bf16 matmuls (45 s a step, not 9)."""
-    from sftrecipes.paths import ASSETS
+    from sftrecipes.core.paths import ASSETS
     from sftrecipes.tiny import ensure_tiny_model
 
     medium = ensure_tiny_model(ASSETS / "medium-llama", "medium")
@@ -298,7 +298,7 @@ def test_plan_holds_rank_by_rank(twin, tmp_path):
     less the libraries' file pages mapped since (probes.growth_mb: how many a touch maps is the filesystem's), within
     10% on every rank (and half the spread between runs at this size), or 10 MB where a rank grows by little more than
     what loading leaves besides weights; and the RSS before loading less the libraries' file pages, within 10%."""
-    from sftrecipes.paths import ASSETS
+    from sftrecipes.core.paths import ASSETS
     from sftrecipes.tiny import ensure_tiny_model
 
     medium = ensure_tiny_model(ASSETS / "medium-llama", "medium")

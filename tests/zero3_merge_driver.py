@@ -8,7 +8,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import train  # noqa: E402
 from sftrecipes.export import merge_in_run  # noqa: E402
-from sftrecipes.recipe import load_recipe  # noqa: E402
+from sftrecipes.recipe.load import load_recipe  # noqa: E402
 
 if __name__ == "__main__":
     trainer, _ = train.run(load_recipe(sys.argv[1:]))

@@ -23,9 +23,19 @@ import torch  # noqa: E402,F401
 import transformers  # noqa: E402,F401
 from trl import SFTTrainer  # noqa: E402,F401
 
-from sftrecipes import (  # noqa: E402,F401
-    backends, checkpoints, data, export, finalsave, hub, lora, metrics, model, nonfinite, precision, preflight, probes,
-)
+import sftrecipes.export  # noqa: E402,F401
+import sftrecipes.train.args  # noqa: E402,F401
+import sftrecipes.run.checkpoints  # noqa: E402,F401
+import sftrecipes.data.load  # noqa: E402,F401
+import sftrecipes.train.finalsave  # noqa: E402,F401
+import sftrecipes.train.hub  # noqa: E402,F401
+import sftrecipes.model.lora  # noqa: E402,F401
+import sftrecipes.train.metrics  # noqa: E402,F401
+import sftrecipes.model.load  # noqa: E402,F401
+import sftrecipes.train.nonfinite  # noqa: E402,F401
+import sftrecipes.train.precision  # noqa: E402,F401
+import sftrecipes.launch.preflight  # noqa: E402,F401
+import sftrecipes.train.probes  # noqa: E402,F401
 
 
 def child(req: dict) -> int:

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import torch
 
-from ..errors import RecipeError
-from ..folders import adapter_config
-from ..shape import pattern_value
-from .layout import _cut, _meta_model
-from .readers import _Reader
+from sftrecipes.core.errors import RecipeError
+from sftrecipes.facts.folders import adapter_config
+from sftrecipes.facts.shape import pattern_value
+from sftrecipes.export.layout import _cut, _meta_model
+from sftrecipes.export.readers import _Reader
 
 
 PREFIX = "base_model.model."

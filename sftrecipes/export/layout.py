@@ -10,8 +10,8 @@ import torch
 from transformers import AutoConfig
 from transformers.core_model_loading import revert_weight_conversion
 
-from ..errors import RecipeError
-from ..meta import build
+from sftrecipes.core.errors import RecipeError
+from sftrecipes.model.meta import build
 
 
 def _meta_model(config_dir: Path):

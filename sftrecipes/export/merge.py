@@ -10,15 +10,15 @@ from pathlib import Path
 
 import torch
 
-from ..errors import RecipeError
-from ..folders import merge_base
-from ..model import DTYPES
-from .layout import StoredLayout
-from .adapters import ADAPTER_MARKS, PREFIX, _check_fits, _wrapped, plan_merge, read_adapter
-from .readers import _SafetensorsSource
-from .rewrite import _write_config, rewrite_model
-from .verify import _peft_reference, check_model_folder
-from .writer import SafetensorsStreamWriter, _shard_files, _shards, _Staging, _write_index
+from sftrecipes.core.errors import RecipeError
+from sftrecipes.facts.folders import merge_base
+from sftrecipes.model.load import DTYPES
+from sftrecipes.export.layout import StoredLayout
+from sftrecipes.export.adapters import ADAPTER_MARKS, PREFIX, _check_fits, _wrapped, plan_merge, read_adapter
+from sftrecipes.export.readers import _SafetensorsSource
+from sftrecipes.export.rewrite import _write_config, rewrite_model
+from sftrecipes.export.verify import _peft_reference, check_model_folder
+from sftrecipes.export.writer import SafetensorsStreamWriter, _shard_files, _shards, _Staging, _write_index
 
 log = logging.getLogger("sftrecipes")
 
@@ -49,7 +49,7 @@ def merge_in_run(trainer, out_dir: str | Path, dtype: str | None = None, max_sha
     (deepspeed.zero.GatheredParameters, a no-op for unpartitioned ones); rank 0 computes W + scale·B@A in fp32 and
     streams it to disk, so it holds one gathered module beyond its training state. Floats are written in `dtype`
     (default: the dtype the run holds its parameters in). Returns the folder on rank 0, None on the others."""
-    from peft import PeftModel  # noqa: PLC0415 - peft imports bitsandbytes, whose log line would precede a bad input's one-line error
+    from peft import PeftModel
 
     acc = trainer.accelerator
     model = acc.unwrap_model(trainer.model)
@@ -129,6 +129,6 @@ def _gathered(params: list):
     """deepspeed.zero.GatheredParameters over ZeRO-3 parameters (read only); a null context for none."""
     if not params:
         return contextlib.nullcontext()
-    import deepspeed  # noqa: PLC0415 - deepspeed: only ZeRO-3 needs it; at the top it adds ~5 s and a log line to every export
+    import deepspeed
 
     return deepspeed.zero.GatheredParameters(params, modifier_rank=None)

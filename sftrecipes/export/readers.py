@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from ..errors import RecipeError
-from ..folders import natural_key as _natural, read_st_header
-from .dcp import read_exactly
-from .writer import _LIBC, FROM_ST
+from sftrecipes.core.errors import RecipeError
+from sftrecipes.facts.folders import natural_key as _natural, read_st_header
+from sftrecipes.export.dcp import read_exactly
+from sftrecipes.export.writer import _LIBC, FROM_ST
 
 
 class _Reader:

@@ -13,10 +13,10 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from ..errors import RecipeError
-from .layout import StoredLayout, tied_copies
-from .adapters import _check_fits, plan_merge, read_adapter
-from .readers import folder_tensors
+from sftrecipes.core.errors import RecipeError
+from sftrecipes.export.layout import StoredLayout, tied_copies
+from sftrecipes.export.adapters import _check_fits, plan_merge, read_adapter
+from sftrecipes.export.readers import folder_tensors
 
 log = logging.getLogger("sftrecipes")
 
@@ -82,7 +82,7 @@ def verify_logits(folder: Path, reference, dtype: torch.dtype, base: Path | None
     if base is None:
         ours = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     else:
-        from peft import PeftModel  # noqa: PLC0415 - peft imports bitsandbytes, whose log line would precede a bad input's one-line error
+        from peft import PeftModel
 
         ours = PeftModel.from_pretrained(_base_for_adapter(base, folder), folder)
     ids = _probe_ids(folder if (folder / "tokenizer_config.json").is_file() else (base or folder), ours.config.vocab_size)
@@ -107,7 +107,7 @@ def _base_for_adapter(base_dir: Path, adapter: Path):
     """The base model in fp32, its embeddings resized as the run resized them when it added tokens: to the size of
     the resized embedding saved beside the adapter, or else past the highest trainable-token row. peft then reads the
     adapter with the run's own target conversion (compat.keep_dense_linears_in_moe_conversion)."""
-    from .. import compat  # noqa: PLC0415 - compat imports peft, whose bitsandbytes log line would precede a bad input's one-line error
+    from sftrecipes.model import compat
 
     compat.keep_dense_linears_in_moe_conversion()
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
@@ -127,8 +127,8 @@ def _peft_reference(base_dir: Path, adapter: Path):
     for some models leaves tensors at their initial values without a word (Laguna's shared_experts: lora_B stays 0).
     Such tensors are put in by name (the saved key is the parameter's name less the adapter name), and a warning says
     that PeftModel.from_pretrained misses them."""
-    from peft import PeftModel  # noqa: PLC0415 - peft imports bitsandbytes, whose log line would precede a bad input's one-line error
-    from safetensors import safe_open  # noqa: PLC0415
+    from peft import PeftModel
+    from safetensors import safe_open
 
     model = PeftModel.from_pretrained(_base_for_adapter(base_dir, adapter), adapter)
     name = model.active_adapter
@@ -160,7 +160,7 @@ def upstream_state_dict(kind: str, folder: Path) -> dict[str, torch.Tensor]:
         if isinstance(sd.get("model"), dict):  # accelerate saves {"model": state_dict}; DCP flattens it to 'model.<name>'
             return sd["model"]
         return {k.removeprefix("model."): v for k, v in sd.items()}
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # noqa: PLC0415 - deepspeed: only ZeRO sources need it (see merge._gathered)
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     return get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
 
@@ -178,7 +178,7 @@ def _state_dict_reference(config_dir: Path, kind: str, folder: Path):
 
 def _adapter_reference(base_dir: Path, adapter_cfg_dir: Path, kind: str, folder: Path):
     """The source of an adapter export: peft's model for the adapter's config, holding the upstream-read tensors."""
-    from peft import LoraConfig, get_peft_model  # noqa: PLC0415 - peft imports bitsandbytes, whose log line would precede a bad input's one-line error
+    from peft import LoraConfig, get_peft_model
 
     model = get_peft_model(_base_for_adapter(base_dir, adapter_cfg_dir), LoraConfig.from_pretrained(adapter_cfg_dir))
     sd = {k.removeprefix("model.") if k.startswith("model.base_model.") else k: v.float() for k, v in upstream_state_dict(kind, folder).items()}

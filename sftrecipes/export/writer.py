@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import RecipeError
+from sftrecipes.core.errors import RecipeError
 
 
 ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",

@@ -3,7 +3,7 @@ and the pitfalls, printed (torch-free).
 
     python -m sftrecipes plan RECIPE.yaml [--key value ...]     exit 0 fits (or no gpu_memory_gb), 2 does not fit
 
-The model's shape comes from config.json through sftrecipes/shape.py (a local folder, or sftrecipes/model_configs/
+The model's shape comes from config.json through sftrecipes/facts/shape.py (a local folder, or sftrecipes/facts/model_configs/
 for hub ids) and every byte is arithmetic on that shape and the recipe (docs/planner.md), in this package's
 modules: sharding.py (ranks and bytes per parameter), activations.py (what backward keeps), reference.py (a preference
 run's reference model), estimate.py (one training step of one configuration, per GPU and per node), strategies.py (the
@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import sys
 
-from ..errors import RecipeError
-from ..evalonly import eval_only, why
-from .estimate import CUDA_CONTEXT_GB, FRAGMENTATION, Plan, estimate
-from .pitfalls import pitfalls
-from ..recipe import Recipe, load_recipe
-from ..schema import PAIRED
-from .strategies import INFINIBAND, NVLINK, PCIE, alternatives
+from sftrecipes.core.errors import RecipeError
+from sftrecipes.recipe.evalonly import eval_only, why
+from sftrecipes.plan.estimate import CUDA_CONTEXT_GB, FRAGMENTATION, Plan, estimate
+from sftrecipes.plan.pitfalls import pitfalls
+from sftrecipes.recipe.load import Recipe, load_recipe
+from sftrecipes.recipe.schema import PAIRED
+from sftrecipes.plan.strategies import INFINIBAND, NVLINK, PCIE, alternatives
 
 
 def plan_recipe(recipe: Recipe, pipeline_degree: int | None = None, _alternatives: bool = True) -> Plan:

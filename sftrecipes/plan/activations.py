@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..recipe import Recipe
-from ..schema import PAIRED, REFERENCE_FREE
-from ..shape import Layer, Shape, Weight, checkpointing_off
-from .sharding import Setup
+from sftrecipes.recipe.load import Recipe
+from sftrecipes.recipe.schema import PAIRED, REFERENCE_FREE
+from sftrecipes.facts.shape import Layer, Shape, Weight, checkpointing_off
+from sftrecipes.plan.sharding import Setup
 
 TRL_TOKEN_TILE, TRL_VOCAB_TILE = 4096, 32768  # trl.kernels.chunked_logprob tile of the fused LM head
 

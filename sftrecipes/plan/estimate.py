@@ -21,18 +21,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from . import offload
-from .activations import TRL_VOCAB_TILE, Activations, activations, layer_lora_params
-from ..backends import PARTITIONED, RANK0_READS, weight_reading
-from ..recipe import Recipe
-from ..shape import Shape, checkpointing_off, model_shape
-from ..startmodel import adapter_of, base_of
-from .ranks import RankLoading, RankSteps, rank_loading, rank_steps
-from .reference import ADAPTER, COPY, FREE, Reference, describe, forwards, reference
-from .sharding import GB, Setup, partitioned_4bit_load, quant_bytes_per_param, setup, trainable_bytes
+from sftrecipes.plan import offload
+from sftrecipes.plan.activations import TRL_VOCAB_TILE, Activations, activations, layer_lora_params
+from sftrecipes.train.args import PARTITIONED, RANK0_READS, weight_reading
+from sftrecipes.recipe.load import Recipe
+from sftrecipes.facts.shape import Shape, checkpointing_off, model_shape
+from sftrecipes.facts.startmodel import adapter_of, base_of
+from sftrecipes.plan.ranks import RankLoading, RankSteps, rank_loading, rank_steps
+from sftrecipes.plan.reference import ADAPTER, COPY, FREE, Reference, describe, forwards, reference
+from sftrecipes.plan.sharding import GB, Setup, partitioned_4bit_load, quant_bytes_per_param, setup, trainable_bytes
 
 if TYPE_CHECKING:
-    from .strategies import Strategy
+    from sftrecipes.plan.strategies import Strategy
 
 # Runtime allowance on a GPU: CUDA context + cuBLAS/NCCL workspaces (not visible to torch's allocator, visible to
 # nvidia-smi), and the caching allocator's fragmentation as a share of the memory that churns each step.
@@ -211,7 +211,7 @@ def lora_layout(recipe: Recipe, shape: Shape) -> tuple[tuple, int, tuple]:
     if shape.source == "table":
         adapted = shape.lora_targets(m.lora_target_modules, m.lora_target_router)
         return adapted, sum(layer_lora_params(ad, m.lora_r) for ad in adapted), ()
-    from ..meta import lora_layout as meta_layout  # noqa: PLC0415 - torch: only layouts the table does not hold need it
+    from sftrecipes.model.meta import lora_layout as meta_layout
 
     layout = meta_layout(recipe, shape)
     return layout.adapted, layout.trainable, layout.outside

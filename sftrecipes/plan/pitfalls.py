@@ -4,12 +4,12 @@ at start, the plan command and the launchers' pre-flight print them under the pl
 
 from __future__ import annotations
 
-from ..errors import RecipeError
-from .estimate import PROCESS_CPU_GB, full_state_dict_bytes
-from ..recipe import Recipe, load_recipe
-from ..schema import PAIRED
-from ..shape import DTYPE_BYTES, load_dtype, mixed_dtype, model_shape
-from .sharding import GB, setup
+from sftrecipes.core.errors import RecipeError
+from sftrecipes.plan.estimate import PROCESS_CPU_GB, full_state_dict_bytes
+from sftrecipes.recipe.load import Recipe, load_recipe
+from sftrecipes.recipe.schema import PAIRED
+from sftrecipes.facts.shape import DTYPE_BYTES, load_dtype, mixed_dtype, model_shape
+from sftrecipes.plan.sharding import GB, setup
 
 
 def pitfalls(recipe: Recipe) -> list[str]:

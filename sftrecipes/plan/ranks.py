@@ -34,12 +34,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..backends import PARTITIONED, RANK0_READS, weight_reading
-from ..folders import check_weights
-from ..pages import FAULT_AROUND, fault_bytes
-from ..recipe import Recipe
-from ..shape import DTYPE_BYTES, Shape, read_config
-from .sharding import GB, Setup, partitioned_4bit_load, quant_bytes_per_param
+from sftrecipes.train.args import PARTITIONED, RANK0_READS, weight_reading
+from sftrecipes.facts.folders import check_weights
+from sftrecipes.core.pages import FAULT_AROUND, fault_bytes
+from sftrecipes.recipe.load import Recipe
+from sftrecipes.facts.shape import DTYPE_BYTES, Shape, read_config
+from sftrecipes.plan.sharding import GB, Setup, partitioned_4bit_load, quant_bytes_per_param
 
 # Measured on every CPU twin at 25.7M parameters (tests/test_twins.py) and 253M (bench/bench_loading.py), 2 ranks, as
 # growth less the libraries' file pages (probes.growth_mb), on ext4 (4 KiB page cache) and from a tmpfs with

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..recipe import Recipe
-from ..schema import REFERENCE_FREE
-from ..shape import Shape
-from .sharding import GB, Setup
+from sftrecipes.recipe.load import Recipe
+from sftrecipes.recipe.schema import REFERENCE_FREE
+from sftrecipes.facts.shape import Shape
+from sftrecipes.plan.sharding import GB, Setup
 
 NONE, ADAPTER, COPY, PRECOMPUTED = "", "adapter", "copy", "precomputed"
 FREE = "free"  # orpo, cpo: the method has no reference model

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..recipe import Recipe
-from ..shape import DTYPE_BYTES, load_dtype, mixed_dtype
+from sftrecipes.recipe.load import Recipe
+from sftrecipes.facts.shape import DTYPE_BYTES, load_dtype, mixed_dtype
 
 GB = 1e9  # the planner reports decimal gigabytes
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-from .estimate import Plan, estimate
-from ..recipe import Recipe
-from .reference import COPY
-from .sharding import GB, setup
+from sftrecipes.plan.estimate import Plan, estimate
+from sftrecipes.recipe.load import Recipe
+from sftrecipes.plan.reference import COPY
+from sftrecipes.plan.sharding import GB, setup
 
 # bandwidths used only to rank strategies (bytes per second per GPU): NVLink ring, InfiniBand 200 Gb/s, PCIe
 NVLINK, INFINIBAND, PCIE = 150e9, 25e9, 20e9

@@ -1,0 +1,1 @@
+"""A run's life on disk, torch-free: its lock, heartbeats, checkpoints and the records its processes leave."""
