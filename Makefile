@@ -24,8 +24,9 @@ assets: $(STAMP)            ## tiny model + tokenizer into .assets/ (determinist
 demo: $(STAMP)              ## tiny LoRA fine-tune -> merge -> reload -> generate, on CPU
 	$(BIN)/python -m sftrecipes demo
 
-lint: $(STAMP)              ## ruff (rules in pyproject.toml)
+lint: $(STAMP)              ## ruff, and the house's import contracts (import-linter; both configured in pyproject.toml)
 	$(BIN)/ruff check .
+	PYTHONPATH=. $(BIN)/lint-imports --no-cache
 
 test: lint                  ## the linter, then the test suite (CPU target; GPU-marked tests skipped)
 	$(BIN)/python -m pytest -q --durations=25 tests
@@ -34,7 +35,7 @@ data: $(STAMP)              ## rewrite data/tiny_chat, data/tiny_dpo, data/tiny_
 	$(BIN)/python -m sftrecipes tiny --data
 	$(BIN)/python data/make_preference_data.py
 
-schema: $(STAMP)            ## refresh sftrecipes/{trl,peft}_options.json after upgrading TRL/transformers/peft
+schema: $(STAMP)            ## refresh sftrecipes/recipe/{trl_options,trl_methods,peft_options}.json after upgrading TRL/transformers/peft
 	$(BIN)/python -m sftrecipes schema --refresh
 
 plan: $(STAMP)              ## memory plan of a recipe: make plan RECIPE=recipes/llama2-70b/lora.yaml [ARGS="--lora_r 16"]

@@ -7,7 +7,7 @@
     python train.py --help                                      # every option, its default and help
 
 Flow: parse -> hardware target -> tokenizer -> datasets -> model -> the method's trainer -> train (resume) -> save + check.
-Around it (sftrecipes/run/lifecycle.py, runlock.py, heartbeats.py): the output_dir lock, preemption signals (SIGTERM/SIGUSR1: save, exit 75), death
+Around it (sftrecipes/train/runlife.py, run/runlock.py, run/heartbeats.py): the output_dir lock, preemption signals (SIGTERM/SIGUSR1: save, exit 75), death
 with the launcher, heartbeats. The logic lives in the `sftrecipes` package; this file only wires it up.
 """
 
@@ -20,59 +20,63 @@ import sys
 import time
 
 if __name__ == "__main__" and os.environ.get("SFTRECIPES_FORK_SERVER"):  # the test suite, the sweep: this process
-    from sftrecipes.core import forks as forkserver  # is a fork of one that has imported torch & co. already (sftrecipes/core/forks.py)
+    from sftrecipes.core import forks  # is a fork of one that has imported torch & co. already (core/forks.py)
 
-    forkserver.exit_in_fork(sys.argv)  # (returns where no server answered: this process runs it)
+    forks.exit_in_fork(sys.argv)  # (returns where no server answered: this process runs it)
 
 from sftrecipes.recipe import evalonly  # noqa: E402
-from sftrecipes.run import lifecycle  # noqa: E402
+from sftrecipes.train import runlife  # noqa: E402 - torch waits inside it until a rank trains
 
 if __name__ == "__main__":  # first thing: a SIGTERM/SIGUSR1 while this process starts waits for RunLife (no sudden death)
-    lifecycle.hold_signals()
+    runlife.hold_signals()
 
-from sftrecipes.run.checkpoints import TrainingStopped  # noqa: E402
 from sftrecipes.core.errors import RecipeError, say_error
-from sftrecipes.recipe.options_doc import help_text  # noqa: E402
 from sftrecipes.data.prepcache import PreparationFailed  # noqa: E402
 from sftrecipes.recipe.load import load_recipe  # noqa: E402
+from sftrecipes.recipe.options_doc import help_text  # noqa: E402
+from sftrecipes.run import lifecycle  # noqa: E402
+from sftrecipes.run.checkpoints import TrainingStopped  # noqa: E402
 
 log = logging.getLogger("sftrecipes")
 
 
 def run(recipe, life=None):
     """Train as the recipe says. Returns (trainer, summary); the summary is also written to output_dir. `life`: the
-    process's lifecycle.RunLife (main() enters it: lock, signals, heartbeats); callers without one get a plain run."""
+    process's runlife.RunLife (main() enters it: lock, signals, heartbeats); callers without one get a plain run."""
     # torch and the training modules load here, not at the top: `--help` and a recipe that fails validation answer
     # (exit 2) before torch is imported
-    from sftrecipes.train import args as backends
-    from sftrecipes.run import checkpoints
     from sftrecipes.data import load as data
-    from sftrecipes.train import finalsave
-    from sftrecipes.facts import folders
-    from sftrecipes.train import hub
-    from sftrecipes.model import lora
-    from sftrecipes.train import methods
-    from sftrecipes.train import metrics
-    from sftrecipes.model import load as models
-    from sftrecipes.train import nonfinite
-    from sftrecipes.train import precision
     from sftrecipes.data import preference
-    from sftrecipes.launch import preflight
-    from sftrecipes.train import probes
-    from sftrecipes.model import quantload
-    from sftrecipes.facts import startmodel
     from sftrecipes.data import stream as streams
-    from sftrecipes.train import streamtrain
-    from sftrecipes.plan.pitfalls import pitfalls
     from sftrecipes.data.tokenizer import load_tokenizer
+    from sftrecipes.export import startfrom
+    from sftrecipes.facts import folders
+    from sftrecipes.launch import preflight
+    from sftrecipes.model import attnchoice, fallbacks, lora, quantload, wrapping
+    from sftrecipes.model import load as models
+    from sftrecipes.plan.pitfalls import pitfalls
+    from sftrecipes.run import checkpoints
+    from sftrecipes.train import args as backends
+    from sftrecipes.train import (
+        devices,
+        finalsave,
+        hub,
+        methods,
+        metrics,
+        nonfinite,
+        precision,
+        probes,
+        saving,
+        streamtrain,
+    )
 
     # 1. where we run: the cpu target sets use_cpu/gloo/threads so GPU command lines work as written
-    target = backends.hardware(recipe)
+    target = devices.hardware(recipe)
     preflight.in_run(recipe, target)  # its process count, the launcher's config, what the target cannot run
     backends.apply_process_env(recipe, target)
-    unpacked = models.packing_fallback(recipe)  # packed batches a kernel cannot keep apart here: padded rows instead
-    unckpt = models.checkpointing_fallback(recipe)  # checkpointing on a class without it: the run goes without
-    life = life or lifecycle.RunLife(recipe)
+    unpacked = fallbacks.packing_fallback(recipe)  # packed batches a kernel cannot keep apart here: padded rows instead
+    unckpt = fallbacks.checkpointing_fallback(recipe)  # checkpointing on a class without it: the run goes without
+    life = life or runlife.RunLife(recipe)
     if evalonly.eval_only(recipe):  # do_train: false / max_steps: 0: the eval split evaluated, nothing trained or saved
         from sftrecipes.train import evaluate
 
@@ -84,10 +88,10 @@ def run(recipe, life=None):
     if resume and recipe.method == "sft" and recipe.data.streaming:
         streams.read_position(resume)  # a checkpoint without the stream's position: one line, before anything loads
     folders.check_model_files(recipe.model)  # tokenizer files present, safetensors whole: named here, not deep in a loader
-    startmodel.ensure(recipe.model.model_name_or_path, recipe.run.heartbeat_timeout)  # an adapter: merged into its base once
-    models.choose_attention(recipe, target)  # a kernel the model cannot run: refused here, before anything loads
+    startfrom.ensure(recipe.model.model_name_or_path, recipe.run.heartbeat_timeout)  # an adapter: merged into its base once
+    attnchoice.choose_attention(recipe, target)  # a kernel the model cannot run: refused here, before anything loads
     if recipe.launch.backend == "fsdp":
-        models.fsdp_wrap_classes(recipe)  # the layer classes FSDP wraps: named for accelerate before the trainer builds its plugin
+        wrapping.fsdp_wrap_classes(recipe)  # the layer classes FSDP wraps: named for accelerate before the trainer builds its plugin
     push_later = hub.prepare_hub(args)  # token out of saved files; no push attempt when the hub is unreachable
     if args.process_index == 0:
         for line in (unpacked, unckpt):
@@ -121,8 +125,8 @@ def run(recipe, life=None):
     memory = probes.PhaseMemory()  # each phase's peak RSS on this rank, the kernel's high-water mark reset at its start
     memory.start("loading")
     model = models.load_model(recipe, tokenizer, target)
-    models.no_aux_loss_without_experts(model, args)  # a dense model whose config still declares router logits
-    models.zero3_leaves(model, recipe, args.process_index == 0)  # modules whose submodule calls the data decides: one fetch each
+    fallbacks.no_aux_loss_without_experts(model, args)  # a dense model whose config still declares router logits
+    wrapping.zero3_leaves(model, recipe, args.process_index == 0)  # modules whose submodule calls the data decides: one fetch each
     memory.start("wrapping")  # to train()'s first callback: peft, accelerate's prepare (sharding, partitioning, broadcast)
     trainer = methods.trainer_class(recipe)(  # SFTTrainer, DPOTrainer or KTOTrainer
         model=model,
@@ -147,7 +151,7 @@ def run(recipe, life=None):
     if recipe.model.use_peft_lora and args.process_index == 0:
         log.info("%s", lora.describe_adapter(trainer.model, recipe))  # what LoRA adapted: modules, experts, router
     backends.size_deepspeed_buckets(trainer)  # reduce / prefetch buckets by the hidden size, as the planner counts
-    checkpoints.make_checkpoints_atomic(  # a marker written last; rotation never drops the last complete one
+    saving.make_checkpoints_atomic(  # a marker written last; rotation never drops the last complete one
         trainer, stream and (lambda folder: stream.save(folder, trainer.state.global_step, args)))  # where the stream goes on
     precision.apply_precision_policy(trainer, recipe)  # trainable params fp32 under mixed precision (logged)
     precision.autocast_under_fsdp2(trainer, recipe)  # the autocast accelerate gives DDP and FSDP1 but not FSDP2
@@ -270,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     try:
         recipe = load_recipe(argv)
-        with lifecycle.RunLife(recipe) as life:  # dies with its launcher; main process: lock, or a finished run's no-op
+        with runlife.RunLife(recipe) as life:  # dies with its launcher; main process: lock, or a finished run's no-op
             if life.finished:
                 return 0
             run(recipe, life)
@@ -286,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         if not e.every_rank or os.environ.get("RANK", "0") == "0":  # a verdict of every rank: said once
             say_error(e)
         return leave_process_group(1) if e.every_rank else 1
-    except lifecycle.Preempted as e:
+    except runlife.Preempted as e:
         if os.environ.get("RANK", "0") == "0":
             log.warning("%s", e)
         return leave_process_group(lifecycle.preempted_exit_code())

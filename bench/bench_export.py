@@ -47,7 +47,7 @@ Findings:
 - The SHA256SUMS manifest is hashed on a second thread while the same bytes are written (hashlib and file writes
   release the GIL): the DCP export of the 2.1 GB model went from 8.0 s to 4.8-5.7 s in-process.
 - This DCP checkpoint keeps each tensor in one chunk; a real FSDP checkpoint splits each tensor by rank along dim 0,
-  and the reader fills one slice per chunk (tests/test_export.py checks that the twins' two-rank checkpoints are
+  and the reader fills one slice per chunk (tests/export/test_export.py checks that the twins' two-rank checkpoints are
   read that way, never through torch.load, and equal torch's converter).
 - Two fixes were needed before (docs/exports.md, "Memory"): safetensors are read with `readinto`, not mmap (touched
   pages of a mapped file stay in RSS), and glibc's mmap threshold is fixed at 4 MB (after the first large free glibc

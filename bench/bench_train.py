@@ -63,7 +63,7 @@ Findings (unpacked, batch 4, checkpointing on, LoRA, where the issue measured tr
   starts (`nonzero().tolist()`); with several ranks the preemption vote was an all-reduce read back (`.item()`) at
   every step. The token counts now stay on the device and are read once per log (logging_steps), with the
   TensorBoard scalars of the steps since; the vote started at one step is read at the next (ranks still stop
-  together). tests/test_metrics.py counts every device read by project code in its tiny runs and fails on one
+  together). tests/train/test_metrics.py counts every device read by project code in its tiny runs and fails on one
   inside a training step. `python bench/overhead_profile.py --row N` (`make bench-overhead`) prints these counts
   (Python calls, torch ops and value reads per step, the configuration fields that differ) for any row of the grid.
 - Bare TRL itself reads the device 3-4 times per micro-batch (`SFTTrainer.compute_loss`: entropy, token accuracy

@@ -149,7 +149,7 @@ The bounds (sftrecipes/data/prepcache.py, prepattempt.py, trainrows.py, arrowmem
   the copy removed, the tokenized rows and the entry being written: at most twice the entry (the peak column).
 - A `prepare` killed outright leaves its attempt's folder (attempt-<token>/ in the entry); the next process to take
   the entry (or to find it complete with no lock held) removes it
-  (tests/test_prepcache.py::test_a_killed_prepare_leaves_nothing_once_another_takes_over).
+  (tests/data/test_prepcache.py::test_a_killed_prepare_leaves_nothing_once_another_takes_over).
 """
 
 

@@ -61,8 +61,10 @@ def random_loader(model_dir: Path, device: str):
 
         from sftrecipes.model import load as models
 
-        impl = models.choose_attention(recipe, target)[0]  # the kernel train.py's load_model would use
-        if impl == models.VARLEN:
+        from sftrecipes.model import attnchoice
+
+        impl = attnchoice.choose_attention(recipe, target)[0]  # the kernel train.py's load_model would use
+        if impl == attnchoice.VARLEN:
             from sftrecipes.model.attention import register
 
             register()

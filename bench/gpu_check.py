@@ -349,7 +349,7 @@ def qlora_loading(size: str, device: str, folder: Path, timeout_s: int) -> list[
 
     import yaml
 
-    from sftrecipes.train.args import accelerate_config, launcher_env
+    from sftrecipes.launch.accelerate import accelerate_config, launcher_env
     from sftrecipes.recipe.load import load_recipe
 
     missing = [m for m in ("deepspeed", "bitsandbytes") if importlib.util.find_spec(m) is None]

@@ -64,11 +64,12 @@ def planned(recipe, target: str, rank: int) -> tuple[str, float]:
 
 def main(argv: list[str]) -> None:
     from sftrecipes.train import args as backends
+    from sftrecipes.train import devices
     from sftrecipes.recipe.load import load_recipe
     from sftrecipes.data.tokenizer import load_tokenizer
 
     recipe = load_recipe(argv)
-    target = backends.hardware(recipe)
+    target = devices.hardware(recipe)
     backends.apply_process_env(recipe, target)
     args = backends.training_args(recipe, target)  # ZeRO-3 on (transformers' DeepSpeed config), process group up
     tokenizer = load_tokenizer(recipe)[0]

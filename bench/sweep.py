@@ -129,7 +129,7 @@ def run_one(mt: str, work: Path) -> dict:
     from sftrecipes.export import merge_lora
     from sftrecipes.plan import plan_recipe
     from sftrecipes.recipe.load import load_recipe
-    from sftrecipes.facts.shape import model_shape
+    from sftrecipes.facts.config import model_shape
     row: dict = {"arch": mt, "result": "fail", "reason": "", "class": "", "attention": "", "targets": "", "note": ""}
     try:
         why = left_out(mt)

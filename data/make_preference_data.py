@@ -5,7 +5,7 @@ One rule: the reply repeats the word the user names. A DPO row pairs the reply t
 another word (rejected); a KTO row is one of the two, labelled desirable (true) or not (false), half of each. The
 words are those of the tiny chat data, which the tiny tokenizer was trained on: the reply "The word is X." holds the
 prompt's token for X.
-Seeded: `python data/make_preference_data.py` writes the same files again (tests/test_preference_data.py checks).
+Seeded: `python data/make_preference_data.py` writes the same files again (tests/data/test_preference_data.py checks).
 
 Measured on CPU with the tiny Llama (full fine-tune, lr 1e-3 constant, batch 8, beta 0.1, TRL 1.16), on the test
 split (tests hold no such run: it is a claim to re-measure after changing the data): DPO after 40 steps a reward

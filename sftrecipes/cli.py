@@ -29,20 +29,18 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from sftrecipes import plan, tiny
-from sftrecipes.launch import emit
-from sftrecipes.facts import folders
-from sftrecipes.launch import supervise as launch
+from sftrecipes import plan
 from sftrecipes.core import paths
+from sftrecipes.core.errors import RecipeError
+from sftrecipes.facts import folders
+from sftrecipes.launch import emit
+from sftrecipes.launch import supervise as launch
+from sftrecipes.launch.accelerate import launcher_env
+from sftrecipes.launch.preflight import before_launch
 from sftrecipes.recipe import copying as recipe_copy
 from sftrecipes.recipe import schema
-from sftrecipes.recipe import snapshots
-from sftrecipes.train.args import launcher_env
-from sftrecipes.core.errors import RecipeError
-from sftrecipes.recipe.evalonly import eval_only, why
-from sftrecipes.recipe.options_doc import options_markdown
-from sftrecipes.launch.preflight import before_launch
 from sftrecipes.recipe.load import load_recipe
+from sftrecipes.recipe.options_doc import options_markdown
 
 PROG = "python -m sftrecipes"
 OPTIONS_DOC = paths.GENERATED_DOCS / "options.md"  # the option table, written by `schema --docs` (make docs)
@@ -62,23 +60,7 @@ def _recipe_args(verb: str, argv: list[str]) -> list[str] | None:
 
 
 def _tiny(argv: list[str]) -> int:
-    p = _parser("tiny")
-    p.add_argument("--data", action="store_true", help="rewrite data/tiny_chat instead of building the model")
-    p.add_argument("--size", default="tiny", choices=["tiny", "medium"])
-    p.add_argument("--family", default=None, choices=sorted(tiny.FAMILIES),
-                   help="a tiny model of another architecture (.assets/tiny-FAMILY): its config class, tokenizer habits, template")
-    p.add_argument("--out", default=None)
-    ns = p.parse_args(argv)
-    if ns.data:
-        tiny.write_dataset()
-        print(f"wrote {paths.DATA_DIR}")
-        return 0
-    if ns.family:
-        print(tiny.build_family(ns.family, Path(ns.out)) if ns.out else tiny.ensure_family(ns.family))
-        return 0
-    out = Path(ns.out) if ns.out else (tiny.TINY_MODEL if ns.size == "tiny" else paths.ASSETS / f"{ns.size}-llama")
-    print(tiny.ensure_tiny_model(out, ns.size))
-    return 0
+    return _run("tiny", _parser("tiny"), argv)
 
 
 def _merge(argv: list[str]) -> int:
@@ -91,10 +73,7 @@ def _merge(argv: list[str]) -> int:
                    "unmerged adapter on the base (one line; exit 2 above the dtype's tolerance; needs RAM for two fp32 copies)")
     ns = p.parse_args(argv)
     folders.merge_base(folders.adapter_config(Path(ns.adapter)), ns.base)  # a wrong folder: one line before torch
-    from sftrecipes.export import merge_lora
-
-    print(merge_lora(ns.adapter, ns.out, base=ns.base, dtype=ns.dtype, verify=ns.verify))
-    return 0
+    return _run("merge", ns)
 
 
 def _export(argv: list[str]) -> int:
@@ -107,10 +86,7 @@ def _export(argv: list[str]) -> int:
     ns = p.parse_args(argv)
     if folders.export_kind(Path(ns.src)) == "adapter":  # a wrong folder: one line before torch
         folders.merge_base(folders.adapter_config(Path(ns.src)), ns.base)
-    from sftrecipes.export import export
-
-    print(export(ns.src, ns.dest, dtype=ns.dtype, base=ns.base, verify=ns.verify))
-    return 0
+    return _run("export", ns)
 
 
 def _emit(argv: list[str]) -> int:
@@ -144,53 +120,7 @@ def _prepare(argv: list[str]) -> int:
         return 0
     dry = "--dry-run" in args
     recipe = load_recipe([a for a in args if a not in ("--dry-run", "--force")])
-    from sftrecipes.data import prepcache
-
-    if dry:
-        print(f"prepare: would prepare the data of {recipe.sources[-1] if recipe.sources else 'the flags'} into {prepcache.cache_root(recipe)} "
-              "(--dry-run: nothing prepared)")
-        return 0
-    from sftrecipes.data.load import prepared_datasets
-    from sftrecipes.data.tokenizer import load_tokenizer
-
-    if eval_only(recipe):  # what the evaluation reads: its eval split (no train split, no merged start model)
-        return _prepare_evaluation(recipe, load_tokenizer)
-    from sftrecipes.facts.startmodel import ensure
-
-    merged = ensure(recipe.model.model_name_or_path, recipe.run.heartbeat_timeout)  # before any rank starts, as the data
-    if merged is not None:
-        print(f"prepare: the start model: {recipe.model.model_name_or_path} merged into its base in {merged}")
-    if recipe.method != "sft":  # (a SLURM script runs prepare before any recipe: it goes on to the ranks)
-        print(f"prepare: method {recipe.method}: TRL's {recipe.method.upper()}Trainer tokenizes the rows in the run "
-              "itself, so nothing is cached in data_cache_dir; nothing more to prepare")
-        return 0
-    if recipe.data.streaming:
-        print("prepare: streaming: the training rows are prepared as the run reads them (stream.py), so nothing is "
-              "cached in data_cache_dir; nothing more to prepare")
-        return 0
-    tokenizer, eot, _ = load_tokenizer(recipe)
-    *_, counts = prepared_datasets(recipe, tokenizer, eot)
-    p = counts["preparation"]
-    splits = ", ".join(f"{s} {counts[s]['read']} read, {counts[s]['kept']} kept" for s in ("train", "eval") if s in counts)
-    how = {"built": "built", "waited": "built by another process (waited)", "reused": "reused"}[p["how"]]
-    print(f"prepare: {p['path']}: {how}; {p['rows']} rows ({splits}); prepared in {p['build_seconds']:.2f}s at "
-          f"{p['rows_per_s']:.0f} rows/s; this command's data step {p['seconds']:.2f}s")
-    return 0
-
-
-def _prepare_evaluation(recipe, load_tokenizer) -> int:
-    """prepare for an evaluation-only recipe: the eval splits the run evaluates read (a hub dataset downloaded into
-    datasets' cache), checked and tokenized as the run does (evaluate.eval_dataset), to say what the run will evaluate;
-    nothing is written to data_cache_dir (the run prepares its eval rows itself), no train split is read, and an
-    adapter is not merged (the run evaluates it on its base)."""
-    from sftrecipes.train.evaluate import eval_dataset
-
-    tokenizer, eot, _ = load_tokenizer(recipe)
-    _, counts, read = eval_dataset(recipe, tokenizer, eot)
-    print(f"prepare: {why(recipe)}: evaluation only: {', '.join(read)}: {counts['read']} read, {counts['kept']} kept, "
-          "checked as the run reads them; nothing cached in data_cache_dir (the run prepares its eval rows itself), no "
-          "train split read, no start model merged (an adapter is evaluated on its base)")
-    return 0
+    return _run("prepare", recipe, dry)
 
 
 def _plan(argv: list[str]) -> int:
@@ -217,9 +147,7 @@ def _preflight(argv: list[str]) -> int:
 
 def _demo(argv: list[str]) -> int:
     _parser("demo").parse_args(argv)
-    from sftrecipes.demo import demo
-
-    return demo()
+    return _run("demo")
 
 
 def _schema(argv: list[str]) -> int:
@@ -228,25 +156,21 @@ def _schema(argv: list[str]) -> int:
     p.add_argument("--docs", action="store_true", help=f"rewrite {OPTIONS_DOC.relative_to(paths.ROOT)}")
     ns = p.parse_args(argv)
     if ns.refresh:
-        snapshots.write_trl_snapshot()
-        snapshots.write_methods_snapshot()
-        snapshots.write_peft_snapshot()
-        print(f"wrote {snapshots.TRL_SNAPSHOT}, {snapshots.METHODS_SNAPSHOT} and {snapshots.PEFT_SNAPSHOT}")
+        _run("refresh_snapshots")
     if ns.docs or ns.refresh:
         OPTIONS_DOC.parent.mkdir(parents=True, exist_ok=True)
         OPTIONS_DOC.write_text(options_markdown())
         print(f"wrote {OPTIONS_DOC.relative_to(paths.ROOT)}")
         return 0
-    methods = snapshots.load_methods_snapshot
-    for name, live, stored in (("trl_options.json", snapshots.trl_snapshot, lambda: snapshots.load_trl_snapshot()["options"]),
-                               ("trl_methods.json", snapshots.methods_snapshot,
-                                lambda: {m: rows for m, rows in methods().items() if m != "trl_version"}),
-                               ("peft_options.json", snapshots.peft_snapshot, lambda: snapshots.load_peft_snapshot()["options"])):
-        if live() != stored():
-            print(f"error: sftrecipes/{name} differs from the installed library; run: python -m sftrecipes schema --refresh", file=sys.stderr)
-            return 1
-    print("trl_options.json, trl_methods.json and peft_options.json match the installed TRL and peft")
-    return 0
+    return _run("check_snapshots")
+
+
+def _run(verb: str, *args) -> int:
+    """The part of a verb that loads the training stack (verbs.py), imported only when that verb runs: every other
+    verb (plan, launch, emit, cp, env, preflight, --help) stays torch-free."""
+    from sftrecipes import verbs
+
+    return getattr(verbs, verb)(*args)
 
 
 # verb -> (handler(ARGS) -> exit code, one line of help), in the order the usage lists them

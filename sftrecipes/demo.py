@@ -13,8 +13,8 @@ import time
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from sftrecipes.export import merge_lora
 from sftrecipes.core.paths import ROOT
+from sftrecipes.export import merge_lora
 from sftrecipes.tiny import ensure_tiny_model
 
 RECIPE = "recipes/tiny/lora.yaml"

@@ -9,6 +9,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+# Tests live beside their stage (tests/<stage>/, as sftrecipes/<stage>/) and share helpers across stages
+# (`from test_launch import sft`): every stage folder is importable, whichever file runs alone.
+sys.path[1:1] = [str(d) for d in sorted(Path(__file__).resolve().parent.iterdir()) if d.is_dir() and any(d.glob("test_*.py"))]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The suite tests the CPU target: on a machine with a GPU, `hardware: auto` would otherwise resolve to gpu in this
@@ -186,7 +189,7 @@ def accelerate_launch(recipe: str, out, script: str, extra=(), accelerate_config
     """Launch `script` on 2 processes as the twin launchers do (accelerate config + the recipe's env), on a free port."""
     import yaml
 
-    from sftrecipes.train.args import accelerate_config as acc_cfg, launcher_env
+    from sftrecipes.launch.accelerate import accelerate_config as acc_cfg, launcher_env
     from sftrecipes.recipe.load import load_recipe
 
     args = [recipe, "--output_dir", str(out), *extra]
@@ -221,7 +224,7 @@ def accelerate_command(argv: list[str], out: Path) -> tuple[list[str], dict]:
 
     import yaml
 
-    from sftrecipes.train.args import accelerate_config, launcher_env
+    from sftrecipes.launch.accelerate import accelerate_config, launcher_env
     from sftrecipes.recipe.load import load_recipe
 
     recipe = load_recipe(argv)

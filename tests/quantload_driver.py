@@ -1,4 +1,4 @@
-"""Test-only driver (tests/test_quantload.py), run on 2 ranks under accelerate with a QLoRA ZeRO-3 or FSDP2 recipe.
+"""Test-only driver (tests/model/test_quantload.py), run on 2 ranks under accelerate with a QLoRA ZeRO-3 or FSDP2 recipe.
 
 ZeRO-3: for each model folder in QUANTLOAD_MODELS (os.pathsep-separated; else the recipe's), loads the model as
 train.py does (model.load_model, zero3_init: 4-bit layers partitioned as they load), then again with zero3_init off
@@ -28,8 +28,10 @@ import deepspeed  # noqa: E402
 import torch  # noqa: E402
 
 from sftrecipes.train import args as backends  # noqa: E402
+from sftrecipes.train import devices  # noqa: E402
 from sftrecipes.model import meta  # noqa: E402
 from sftrecipes.model import load as models  # noqa: E402
+from sftrecipes.model import wrapping  # noqa: E402
 from sftrecipes.model import quantload  # noqa: E402
 from sftrecipes.recipe.load import load_recipe  # noqa: E402
 from sftrecipes.data.tokenizer import load_tokenizer  # noqa: E402
@@ -173,7 +175,7 @@ def check_fsdp(argv: list[str], target: str, rank: int) -> dict:
     want = {n: ref[n + ".weight"].data.reshape(-1).view(torch.uint8).clone() for n in modules}
     want_state = {n: state_tensors(ref[n + ".weight"].quant_state) for n in modules}
     acc = Accelerator()
-    acc.state.fsdp_plugin.transformer_cls_names_to_wrap = models.fsdp_layer_classes(parted)  # this family's layers
+    acc.state.fsdp_plugin.transformer_cls_names_to_wrap = wrapping.fsdp_layer_classes(parted)  # this family's layers
     wrapped = fsdp2_prepare_model(acc, parted)  # what accelerate's prepare() does to the model
     result["checked_after_wrap"] = check_kept_rows(wrapped)
     result["bits_equal"] = result["gathered_equal"] = result["state_equal"] = 0
@@ -207,7 +209,7 @@ def check_fsdp(argv: list[str], target: str, rank: int) -> dict:
 if __name__ == "__main__":
     argv = sys.argv[1:]
     recipe = load_recipe(argv)
-    target = backends.hardware(recipe)
+    target = devices.hardware(recipe)
     backends.apply_process_env(recipe, target)
     args = backends.training_args(recipe, target)  # ZeRO-3 on (transformers' DeepSpeed config), process group up
     rank, out = args.process_index, Path(args.output_dir)

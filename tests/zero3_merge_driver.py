@@ -1,4 +1,4 @@
-"""Test-only driver (tests/test_export.py): a ZeRO-3 LoRA run through train.run that ends with export.merge_in_run,
+"""Test-only driver (tests/export/test_export.py): a ZeRO-3 LoRA run through train.run that ends with export.merge_in_run,
 which every rank calls (ZeRO-3 parameters are gathered collectively); rank 0 writes <output_dir>/merged-in-run."""
 
 import sys

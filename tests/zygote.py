@@ -26,12 +26,16 @@ from trl import SFTTrainer  # noqa: E402,F401
 import sftrecipes.export  # noqa: E402,F401
 import sftrecipes.train.args  # noqa: E402,F401
 import sftrecipes.run.checkpoints  # noqa: E402,F401
+import sftrecipes.train.saving  # noqa: E402,F401
 import sftrecipes.data.load  # noqa: E402,F401
 import sftrecipes.train.finalsave  # noqa: E402,F401
 import sftrecipes.train.hub  # noqa: E402,F401
 import sftrecipes.model.lora  # noqa: E402,F401
 import sftrecipes.train.metrics  # noqa: E402,F401
 import sftrecipes.model.load  # noqa: E402,F401
+import sftrecipes.model.fallbacks  # noqa: E402,F401
+import sftrecipes.model.wrapping  # noqa: E402,F401
+import sftrecipes.train.devices  # noqa: E402,F401
 import sftrecipes.train.nonfinite  # noqa: E402,F401
 import sftrecipes.train.precision  # noqa: E402,F401
 import sftrecipes.launch.preflight  # noqa: E402,F401

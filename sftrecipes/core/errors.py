@@ -14,6 +14,6 @@ def say_error(message: object) -> None:
     says its line to the same pipe at the same moment; print() hands the text and its newline over in two writes, and
     two ranks' lines then came out glued together ("...resumeerror: ...resume" in CI). Python's stderr passes each
     write straight through and flushes at a newline, so the line reaches the pipe in one write(2), and one write of at
-    most PIPE_BUF bytes (4096 on Linux) is never interleaved with another's (tests/test_lifecycle.py)."""
+    most PIPE_BUF bytes (4096 on Linux) is never interleaved with another's (tests/run/test_lifecycle.py)."""
     sys.stderr.write(f"error: {message}\n")
     sys.stderr.flush()

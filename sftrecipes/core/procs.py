@@ -4,7 +4,6 @@ state, its death with the process that started it, and the local time stamp the 
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import signal
 import socket
@@ -43,18 +42,6 @@ def proc_state(pid: int) -> str:
 def identity() -> dict:
     """This process as a lock or record names it: host, pid and the pid's start time."""
     return {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": proc_start(os.getpid())}
-
-
-def read_holder(path: Path) -> dict | None:
-    """The holder a lock file records (identity() and the lock's own fields): None when there is no such file, {} while
-    it cannot be read (being written)."""
-    try:
-        held = json.loads(path.read_bytes())
-        return held if isinstance(held, dict) else {}
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError):
-        return {}
 
 
 def gone_from_this_host(held: dict) -> bool:

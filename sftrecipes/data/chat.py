@@ -33,8 +33,8 @@ from transformers import PreTrainedTokenizerBase
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from sftrecipes.core.errors import RecipeError
-from sftrecipes.recipe.images import is_image_part
 from sftrecipes.data.tokenizer import render_plain_turns
+from sftrecipes.recipe.images import is_image_part
 
 # bits of a row's `_unrendered` mask: which of its fields the template left out of the text
 NOT_RENDERED = {"tool_calls": 1, "reasoning_content": 2, "tool turns": 4, "tools": 8}

@@ -32,8 +32,8 @@ from datasets.load import infer_module_for_data_files_list
 from datasets.packaged_modules import _ALL_ALLOWED_EXTENSIONS, _EXTENSION_TO_MODULE, _MODULE_TO_METADATA_FILE_NAMES
 from datasets.table import table_cast
 
-from sftrecipes.data import badrows
 from sftrecipes.core.errors import RecipeError
+from sftrecipes.data import badrows
 
 log = logging.getLogger("sftrecipes")
 

@@ -1,6 +1,6 @@
 """The ids of a batch of texts from a fast tokenizer without what nobody asked for: where no offsets are needed, the
 Rust tokenizer's encode_batch_fast, which leaves out the offsets and transformers' per-row conversion (tokenization.py
-calls it once a batch; tests/test_prep_fast.py holds it equal to the tokenizer's call for every family)."""
+calls it once a batch; tests/data/test_prep_fast.py holds it equal to the tokenizer's call for every family)."""
 
 from __future__ import annotations
 

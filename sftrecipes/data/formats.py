@@ -13,8 +13,8 @@ with the prompt implicit in their shared start) and `unpaired_preference` (promp
 from __future__ import annotations
 
 from sftrecipes.core.errors import RecipeError
-from sftrecipes.recipe.load import Recipe
 from sftrecipes.recipe.schema import PAIRED
+from sftrecipes.recipe.typed import Recipe
 
 FORMATS = ("messages", "conversations", "prompt_completion", "text")
 # The preference methods' formats, and the columns of each shape a method reads, in the order `auto` tries them.

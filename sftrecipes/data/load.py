@@ -19,14 +19,13 @@ from pathlib import Path
 import datasets
 import numpy as np
 
-from sftrecipes.data import datafiles
-from sftrecipes.data import prepcache
 from sftrecipes.core.errors import RecipeError
+from sftrecipes.data import datafiles, prepcache
 from sftrecipes.data.formats import SHAREGPT_ROLES, check_template, detect_format, is_conversational, sample_prompt
-from sftrecipes.recipe.images import refuse_split
-from sftrecipes.recipe.load import Recipe
-from sftrecipes.recipe.sources import Source, check_eval_split, sources
 from sftrecipes.data.tokenization import finish_split, log_bos, tokenize_split
+from sftrecipes.recipe.images import refuse_split
+from sftrecipes.recipe.sources import Source, check_eval_split, sources
+from sftrecipes.recipe.typed import Recipe
 
 log = logging.getLogger("sftrecipes")
 

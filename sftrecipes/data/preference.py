@@ -28,13 +28,13 @@ import numpy as np
 import pyarrow.compute as pc
 from trl.data_utils import extract_prompt, unpair_preference_dataset
 
-from sftrecipes.data.load import draw_entry, load_source, log_mixture
 from sftrecipes.core.errors import RecipeError
 from sftrecipes.data.formats import check_template, detect_preference_format, from_sharegpt
+from sftrecipes.data.load import draw_entry, load_source, log_mixture
 from sftrecipes.recipe.images import refuse_split
-from sftrecipes.recipe.load import Recipe
 from sftrecipes.recipe.schema import METHODS, REFERENCE_FREE, TRAINERS
 from sftrecipes.recipe.sources import Source, check_eval_split, sources
+from sftrecipes.recipe.typed import Recipe
 
 log = logging.getLogger("sftrecipes")
 

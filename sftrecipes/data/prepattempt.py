@@ -10,27 +10,29 @@ after a killed attempt, by the next process that takes the entry.
                     temporary files, the indices of shuffles
         prepared/   the entry's rows and records (trainrows.py, prepcache.py), renamed to <entry>/prepared when complete
 
-The attempt's heartbeat (`Heartbeat`: <entry>/heartbeat.json, rewritten by a thread, with the sums of progress/) is
-what the waiting processes read (`describe_progress`: their words for it). A failed or interrupted attempt removes
-its folder itself; one killed outright (SIGKILL, the node lost) leaves it, and the process that takes over the
-entry's lock removes it before preparing (`remove_dead`), as does the first process that finds the entry complete
-with no lock held (no attempt can be running then: one is made only while the lock is held and the entry is not
-complete). Torch-free; datasets is imported when the attempt prepares.
+The attempt's heartbeat (`Heartbeat`: <entry>/heartbeat.json, the keep-alive of the entry's lock, rewritten by a
+thread as every heartbeat is: run/heartbeats.py; with the sums of progress/) is what the waiting processes read
+(`describe_progress`: their words for it). A failed or interrupted attempt removes its folder itself; one killed
+outright (SIGKILL, the node lost) leaves it, and the process that takes over the entry's lock removes it before
+preparing (`remove_dead`), as does the first process that finds the entry complete with no lock held (no attempt can
+be running then: one is made only while the lock is held and the entry is not complete). Torch-free; datasets is
+imported when the attempt prepares.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
-import threading
 import time
 import uuid
 from pathlib import Path
 
-from sftrecipes.data import arrowmem
+from sftrecipes.core.jsonfile import read_json, write_json
 from sftrecipes.core.procs import identity
+from sftrecipes.data import arrowmem
+from sftrecipes.run.heartbeats import Beat
+from sftrecipes.run.lock import RECORD
 
 ATTEMPT = "attempt-"
 EARLIER = (".tmp-*", "progress-*")  # what attempts of an earlier layout left in the entry
@@ -38,7 +40,6 @@ EARLIER = (".tmp-*", "progress-*")  # what attempts of an earlier layout left in
 # written: the source's Arrow copy made, datasets' temporary output file open), the heartbeat running
 SLOW_ENV = "SFTRECIPES_TEST_SLOW_PREPARATION_S"
 
-RECORD = 512  # bytes of one heartbeat record, rewritten in place
 # rows of one record batch of datasets' copy of a source (its default, 1,000: each batch costs ~64 KB of RSS, the page
 # around its header, when the copy is opened)
 SOURCE_ROWS = 10_000
@@ -106,22 +107,6 @@ class Attempt:
 
 
 # ----------------------------------------------------------------------------------------------- progress
-
-
-def read_json(path: Path) -> dict | None:
-    """A JSON object file of the entry; None when missing, unreadable or being written."""
-    try:
-        value = json.loads(path.read_bytes())
-        return value if isinstance(value, dict) else None
-    except (OSError, ValueError):
-        return None
-
-
-def write_json(path: Path, value: dict) -> None:
-    """Written whole or not at all: to a file of its own, renamed into place."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
-    tmp.write_text(json.dumps(value, indent=1, default=str))
-    os.replace(tmp, path)
 
 
 def _safe(split: str) -> str:
@@ -192,32 +177,19 @@ def describe_progress(beat: dict, seen: dict, now: float) -> str:
     return words
 
 
-class Heartbeat:
-    """The preparer's heartbeat.json, rewritten in place from a thread (same inode: readers on a shared filesystem see
-    it at their next open): its beat counter changes at every beat, the phase says what it does, done/total the rows
-    prepared of the rows to prepare (its progress folder)."""
+class Heartbeat(Beat):
+    """The preparer's heartbeat.json, the keep-alive of the entry's lock (lock.py), beaten by a thread every `interval`
+    s: its beat counter changes at every beat, the phase says what it does, done/total the rows prepared of the rows
+    to prepare (its progress folder)."""
 
     def __init__(self, path: Path, token: str, interval: float, progress: Path | None = None):
-        self.path, self.token, self.interval, self.progress = path, token, interval, progress
-        self.phase, self.count, self._stop = "starting", 0, threading.Event()
-        self.path.write_bytes(self._record())
-        self._thread = threading.Thread(target=self._loop, name="sftrecipes-prepcache", daemon=True)
-        self._thread.start()
+        self.token, self.progress, self.phase = token, progress, "starting"
+        super().__init__(path, self._fields, RECORD)
+        self.every(interval)
 
-    def _record(self) -> bytes:
-        rec = {**me(), "token": self.token, "beat": self.count, "phase": self.phase, "time": round(time.time(), 1)}
+    def _fields(self) -> dict:
+        rec = {**me(), "token": self.token, "phase": self.phase}
         counted = read_progress(self.progress) if self.progress is not None else None
         if counted is not None:
             rec["done"], rec["total"] = counted
-        return json.dumps(rec).ljust(RECORD).encode()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.count += 1
-            with contextlib.suppress(OSError):
-                with open(self.path, "r+b") as f:
-                    f.write(self._record())
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
+        return rec

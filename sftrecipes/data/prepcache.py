@@ -3,9 +3,10 @@
 No collective, so no ddp_timeout, however long the preparation takes.
 
     <data_cache_dir>/<key>/
-        lock             the preparer (host, pid, token), taken atomically; a dead or silent holder's is taken over
-        heartbeat.json   rewritten by the preparer's thread every few seconds (phase, beat counter, rows prepared
-                         of rows to prepare: its attempt's progress/)
+        lock             the preparer (host, pid, token), taken atomically (run/lock.py); a dead or silent holder's
+                         is taken over
+        heartbeat.json   the lock's keep-alive, rewritten by the preparer's thread every few seconds (phase, beat
+                         counter, rows prepared of rows to prepare: its attempt's progress/)
         attempt-<token>/ all the preparer writes until the entry is complete (prepattempt.py: its progress, datasets'
                          cache, the rows before they are renamed into place); removed when it ends, or by the next
                          process to take the entry after it was killed
@@ -39,12 +40,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from sftrecipes.data import prepattempt
-from sftrecipes.data.prepattempt import read_json as _read_json, write_json as _write_json
 from sftrecipes.core.errors import RecipeError
+from sftrecipes.core.jsonfile import read_json, write_json
+from sftrecipes.core.procs import gone_from_this_host, now_iso
+from sftrecipes.data import prepattempt
 from sftrecipes.data.prepkey import describe_changes, entry_key, key_inputs
-from sftrecipes.core.procs import gone_from_this_host, now_iso, read_holder
-from sftrecipes.recipe.load import Recipe
+from sftrecipes.recipe.typed import Recipe
+from sftrecipes.run.heartbeats import beat_interval
+from sftrecipes.run.lock import DEFAULT_STALE_S, Lock
 
 log = logging.getLogger("sftrecipes")
 
@@ -52,7 +55,6 @@ POLL_S = 0.25  # how often a waiting process looks for the entry
 PROGRESS_S = 30.0  # how often it says it is still waiting
 ERROR_ACK_S = 10.0  # how long a failed preparer waits for the waiting processes to read its error
 RECENT_ERROR_S = 60.0  # a recipe error written this recently, with no attempt running, is this run's too
-DEFAULT_STALE_S = 120.0  # the bound when run.heartbeat_timeout is 0
 
 
 class PreparationFailed(RuntimeError):
@@ -95,7 +97,7 @@ def previous_entry(root: Path, inputs: dict, key: str) -> tuple[str, dict, dict]
         for entry in root.iterdir():
             if entry.name == key or not (entry / "complete").is_file():
                 continue
-            old, done = _read_json(entry / "prepared" / "inputs.json"), _read_json(entry / "complete")
+            old, done = read_json(entry / "prepared" / "inputs.json"), read_json(entry / "complete")
             if old is None or done is None or _data_identity(old) != _data_identity(inputs):
                 continue
             when = (entry / "complete").stat().st_mtime
@@ -130,6 +132,7 @@ class Entry:
         self.root, self.key, self.dir, self.stale_s = root, key, root / key, stale_s
         self.lock, self.heartbeat, self.error = self.dir / "lock", self.dir / "heartbeat.json", self.dir / "error.json"
         self.prepared, self.complete, self.waiting = self.dir / "prepared", self.dir / "complete", self.dir / "waiting"
+        self._lock = Lock(self.lock, self.heartbeat, stale_s)  # the heartbeat: the preparer's (prepattempt.Heartbeat)
 
     def make(self) -> None:
         try:
@@ -143,66 +146,39 @@ class Entry:
 
     def read_lock(self) -> dict | None:
         """The holder; None when there is none, {} while unreadable (being written)."""
-        return read_holder(self.lock)
+        return self._lock.read()
 
     def take_lock(self, stale: dict | None = None) -> str | None:
         """The token of the lock this process took, None when another holds it. `stale`: a holder found gone or silent,
         whose lock is moved aside first (one taker wins the rename)."""
-        token = uuid.uuid4().hex
-        if stale is not None:
-            aside = self.dir / f"lock.stale-{token}"
-            try:
-                os.rename(self.lock, aside)
-            except FileNotFoundError:
-                return None
-            if _read_json(aside) != stale:  # another taker was first: that lock is live, put it back
-                with contextlib.suppress(FileExistsError):
-                    os.link(aside, self.lock)
-                aside.unlink(missing_ok=True)
-                return None
-            aside.unlink(missing_ok=True)
-        me = {**prepattempt.me(), "token": token, "since": now_iso()}
-        tmp = self.dir / f"lock.{token}"
+        if stale is not None and not self._lock.take_over(stale):
+            return None
         try:
-            tmp.write_text(json.dumps(me))
+            took = self._lock.take(rank=int(os.environ.get("RANK", "0")))
         except OSError as e:
             raise RecipeError(f"data_cache_dir: cannot write in '{self.dir}' ({e.strerror}); set data_cache_dir to a "
                               "writable folder (a shared filesystem for runs on several nodes)") from None
-        try:
-            os.link(tmp, self.lock)
-        except FileExistsError:
-            return None
-        except OSError:  # no hard links on this filesystem: exclusive create
-            try:
-                with open(self.lock, "x") as f:
-                    f.write(json.dumps(me))
-            except FileExistsError:
-                return None
-        finally:
-            tmp.unlink(missing_ok=True)
-        return token
+        return self._lock.token if took else None
 
-    def release(self, token: str) -> None:
-        if (self.read_lock() or {}).get("token") == token:
-            self.lock.unlink(missing_ok=True)
+    def keep_alive(self, heart: prepattempt.Heartbeat) -> prepattempt.Heartbeat:
+        """The preparer's heartbeat, beating until release()."""
+        return self._lock.keep_alive(heart)
 
-    def stale_at_arrival(self, held: dict) -> bool:
-        """A lock no process is working under: its holder gone from this host, or its heartbeat (or, without one, the
-        lock) last written longer than the bound ago by this host's clock (a crashed or killed earlier attempt)."""
-        if gone_from_this_host(held):
-            return True
-        beat = _read_json(self.heartbeat)
-        try:
-            written = self.heartbeat.stat().st_mtime if beat and beat.get("token") == held.get("token") else self.lock.stat().st_mtime
-        except OSError:
-            return False
-        return time.time() - written > self.stale_s
+    def release(self) -> None:
+        """The lock and its heartbeat removed, if still this process's."""
+        self._lock.release()
+
+    def stale_at_arrival(self, held: dict) -> str | None:
+        """Why no process is working under the lock `held`: its holder gone from this host, or its heartbeat (or,
+        without one, the lock) last written longer than the bound ago by this host's clock (a crashed or killed
+        earlier attempt); None while one may be."""
+        return self._lock.stale(held)
 
     def load(self) -> tuple[Any, Any, dict]:
         """(train, eval or None, prepared.json) of a complete entry."""
         import datasets
 
-        meta = _read_json(self.prepared / "prepared.json")
+        meta = read_json(self.prepared / "prepared.json")
         try:
             if meta is None:
                 raise FileNotFoundError(self.prepared / "prepared.json")
@@ -243,7 +219,7 @@ def obtain(recipe: Recipe, tokenizer, eot: str | None, build: Callable[[], tuple
                 if entry.read_lock() is None:  # no attempt can be running: what a killed one left goes
                     prepattempt.remove_dead(entry.dir)
                 return _use(entry, key, "waited" if seen else "reused", start)
-            err = _read_json(entry.error)
+            err = read_json(entry.error)
             if err and (err.get("attempt") in seen or _recent_recipe_error(entry, err, entry.read_lock())):
                 _ack(entry, me)
                 _raise(err)
@@ -264,11 +240,11 @@ def obtain(recipe: Recipe, tokenizer, eot: str | None, build: Callable[[], tuple
             unreadable = None
             token = held.get("token")
             if token not in seen:
-                if not seen and entry.stale_at_arrival(held):
+                why = entry.stale_at_arrival(held) if not seen else None
+                if why:
                     taken = entry.take_lock(stale=held)
                     if taken is not None:
-                        log.warning("data: taking over %s from host %s pid %s (%s)", entry.lock, held.get("host"), held.get("pid"),
-                                    "its process is gone" if gone_from_this_host(held) else f"silent for over {entry.stale_s:g}s")
+                        log.warning("data: taking over %s from host %s pid %s (%s)", entry.lock, held.get("host"), held.get("pid"), why)
                         return _build_entry(entry, recipe, inputs, build, taken, start)
                     continue
                 seen.add(token)
@@ -279,7 +255,7 @@ def obtain(recipe: Recipe, tokenizer, eot: str | None, build: Callable[[], tuple
                     registered = True
                 log.info("data: host %s pid %s (rank %s) prepares the data into %s; waiting for it (no collective: "
                          "ddp_timeout does not apply)", held.get("host"), held.get("pid"), held.get("rank"), entry.dir)
-            beat = _read_json(entry.heartbeat)
+            beat = read_json(entry.heartbeat)
             now = time.monotonic()
             if beat and beat.get("token") == token and (beat.get("beat"), beat.get("phase")) != watched["beat"]:
                 watched.update(beat=(beat.get("beat"), beat.get("phase")), changed=now, phase=beat.get("phase"),
@@ -341,10 +317,10 @@ def _build_entry(entry: Entry, recipe: Recipe, inputs: dict, build: Callable[[],
     (prepattempt.py), the rows saved as the trainer reads them (trainrows.py) and renamed into place, `complete` last,
     the attempt's folder removed. On failure the error goes to error.json for the waiting processes."""
     if entry.is_complete():  # finished by another process between the look and the lock
-        entry.release(token)
+        entry.release()
         return _use(entry, entry.key, "reused", start)
     attempt = prepattempt.Attempt(entry.dir, token)  # what killed attempts left is removed first
-    heart = prepattempt.Heartbeat(entry.heartbeat, token, min(max(entry.stale_s / 10, 0.5), 5.0), attempt.progress)
+    heart = entry.keep_alive(prepattempt.Heartbeat(entry.heartbeat, token, beat_interval(entry.stale_s), attempt.progress))
     capture = _Capture()
     log.addHandler(capture)
     begun = time.monotonic()
@@ -369,24 +345,22 @@ def _build_entry(entry: Entry, recipe: Recipe, inputs: dict, build: Callable[[],
         with contextlib.suppress(OSError):  # else another preparer (which took over a lock it found silent) finished
             os.rename(attempt.prepared, entry.prepared)  # first: same inputs, same rows
         if not entry.is_complete():
-            _write_json(entry.complete, {"key": entry.key, "built": now_iso(), "seconds": round(seconds, 3), "rows": rows,
+            write_json(entry.complete, {"key": entry.key, "built": now_iso(), "seconds": round(seconds, 3), "rows": rows,
                                          **prepattempt.me()})
         entry.error.unlink(missing_ok=True)  # an earlier attempt's
     except BaseException as e:
         log.removeHandler(capture)
         recipe_error = isinstance(e, RecipeError)
         with contextlib.suppress(OSError):
-            _write_json(entry.error, {"attempt": token, "kind": "recipe" if recipe_error else "exception",
+            write_json(entry.error, {"attempt": token, "kind": "recipe" if recipe_error else "exception",
                                       "message": str(e) if recipe_error else f"{type(e).__name__}: {str(e)[:300]}",
                                       "time": now_iso(), **prepattempt.me()})
             _wait_for_acks(entry)
         raise
     finally:
-        heart.stop()
         attempt.remove()  # before the lock goes: no attempt's folder outlives its lock but a killed one's
-        entry.release(token)
+        entry.release()  # (its heartbeat stopped and removed with it)
     if entry.is_complete():
-        entry.heartbeat.unlink(missing_ok=True)
         shutil.rmtree(entry.waiting, ignore_errors=True)
     built = _use(entry, entry.key, "built", start, replay=False)
     previous = previous_entry(entry.root, inputs, entry.key)
@@ -413,7 +387,7 @@ def _use(entry: Entry, key: str, how: str, start: float, replay: bool = True) ->
     """The complete entry, loaded; its data lines said again (replay) and one line saying how this process got it."""
     begun = time.monotonic()
     train, evals, meta = entry.load()
-    done = _read_json(entry.complete) or {}
+    done = read_json(entry.complete) or {}
     counts, rows = meta.get("counts") or {}, int(meta.get("rows") or 0)
     build_s = float(meta.get("seconds") or 0.0)
     info = {"how": how, "reused": how == "reused", "seconds": round(time.monotonic() - start, 3),

@@ -5,7 +5,7 @@ files, its fingerprint among them; a hub dataset's revision), its splits, column
 the tokenizer as configured (its serialized state, chat template, special tokens, end of turn), the recipe keys that
 cut, mask or count rows (`KEYED`, each where it acts: `recipe_inputs`), the code that prepares the rows and the
 libraries' versions. Nothing else: a changed learning rate, output_dir or LoRA rank finds the same entry. Every
-DataOptions key and TRL data key is placed in or out of the key below (tests/test_prepcache.py fails on one that is
+DataOptions key and TRL data key is placed in or out of the key below (tests/data/test_prepcache.py fails on one that is
 not). Torch-free; the tokenizer is passed in.
 """
 
@@ -20,8 +20,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from sftrecipes.recipe.load import Recipe
 from sftrecipes.recipe.sources import sources
+from sftrecipes.recipe.typed import Recipe
 
 # Bump when the layout of an entry or the meaning of a key input changes (the code that prepares rows is hashed too).
 PREP_VERSION = 2  # 2: the rows as SFTTrainer reads them (packed, shuffled: trainrows.py), one Arrow file a split
@@ -30,7 +30,7 @@ CODE = ("data/load.py", "data/datafiles.py", "recipe/sources.py", "data/formats.
         "data/fastencode.py", "data/tokenizer.py", "data/trainrows.py")
 LIBRARIES = ("datasets", "tokenizers", "transformers", "trl", "jinja2", "numpy", "pyarrow")
 
-# What becomes of each recipe key the data step reads (tests/test_prepcache.py fails on a DataOptions key or TRL data
+# What becomes of each recipe key the data step reads (tests/data/test_prepcache.py fails on a DataOptions key or TRL data
 # key that is in none of these): its value is in the key (KEYED, some only where they act: `recipe_inputs`), it is
 # in the key through the sources or the tokenizer, or it does not shape the rows (NOT_KEYED, with the reason).
 KEYED = ("add_special_tokens", "append_concat_token", "dataset_text_field", "assistant_only_loss", "completion_only_loss",

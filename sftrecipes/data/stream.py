@@ -38,17 +38,27 @@ import numpy as np
 import pyarrow as pa
 from trl.data_utils import pack_dataset
 
-from sftrecipes.data import datafiles
-from sftrecipes.recipe import images
-from sftrecipes.data import streamresume
-from sftrecipes.data.chat import NOT_RENDERED, arrow_structs
-from sftrecipes.data.load import describe_format, load_source, read_source
 from sftrecipes.core.errors import RecipeError
+from sftrecipes.data import datafiles, streamresume
+from sftrecipes.data.chat import NOT_RENDERED, arrow_structs
 from sftrecipes.data.formats import check_template, detect_format, sample_prompt
+from sftrecipes.data.load import describe_format, load_source, read_source
 from sftrecipes.data.prepkey import content_fingerprint
-from sftrecipes.recipe.load import Recipe
+from sftrecipes.data.tokenization import (
+    CUT_KEPT,
+    KEPT,
+    _prepare_batch,
+    _trainable,
+    check_loss_format,
+    count_marks,
+    end_ids,
+    finish_split,
+    log_bos,
+    tokenize_split,
+)
+from sftrecipes.recipe import images
 from sftrecipes.recipe.sources import check_eval_split, sources
-from sftrecipes.data.tokenization import CUT_KEPT, KEPT, _prepare_batch, _trainable, check_loss_format, count_marks, end_ids, finish_split, log_bos, tokenize_split
+from sftrecipes.recipe.typed import Recipe
 
 log = logging.getLogger("sftrecipes")
 

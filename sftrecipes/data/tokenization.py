@@ -16,7 +16,7 @@ and tool calls, with its end of turn); tool turns are not.
 A split is prepared in batches (`_prepare_batch`, BATCH_ROWS rows of each map batch of MAP_ROWS, in worker processes
 sized to the cores: `workers`): each row rendered (chat.Chat's fast road), the batch tokenized in one call of the fast
 tokenizer (fastencode.py), labels computed from its offsets with numpy; the tokens, labels and status are `tokenize_example`'s / `_prepare_row`'s, the per-row reference
-(tests/test_prep_fast.py compares them on every format and tiny family). A batch that fails is prepared again row by
+(tests/data/test_prep_fast.py compares them on every format and tiny family). A batch that fails is prepared again row by
 row by the reference, so an error is the reference's, naming the same row.
 """
 
@@ -28,14 +28,12 @@ import os
 import numpy as np
 import pyarrow as pa
 
-from sftrecipes.data import arrowmem
-from sftrecipes.data import prepattempt
-from sftrecipes.data import trainrows
-from sftrecipes.data.chat import NOT_RENDERED, Chat, arrow_structs, describe_not_rendered, template_key
 from sftrecipes.core.errors import RecipeError
+from sftrecipes.data import arrowmem, prepattempt, trainrows
+from sftrecipes.data.chat import NOT_RENDERED, Chat, arrow_structs, describe_not_rendered, template_key
 from sftrecipes.data.fastencode import encode
 from sftrecipes.data.formats import CONVERSATIONAL, check_template, detect_format, from_sharegpt, is_conversational
-from sftrecipes.recipe.load import Recipe
+from sftrecipes.recipe.typed import Recipe
 
 log = logging.getLogger("sftrecipes")
 

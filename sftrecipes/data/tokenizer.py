@@ -10,9 +10,9 @@ import os
 
 from transformers import AutoTokenizer
 
-from sftrecipes.facts import startmodel
 from sftrecipes.core.errors import RecipeError
-from sftrecipes.recipe.load import Recipe
+from sftrecipes.facts import startmodel
+from sftrecipes.recipe.typed import Recipe
 
 log = logging.getLogger("sftrecipes")
 
@@ -62,7 +62,7 @@ TEMPLATES = {
 }
 # The same templates for plain turns, in Python: (opening, with {role}; closing, with {eos_token}; generation prompt).
 # Data preparation renders plain conversations with them instead of jinja (render_plain_turns); the text is the
-# template's (tests/test_prep_fast.py compares them).
+# template's (tests/data/test_prep_fast.py compares them).
 PLAIN_TURNS = {CHATML_TEMPLATE: ("<|im_start|>{role}\n", "<|im_end|>\n", "<|im_start|>assistant\n"),
                ZEPHYR_TEMPLATE: ("<|{role}|>\n", "{eos_token}\n", "<|assistant|>\n")}
 

@@ -30,7 +30,7 @@ import pyarrow as pa
 from trl.data_utils import pack_dataset
 
 from sftrecipes.core.errors import RecipeError
-from sftrecipes.recipe.load import Recipe
+from sftrecipes.recipe.typed import Recipe
 
 COLUMNS = ["input_ids", "labels"]  # what TRL packs (and trains on); packing adds seq_lengths
 WRITE_BYTES = 16 << 20  # one record batch of an entry's file: ~120 a million chat rows

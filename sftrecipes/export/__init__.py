@@ -30,18 +30,35 @@ from pathlib import Path
 import torch
 
 from sftrecipes.core.errors import RecipeError
+from sftrecipes.export.adapters import (
+    ADAPTER_MARKS,
+    _check_fits,
+    _peft_name,
+    _wrapped,
+    param_wrappers,
+    plan_merge,
+    read_adapter,
+)
+from sftrecipes.export.dcp import DCPSource
+from sftrecipes.export.layout import HubFormat, StoredLayout, expected_model_tensors, tied_copies
+from sftrecipes.export.merge import merge_in_run, merge_lora
+from sftrecipes.export.readers import _ZeroSource, folder_tensors, read_st_header
+from sftrecipes.export.rewrite import rewrite_model
+from sftrecipes.export.verify import (
+    LOGIT_TOL,
+    _adapter_reference,
+    _from_pretrained,
+    _state_dict_reference,
+    check_adapter_folder,
+    check_model_folder,
+    upstream_state_dict,
+    verify_logits,
+)
+from sftrecipes.export.writer import MANIFEST, TOKENIZER_FILES, SafetensorsStreamWriter, _Staging
 from sftrecipes.facts.folders import ds_tag_dir as _ds_tag_dir
 from sftrecipes.facts.folders import export_kind
 from sftrecipes.facts.folders import local_model_dir as _local_model_dir
 from sftrecipes.model.load import DTYPES
-from sftrecipes.export.dcp import DCPSource
-from sftrecipes.export.layout import HubFormat, StoredLayout, expected_model_tensors, tied_copies
-from sftrecipes.export.adapters import ADAPTER_MARKS, _check_fits, _peft_name, _wrapped, param_wrappers, plan_merge, read_adapter
-from sftrecipes.export.merge import merge_in_run, merge_lora
-from sftrecipes.export.readers import _ZeroSource, folder_tensors, read_st_header
-from sftrecipes.export.rewrite import rewrite_model
-from sftrecipes.export.verify import LOGIT_TOL, _adapter_reference, _from_pretrained, _state_dict_reference, check_adapter_folder, check_model_folder, upstream_state_dict, verify_logits
-from sftrecipes.export.writer import MANIFEST, TOKENIZER_FILES, SafetensorsStreamWriter, _Staging
 
 log = logging.getLogger("sftrecipes")
 

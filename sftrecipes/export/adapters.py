@@ -10,11 +10,10 @@ from pathlib import Path
 import torch
 
 from sftrecipes.core.errors import RecipeError
-from sftrecipes.facts.folders import adapter_config
-from sftrecipes.facts.shape import pattern_value
 from sftrecipes.export.layout import _cut, _meta_model
 from sftrecipes.export.readers import _Reader
-
+from sftrecipes.facts.folders import adapter_config
+from sftrecipes.facts.shape import pattern_value
 
 PREFIX = "base_model.model."
 ADAPTER_MARKS = (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embedding_B.", ".lora_magnitude_vector.", ".modules_to_save.",

@@ -11,14 +11,14 @@ from pathlib import Path
 import torch
 
 from sftrecipes.core.errors import RecipeError
-from sftrecipes.facts.folders import merge_base
-from sftrecipes.model.load import DTYPES
-from sftrecipes.export.layout import StoredLayout
 from sftrecipes.export.adapters import ADAPTER_MARKS, PREFIX, _check_fits, _wrapped, plan_merge, read_adapter
+from sftrecipes.export.layout import StoredLayout
 from sftrecipes.export.readers import _SafetensorsSource
 from sftrecipes.export.rewrite import _write_config, rewrite_model
 from sftrecipes.export.verify import _peft_reference, check_model_folder
 from sftrecipes.export.writer import SafetensorsStreamWriter, _shard_files, _shards, _Staging, _write_index
+from sftrecipes.facts.folders import merge_base
+from sftrecipes.model.load import DTYPES
 
 log = logging.getLogger("sftrecipes")
 

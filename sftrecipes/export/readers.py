@@ -12,9 +12,10 @@ from pathlib import Path
 import torch
 
 from sftrecipes.core.errors import RecipeError
-from sftrecipes.facts.folders import natural_key as _natural, read_st_header
 from sftrecipes.export.dcp import read_exactly
 from sftrecipes.export.writer import _LIBC, FROM_ST
+from sftrecipes.facts.folders import natural_key as _natural
+from sftrecipes.facts.folders import read_st_header
 
 
 class _Reader:

@@ -11,13 +11,12 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
-from sftrecipes.model.load import DTYPES
-from sftrecipes.export.layout import StoredLayout
 from sftrecipes.export.adapters import _apply
+from sftrecipes.export.layout import StoredLayout
 from sftrecipes.export.readers import _SafetensorsSource
 from sftrecipes.export.verify import check_model_folder, verify_logits
 from sftrecipes.export.writer import TOKENIZER_FILES, _nbytes, _shard_files, _shards, _Staging, _write_index
-
+from sftrecipes.model.load import DTYPES
 
 PROGRESS_BYTES = 1 << 30  # models this large get a progress bar while they are written
 

@@ -14,8 +14,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from sftrecipes.core.errors import RecipeError
-from sftrecipes.export.layout import StoredLayout, tied_copies
 from sftrecipes.export.adapters import _check_fits, plan_merge, read_adapter
+from sftrecipes.export.layout import StoredLayout, tied_copies
 from sftrecipes.export.readers import folder_tensors
 
 log = logging.getLogger("sftrecipes")

@@ -19,7 +19,6 @@ import torch
 
 from sftrecipes.core.errors import RecipeError
 
-
 ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
              torch.int32: "I32", torch.uint8: "U8", torch.int8: "I8", torch.bool: "BOOL"}
 FROM_ST = {v: k for k, v in ST_DTYPES.items()}

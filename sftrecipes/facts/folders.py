@@ -9,8 +9,8 @@ import re
 import struct
 from pathlib import Path
 
-from sftrecipes.facts import startmodel
 from sftrecipes.core.errors import RecipeError
+from sftrecipes.facts import startmodel
 
 # adapter_config.json features the streaming merge does not apply, each refused by name: what it is
 UNMERGEABLE = {
@@ -102,8 +102,8 @@ def start_from(folder: Path) -> None:
         kind = export_kind(folder)
     except RecipeError:
         pass
-    if kind == "adapter":  # trains from the adapter merged into its base (startmodel.py): checked here, merged at start
-        startmodel.check(folder)
+    if kind == "adapter":  # trains from the adapter merged into its base: checked here, merged at start (startfrom.py)
+        check_start_adapter(folder)
         return
     if kind in ("zero", "dcp"):
         what = "a DeepSpeed ZeRO checkpoint" if kind == "zero" else "an FSDP sharded checkpoint"
@@ -113,6 +113,21 @@ def start_from(folder: Path) -> None:
     if ckpts:
         raise RecipeError(f"{key}: '{folder}' holds no final save but {', '.join(ckpts)}; export one "
                           f"(python -m sftrecipes export {folder / ckpts[-1]} {folder.name}-export) and set {key} to that folder")
+
+
+def check_start_adapter(adapter: Path) -> None:
+    """An adapter a run starts from, at recipe validation: it merges (LoRA, an init the base still applies to), its
+    base is named and unquantized where it is a local folder, and the place of the merged folder is free or this
+    project's (startmodel.py)."""
+    cfg = adapter_config(adapter)
+    base = startmodel.base_of(adapter)
+    if Path(base).expanduser().is_dir():
+        merge_base(cfg, None)
+    dest = startmodel.merged_dir(adapter)
+    if dest.exists() and startmodel.merge_record(dest) is None:
+        raise RecipeError(f"model_name_or_path: the adapter '{adapter}' would be merged into '{dest}', which exists and "
+                          f"was not merged there by a run ({startmodel.RECORD} is missing); move it away, or set "
+                          "model_name_or_path to it if it is this adapter merged")
 
 
 def local_model_dir(name_or_path: str) -> Path:

@@ -1,38 +1,26 @@
 """Torch-free model shapes: what a config.json says a model is made of, weight by weight as the model names them.
 
-    shape = model_shape("Qwen/Qwen3-30B-A3B")        # a hub id (sftrecipes/facts/model_configs/), a local folder or a config dict
+    shape = model_shape("Qwen/Qwen3-30B-A3B")        # config.py: a hub id (model_configs/), a local folder or a config dict
     shape.params, shape.active_params                # 30.53B, 3.35B: every weight, and those one token runs through
     shape.lora_params("all-linear", r=8)             # what peft creates (router left out unless router=True)
 
 Each decoder layer carries its own sizes (heads, kv heads, head_dim, MLP width): transformers lets a config vary them
 by layer (`per_layer_config`: Gemma-4's full-attention layers have head_dim 512 beside 256), and every figure reads
-them per layer. A flat config of ten layouts (Llama, Mistral, Qwen2/3, Gemma-2/3, Phi-3, Mixtral, Qwen2/3-MoE) is read
-by shape_table.py without torch; any other config (another architecture, a multimodal one, per-layer overrides) from
-the model transformers builds on the meta device (meta.py).
+them per layer. config.model_shape builds a Shape: a flat config of ten layouts (Llama, Mistral, Qwen2/3, Gemma-2/3,
+Phi-3, Mixtral, Qwen2/3-MoE) through shape_table.py without torch; any other config (another architecture, a multimodal
+one, per-layer overrides) from the model transformers builds on the meta device (model/meta.py).
 
-It also owns the rule for the dtype weights are loaded in (`load_dtype`, a dtype name; `model.load_dtype` maps it to
-torch, the planner to bytes) and the mixed-precision compute dtype it uses (`mixed_dtype`).
+What a recipe makes of a shape (the dtype its weights load in, whether checkpointing runs) is recipe/target.py's.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
-from pathlib import Path
-from typing import TYPE_CHECKING
 
-from sftrecipes.facts import perlayer
 from sftrecipes.core.errors import RecipeError
-from sftrecipes.facts.startmodel import torch_free_source
-
-if TYPE_CHECKING:
-    from sftrecipes.recipe.load import Recipe
-
-CONFIGS = Path(__file__).with_name("model_configs")
 
 # peft 0.21 converts LoRA targets of these model types to transformers 5's fused experts (peft.utils.
 # transformers_weight_conversion): the v4 module names below become parameters of the fused experts (the two halves of
@@ -46,7 +34,7 @@ PEFT_EXPERT_NAMES = {
 }
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # model types whose transformers 5.24 class has no sdpa path (_supports_sdpa False: Gemma-2's attention soft-capping);
-# attn_implementation auto gives them eager (model.choose_attention reads the class itself; tests/test_shape.py checks
+# attn_implementation auto gives them eager (model/attnchoice.choose_attention reads the class itself; tests/facts/test_shape.py checks
 # this table against it)
 NO_SDPA = ("gemma2",)
 
@@ -150,11 +138,11 @@ class Shape:
     rest: tuple[Weight, ...] | None = None
     supports_sdpa: bool | None = None  # the model class's own flag (meta.py); None: the table's NO_SDPA
     # why packed batches cannot reach this model here (meta.py: a kernel that runs its PyTorch fallback, which refuses
-    # them; the run pads its rows instead: model.packing_fallback), or "" where they can
+    # them; the run pads its rows instead: model/fallbacks.packing_fallback), or "" where they can
     unpacked: str = ""
     checkpoints: bool = True  # the model class supports activation checkpointing (meta.py; else the run goes without)
     # a submodule the model runs several times a forward (meta.reruns: HRM's stacks), or "": ZeRO-3 then goes without
-    # checkpointing (checkpointing_off)
+    # checkpointing (recipe/target.checkpointing_off)
     reruns: str = ""
     source: str = "table"  # "table" (shape_table.py, torch-free) or "meta" (the model transformers builds: meta.py)
     config_json: str = field(default="", compare=False)  # the config it was read from (meta.py rebuilds the model)
@@ -303,67 +291,7 @@ class Shape:
                    for layer in self.lora_targets(targets, router) for w, mult in layer)
 
 
-# ----------------------------------------------------------------------------------------------- config -> shape
-
-
-def config_path(name: str) -> Path:
-    """config.json of a local model folder, or the copy shipped for a hub id (model_configs/<org>--<name>.json); for
-    a LoRA adapter folder, its base's (the model a run from it trains: startmodel.py)."""
-    name = torch_free_source(name)
-    local = Path(name).expanduser()
-    if local.is_dir():
-        return local / "config.json"
-    return CONFIGS / (name.replace("/", "--") + ".json")
-
-
-def _special_float(obj: dict):
-    """transformers writes inf and nan in config.json as {"__float__": "Infinity"} (Bamba's time_step_limit); read
-    back as the float, as its from_pretrained does."""
-    tag = obj.get("__float__") if len(obj) == 1 else None
-    return float(tag) if tag in ("Infinity", "-Infinity", "NaN") else obj
-
-
-def read_config(name: str) -> dict:
-    """The config dict of a model name (a local folder or a hub id with a shipped config)."""
-    path = config_path(name)
-    if not path.is_file():
-        shipped = ", ".join(sorted(p.stem.replace("--", "/") for p in CONFIGS.glob("*.json")))
-        raise RecipeError(f"model_name_or_path: no config.json for '{name}' offline; point it at a local model folder, "
-                          f"or add {CONFIGS / (name.replace('/', '--') + '.json')} (shipped: {shipped})")
-    try:
-        return json.loads(path.read_text(), object_hook=_special_float)
-    except json.JSONDecodeError as e:
-        raise RecipeError(f"model_name_or_path: {path} is not valid JSON ({e.msg} at line {e.lineno}); fix or replace it") from None
-
-
-def model_shape(source: str | Path | dict, name: str | None = None) -> Shape:
-    """Shape of a model: a local folder or hub id (its config.json), or a config dict (e.g. `config.to_dict()`).
-
-    A flat config of a type shape_table.DEFAULTS holds is read there, torch-free (tests/test_shape.py proves every such
-    layout equal to the model transformers builds, and its LoRA counts equal to the run's). Any other config -- another
-    of the causal-LM architectures transformers maps, a multimodal config (text_config beside a vision tower), counted
-    whole, or one whose sizes vary by layer (per_layer_config) -- is read from the model transformers builds from it on
-    the meta device (meta.py: imports torch), which reads each layer's own config."""
-    if isinstance(source, dict):
-        c, where = source, "the model config"
-    else:
-        c, where = read_config(str(source)), str(config_path(str(source)))
-        name = name or str(source)
-    mt = c.get("model_type")
-    if not mt:
-        raise RecipeError(f"model_name_or_path: {where} has no model_type; a config.json names its architecture "
-                          "(e.g. \"model_type\": \"llama\"); fix the file or point at the model's own folder")
-    from sftrecipes.facts.shape_table import DEFAULTS, table_shape
-
-    if mt in DEFAULTS and "text_config" not in c and not perlayer.overrides(c):
-        shape = table_shape(c, mt, name or c.get("_name_or_path") or mt)
-        return dataclasses.replace(shape, config_json=json.dumps(c, sort_keys=True, default=str))
-    from sftrecipes.model.meta import meta_shape
-
-    return meta_shape(c, name or c.get("_name_or_path") or mt, where)
-
-
-# ----------------------------------------------------------------------------------------------- load dtype
+# ----------------------------------------------------------------------------------------------- peft's patterns
 
 
 def pattern_value(pattern: dict | None, key: str, default: int) -> int:
@@ -374,38 +302,3 @@ def pattern_value(pattern: dict | None, key: str, default: int) -> int:
         if re.match(rf"(.*\.)?({k})$", key):
             return v
     return default
-
-
-def load_dtype(recipe: Recipe) -> str:
-    """The dtype the weights are loaded in (see ModelOptions.dtype): 'float32', 'bfloat16' or 'float16'.
-
-    auto: the 4-bit storage dtype when it is a float; bf16/fp16 (whichever mixed precision is on) for LoRA, QLoRA,
-    8-bit and precision memory_constrained; otherwise float32 (full fine-tuning keeps its trainable weights fp32)."""
-    m = recipe.model
-    if m.dtype != "auto":
-        return m.dtype
-    if m.use_4bit_quantization and m.bnb_4bit_quant_storage_dtype != "uint8":
-        return m.bnb_4bit_quant_storage_dtype
-    if m.use_peft_lora or m.use_4bit_quantization or m.use_8bit_quantization or m.precision == "memory_constrained":
-        return mixed_dtype(recipe) or "float32"
-    return "float32"
-
-
-def mixed_dtype(recipe: Recipe) -> str | None:
-    """The mixed-precision compute dtype: 'bfloat16' (bf16: true), 'float16' (fp16: true) or None (neither)."""
-    return "bfloat16" if recipe.trl_value("bf16") else "float16" if recipe.trl_value("fp16") else None
-
-
-def checkpointing_off(recipe: Recipe, shape) -> str:
-    """Why a run that asks for activation checkpointing goes without it, in words, or "" (it runs checkpointed, or
-    never asked): a model class without support, or a submodule run several times a forward under ZeRO-3, whose
-    gradient buckets then take those parameters' gradients twice in one step with checkpointing on (DeepSpeed#4505;
-    an AssertionError in the first backward). The run (model.checkpointing_fallback) and the plan read this alike."""
-    if not recipe.gradient_checkpointing:
-        return ""
-    if not shape.checkpoints:
-        return f"the {shape.model_type} model class does not support activation checkpointing"
-    if shape.reruns and recipe.launch.backend == "deepspeed" and recipe.launch.zero_stage == 3:
-        return (f"{shape.reruns}, and ZeRO-3's gradient buckets take such a module's gradients twice in a step with "
-                "checkpointing on (DeepSpeed#4505)")
-    return ""

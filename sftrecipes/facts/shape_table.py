@@ -1,4 +1,4 @@
-"""The torch-free fast path of shape.model_shape: a flat config.json of one of ten layouts (DEFAULTS) read into a
+"""The torch-free fast path of config.model_shape: a flat config.json of one of ten layouts (DEFAULTS) read into a
 shape.Shape, weight by weight as transformers 5.24 names them (`models/*/modeling_*.py`).
 
 The layouts: Llama/Mistral, Qwen2 (q/k/v biases), Qwen3 and Gemma-3 (q/k norms over head_dim), Gemma-2/3 (four norms
@@ -6,7 +6,7 @@ per layer), Phi-3 (fused `qkv_proj`, `gate_up_proj`), and mixtures of experts: M
 behind a sigmoid gate), Qwen3-MoE (dense `mlp_only_layers`, `decoder_sparse_step`). Experts are fused 3-D parameters
 (`mlp.experts.gate_up_proj` [E, 2*inter, hidden], `mlp.experts.down_proj` [E, hidden, inter]) behind a router
 `mlp.gate` (weight [E, hidden]). Keys a config.json leaves out take the config class's default (`DEFAULTS`; a test
-compares them with transformers). tests/test_shape.py proves every layout equal to the model transformers builds.
+compares them with transformers). tests/facts/test_shape.py proves every layout equal to the model transformers builds.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ ATTENTION_BIAS = ("llama", "qwen3", "qwen3_moe", "gemma2", "gemma3_text")
 
 def table_shape(c: dict, mt: str, name: str) -> Shape:
     """The Shape of a flat config dict of a layout DEFAULTS holds (model_type mt), every layer with the same sizes
-    (shape.model_shape hands a config with per-layer overrides to the meta path)."""
+    (config.model_shape hands a config with per-layer overrides to the meta path)."""
     d = DEFAULTS[mt]
 
     def get(key, fallback=None):

@@ -2,21 +2,26 @@
 verdict, the GPUs it names) and again inside each rank before anything loads (its process count, the launcher's
 accelerate config, what the hardware target cannot run).
 
-Torch stays out of this module's import (launch, emit and plan import it): `gpu_count` imports torch when called.
+Torch-free, even where it counts GPUs: `gpu_count` asks torch in a child process (train/devices.py), so launch, emit and
+plan, which import this module, never load it.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
+import sys
 
-from sftrecipes.train.args import accelerate_config, render_target
 from sftrecipes.core.errors import RecipeError
+from sftrecipes.core.paths import ROOT
 from sftrecipes.facts.folders import check_weights
+from sftrecipes.launch.accelerate import accelerate_config
 from sftrecipes.plan import verdict
-from sftrecipes.recipe.load import Recipe
+from sftrecipes.recipe.target import render_target
+from sftrecipes.recipe.typed import Recipe
 
-# An accelerate config key -> the recipe key that renders it (backends.accelerate_config), where the recipe has one;
+# An accelerate config key -> the recipe key that renders it (accelerate.accelerate_config), where the recipe has one;
 # the rest are the project's fixed choices. accelerate's launcher exports each as an environment variable
 # (accelerate/utils/launch.py): FSDP_<KEY> for fsdp_config keys, ACCELERATE_DEEPSPEED_<KEY> for deepspeed_config keys.
 RECIPE_KEY = {
@@ -31,9 +36,13 @@ NOT_EXPORTED = {"deepspeed_multinode_launcher"}  # read by the launcher itself, 
 
 
 def gpu_count() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    """The GPUs torch sees here (train/devices.gpu_count), asked of a child process so that this one stays torch-free."""
+    res = subprocess.run([sys.executable, "-m", "sftrecipes.train.devices"], cwd=ROOT, capture_output=True, text=True)
+    if res.returncode != 0 or not res.stdout.split():
+        said = (res.stderr.strip().splitlines() or [f"exit status {res.returncode}"])[-1]
+        raise RecipeError(f"launch: torch could not count this machine's GPUs ({said}); install the training stack "
+                          "(pip install -r requirements.txt)")
+    return int(res.stdout.split()[-1])
 
 
 def before_launch(recipe: Recipe, force: bool = False) -> str:
@@ -98,7 +107,7 @@ def check_launcher_matches(recipe: Recipe) -> None:
     save silently as the launcher's config says, not the recipe's: every key of the recipe's own accelerate config
     that the launcher exported must agree. (mixed_precision is left out: the training arguments' bf16/fp16 decide it.
     The layer classes FSDP wraps, when the recipe leaves them to the model, are derived and compared in the rank by
-    model.fsdp_wrap_classes, which needs the model's classes.)"""
+    model/wrapping.fsdp_wrap_classes, which needs the model's classes.)"""
     env = os.environ
     if int(env.get("WORLD_SIZE", "1")) == 1 and not any(k.startswith("ACCELERATE_USE_") for k in env):
         return  # not started by accelerate: nothing to compare

@@ -28,18 +28,17 @@ import psutil
 import yaml
 
 from sftrecipes.core import forks as forkserver
-from sftrecipes.run import heartbeats
-from sftrecipes.run import lifecycle
 from sftrecipes.core import procs
-from sftrecipes.run import runlock
-from sftrecipes.facts import startmodel
-from sftrecipes.train.args import accelerate_config, launcher_env
-from sftrecipes.run.checkpoints import check_resume, finished_run
 from sftrecipes.core.errors import RecipeError
-from sftrecipes.recipe.evalonly import eval_only, summary_path
-from sftrecipes.launch.preflight import before_launch
 from sftrecipes.core.paths import ROOT
-from sftrecipes.recipe.load import Recipe, load_recipe, parse_argv
+from sftrecipes.facts import startmodel
+from sftrecipes.launch.accelerate import accelerate_config, launcher_env
+from sftrecipes.launch.preflight import before_launch
+from sftrecipes.recipe.evalonly import eval_only, summary_path
+from sftrecipes.recipe.load import load_recipe, parse_argv
+from sftrecipes.recipe.typed import Recipe
+from sftrecipes.run import heartbeats, lifecycle, runlock
+from sftrecipes.run.checkpoints import check_resume, finished_run
 
 LAUNCH_CONFIG = "accelerate_config.yaml"  # where `launch` writes the run's accelerate config, in its output_dir
 
@@ -162,7 +161,7 @@ def write_launch_config(run: Launch) -> Path:
     except OSError as e:
         raise RecipeError(f"output_dir: cannot create '{path.parent}' for the run ({e.strerror}); set output_dir to a writable folder") from None
     tmp.write_text("# Rendered by `python -m sftrecipes launch` from the recipe and its command line "
-                   "(backends.accelerate_config); rewritten at every launch.\n"
+                   "(launch/accelerate.accelerate_config); rewritten at every launch.\n"
                    + yaml.safe_dump(run.config, sort_keys=True, default_flow_style=False))
     tmp.replace(path)
     return path
@@ -203,8 +202,10 @@ def main(argv: list[str]) -> int:
     try:
         # an adapter as model_name_or_path: merged into its base once, here, before the ranks start (they then find it);
         # an evaluation-only run evaluates the adapter on its base (evaluate.py): no merged copy
-        if not eval_only(run.recipe):
-            startmodel.ensure(run.recipe.model.model_name_or_path, run.recipe.run.heartbeat_timeout)
+        if not eval_only(run.recipe) and startmodel.adapter_of(run.recipe.model.model_name_or_path) is not None:
+            from sftrecipes.export import startfrom  # (torch: only for a run that starts from an adapter)
+
+            startfrom.ensure(run.recipe.model.model_name_or_path, run.recipe.run.heartbeat_timeout)
         write_launch_config(run)
         print(f"launch: {run.topology}: {shlex.join(run.argv)}", file=sys.stderr)
         return supervise(run, lock)

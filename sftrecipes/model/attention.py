@@ -168,7 +168,7 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
     flash = _flash_kernel_applies(query, dropout)
     varlen_attn = _torch_varlen() if flash else None
     # with the flash kernel, the collator's boundaries and their longest segment (a Python int) are used unread: no
-    # host sync per layer (tests/test_attention.py counts the reads)
+    # host sync per layer (tests/model/test_attention.py counts the reads)
     trust = varlen_attn is not None and kwargs.get("max_length_q") is not None
     cu, from_collator = segment_bounds(b, s, query.device, kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids"), trust)
     if flash:

@@ -1,11 +1,11 @@
-"""Narrow compatibility shims for upstream gaps: each applied only where it is needed (backends.apply_process_env) and
+"""Narrow compatibility shims for upstream gaps: each applied only where it is needed (train/args.apply_process_env) and
 only on the upstream versions it was written against (SHIMS).
 
 Each shim names the upstream code it works around and the versions it was written for (the pins in requirements.txt,
 to the minor release). On another version it is not applied: one warning line names it and what to check. Each has a
-canary in tests/test_compat.py that runs the upstream code without it and expects the upstream failure: when a new
-upstream release fixes the gap, the canary fails and says to drop the shim. tests/test_twins.py and
-tests/test_export.py train through the shims (FSDP on CPU, adapters under wrappers, trainable-token heads).
+canary in tests/model/test_compat.py that runs the upstream code without it and expects the upstream failure: when a new
+upstream release fixes the gap, the canary fails and says to drop the shim. tests/launch/test_twins.py and
+tests/export/test_export.py train through the shims (FSDP on CPU, adapters under wrappers, trainable-token heads).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def _shim(gap: str, **written_for: str):
             why = out_of_range(SHIMS[name])
             if why is not None:
                 log.warning("compat: shim %s NOT applied (%s): it covers %s; check whether that still fails "
-                            "(pytest tests/test_compat.py -k %s): if not, drop the shim, else re-check it and widen "
+                            "(pytest tests/model/test_compat.py -k %s): if not, drop the shim, else re-check it and widen "
                             "its range in sftrecipes/model/compat.py", name, why, gap, name)
                 return
             _APPLIED[name] = []

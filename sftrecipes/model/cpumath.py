@@ -1,7 +1,7 @@
 """bf16 matrix products on a CPU without a native bf16 GEMM (x86 below AVX-512: AVX2 machines, this project's own).
 
 There torch's bf16 matmul falls back to a scalar kernel: measured on an AVX2 EPYC, one thread, a [512, 64] x [64, 32768]
-product took 5.0 s in bf16 and 0.15 s as fp32 (tests/test_cpumath.py prints both on the machine it runs on). A CPU twin
+product took 5.0 s in bf16 and 0.15 s as fp32 (tests/model/test_cpumath.py prints both on the machine it runs on). A CPU twin
 computes in bf16 as its GPU recipe does (bf16: true, QLoRA's bf16 compute dtype), so its steps spent most of their time
 there. On such a CPU every bf16 matrix product of a run (mm, bmm, addmm, baddbmm, addbmm, mv, addmv, dot; forward and
 backward, through nn.Linear, attention and the LM head) is computed from fp32 copies of its bf16 operands and rounded to
@@ -9,7 +9,7 @@ bf16: what a bf16 GEMM computes (bf16 inputs, fp32 accumulation, a bf16 result),
 elements in 10^5 differ by one bf16 unit). Everything else stays as it was: dtypes, memory layout, autograd.
 
 SFTRECIPES_CPU_BF16_MATMUL: auto (default: fp32 where torch's CPU capability is below AVX512 on x86), fp32, native.
-Applied in each process of the cpu target whose run multiplies bf16 tensors (backends.apply_process_env,
+Applied in each process of the cpu target whose run multiplies bf16 tensors (train/args.apply_process_env,
 computes_in_bf16: the mode sees every op of the process, a few microseconds each, so an fp32 run goes without it); the
 run's log says which.
 """

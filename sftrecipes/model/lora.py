@@ -14,14 +14,14 @@ import types
 
 import torch
 from peft import LoraConfig
-from peft.tuners.lora import LoraLayer, ParamWrapper
 from peft.tuners import tuners_utils
+from peft.tuners.lora import LoraLayer, ParamWrapper
 from peft.tuners.tuners_utils import check_target_module_exists
 from transformers.pytorch_utils import Conv1D
 
 from sftrecipes.core.errors import RecipeError
-from sftrecipes.recipe.load import Recipe
 from sftrecipes.facts.shape import pattern_value
+from sftrecipes.recipe.typed import Recipe
 
 log = logging.getLogger("sftrecipes")
 

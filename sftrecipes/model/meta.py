@@ -4,6 +4,7 @@ run, so the planner's trainable count is the run's.
 
     shape = meta_shape(config_dict, "org/name", where)    # every parameter, weight by weight, as the model names them
     layout = lora_layout(recipe, shape)                    # per decoder layer: (Weight, rank multiplier); trainable
+    config, model = recipe_model(recipe)                   # a recipe's own model (its folder, its remote code if trusted)
 
 The decoder layers are the layer list of the model's text decoder (`get_decoder()`: the largest ModuleList of one of
 its `_no_split_modules` classes); everything else (final norm, vision tower, projector) is `Shape.rest`. Experts are
@@ -17,6 +18,7 @@ import copy
 import functools
 import inspect
 import json
+import logging
 import re
 import sys
 from dataclasses import dataclass
@@ -27,10 +29,14 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from sftrecipes.facts import perlayer
 from sftrecipes.core.errors import RecipeError
-from sftrecipes.recipe.load import Recipe
+from sftrecipes.facts import perlayer
+from sftrecipes.facts.config import read_config
 from sftrecipes.facts.shape import Layer, Shape, Weight
+from sftrecipes.facts.startmodel import torch_free_source
+from sftrecipes.recipe.typed import Recipe
+
+log = logging.getLogger("sftrecipes")
 
 # config keys naming the experts each token is routed to, in the spellings transformers' configs use
 TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k", "router_top_k", "moe_k")
@@ -107,6 +113,29 @@ def meta_model(shape_or_config: Shape | dict, where: str = "the model config"):
     that change it (peft) take a copy."""
     key = shape_or_config.config_json if isinstance(shape_or_config, Shape) else json.dumps(shape_or_config, sort_keys=True, default=str)
     return _meta_model(key, where)
+
+
+@functools.lru_cache(maxsize=4)
+def _recipe_model(name: str, trust_remote_code: bool):
+    """(config, the model AutoModelForCausalLM builds from it on the meta device: no memory, no weights read) for a
+    model folder or hub id; a hub id offline falls back to the planner's shipped config of it."""
+    try:
+        cfg = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):  # a hub id offline: the planner's shipped config of it
+        cfg = AutoConfig.for_model(**read_config(name))
+    # the class from_pretrained would instantiate (auto mapping, or the model's own code)
+    return cfg, build(cfg, trust_remote_code=trust_remote_code, attn_implementation="eager")
+
+
+def recipe_model(recipe: Recipe):
+    """(config, meta-device model) of the recipe's model (cached per process), or None where it cannot be built
+    here (remote code not trusted, no config reachable): loading then says what is wrong."""
+    try:
+        return _recipe_model(torch_free_source(recipe.model.model_name_or_path), bool(recipe.trl_value("trust_remote_code")))
+    except Exception as e:  # noqa: BLE001 - any failure here only means "unknown": loading will say what is wrong
+        log.warning("model: %s cannot be built on the meta device (%s: %s)", recipe.model.model_name_or_path, type(e).__name__, e)
+        return None
+
 
 
 def decoder_layers(model) -> tuple[str, torch.nn.ModuleList]:
@@ -344,7 +373,7 @@ def _loop_calls(cls: type) -> tuple[str, ...]:
         it = loop.iter if isinstance(loop, ast.For) else None
         if not (isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "range" and it.args
                 and all(fixed(a) for a in it.args)):
-            continue  # (a loop the data sizes calls its submodules as ZeRO-3 leaves: model.zero3_leaves)
+            continue  # (a loop the data sizes calls its submodules as ZeRO-3 leaves: wrapping.zero3_leaves)
         for node in (n for stmt in loop.body for n in ast.walk(stmt)):
             f = node.func if isinstance(node, ast.Call) else None
             if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" and f.attr not in names:

@@ -28,7 +28,7 @@ the states are every rank's own and equal to rank 0's, bit for bit: the quantize
 
 A layer with a weight the checkpoint lacks (initialised after loading) is left whole, for the engine to partition;
 model.load_model warns when any layer was (also when the setter was never called: a transformers whose loader no
-longer goes through it). tests/test_quantload.py holds the setter's use at the pinned version.
+longer goes through it). tests/model/test_quantload.py holds the setter's use at the pinned version.
 """
 
 from __future__ import annotations
@@ -42,9 +42,8 @@ import mmap
 import torch
 from transformers import core_model_loading
 
-from sftrecipes.model import heap
-from sftrecipes.model import meta
 from sftrecipes.core.errors import RecipeError
+from sftrecipes.model import heap, meta
 
 log = logging.getLogger("sftrecipes")
 

@@ -3,11 +3,12 @@ and the pitfalls, printed (torch-free).
 
     python -m sftrecipes plan RECIPE.yaml [--key value ...]     exit 0 fits (or no gpu_memory_gb), 2 does not fit
 
-The model's shape comes from config.json through sftrecipes/facts/shape.py (a local folder, or sftrecipes/facts/model_configs/
+The model's shape comes from config.json through sftrecipes/facts/config.py (a local folder, or sftrecipes/facts/model_configs/
 for hub ids) and every byte is arithmetic on that shape and the recipe (docs/planner.md), in this package's
 modules: sharding.py (ranks and bytes per parameter), activations.py (what backward keeps), reference.py (a preference
-run's reference model), estimate.py (one training step of one configuration, per GPU and per node), strategies.py (the
-other configurations, ranked); pitfalls.py adds the configuration traps.
+run's reference model), estimate.py (one training step of one configuration, per GPU and per node: the model states
+of states.py, the phases of phases.py, the CPU RAM of hostram.py, the network volume of network.py, the peak and the
+verdict), strategies.py (the other configurations, ranked); pitfalls.py adds the configuration traps.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ from __future__ import annotations
 import sys
 
 from sftrecipes.core.errors import RecipeError
-from sftrecipes.recipe.evalonly import eval_only, why
 from sftrecipes.plan.estimate import CUDA_CONTEXT_GB, FRAGMENTATION, Plan, estimate
 from sftrecipes.plan.pitfalls import pitfalls
-from sftrecipes.recipe.load import Recipe, load_recipe
-from sftrecipes.recipe.schema import PAIRED
 from sftrecipes.plan.strategies import INFINIBAND, NVLINK, PCIE, alternatives
+from sftrecipes.recipe.evalonly import eval_only, why
+from sftrecipes.recipe.load import load_recipe
+from sftrecipes.recipe.schema import PAIRED
+from sftrecipes.recipe.typed import Recipe
 
 
 def plan_recipe(recipe: Recipe, pipeline_degree: int | None = None, _alternatives: bool = True) -> Plan:

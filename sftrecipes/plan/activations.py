@@ -3,11 +3,11 @@ tensors each decoder layer and TRL's LM head save, and the temporaries their bac
 
 The counts follow the tensors saved by transformers 5's decoder layers (a sparse MoE block: its router and the k routed
 copies of each token), PEFT's LoRA layer (and its fold of W + s*BA on fused expert tensors) and TRL's chunked LM head
-(so there are no [tokens, vocab] logits); docs/planner.md explains each term and tests/test_plan.py calibrates them
+(so there are no [tokens, vocab] logits); docs/planner.md explains each term and tests/plan/test_plan.py calibrates them
 against the live-tensor peak of real CPU steps. The preference methods run the same fused head (DPOTrainer and
 KTOTrainer install it as SFTTrainer does), on their own batches: DPO's chosen and rejected sequences concatenated,
 KTO's completions (`sequences`); their forwards without grad (the reference, KTO's KL batch) hold one layer's tensors
-at a time (`no_grad_forward`), tests/test_plan_methods.py calibrates them. ORPO and CPO (TRL's experimental trainers)
+at a time (`no_grad_forward`), tests/plan/test_plan_methods.py calibrates them. ORPO and CPO (TRL's experimental trainers)
 run no fused head: their [tokens, vocab] logits are kept (`_logits_head`), calibrated there too.
 """
 
@@ -15,21 +15,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sftrecipes.recipe.load import Recipe
-from sftrecipes.recipe.schema import PAIRED, REFERENCE_FREE
-from sftrecipes.facts.shape import Layer, Shape, Weight, checkpointing_off
+from sftrecipes.facts.shape import Layer, Shape, Weight
 from sftrecipes.plan.sharding import Setup
+from sftrecipes.recipe.schema import PAIRED, REFERENCE_FREE
+from sftrecipes.recipe.target import checkpointing_off, requested_attention
+from sftrecipes.recipe.typed import Recipe
 
 TRL_TOKEN_TILE, TRL_VOCAB_TILE = 4096, 32768  # trl.kernels.chunked_logprob tile of the fused LM head
 
 
 def planned_attention(recipe: Recipe, shape: Shape, gpu: bool) -> str:
-    """The attention kernel the run will use, as model.choose_attention decides it, without torch: flash_attention_2
-    when asked for on a GPU (its package is assumed installed there), otherwise sft_varlen for packed batches, sdpa,
-    or eager where the model has no sdpa path (Gemma-2). flex_attention and sft_varlen (torch's varlen flash kernel on
+    """The attention kernel the run will use, as model/attnchoice.choose_attention decides it from the same request
+    (target.requested_attention), without torch: flash_attention_2 when asked for on a GPU (its package is assumed
+    installed there), otherwise sft_varlen for packed batches, sdpa, or eager where the model has no sdpa path
+    (Gemma-2). flex_attention and sft_varlen (torch's varlen flash kernel on
     a GPU) save what flash does (the output and its logsumexp)."""
-    m = recipe.model
-    want = "flash_attention_2" if m.use_flash_attn and m.attn_implementation == "auto" else m.attn_implementation
+    want = requested_attention(recipe)
     if want == "flash_attention_2" and not gpu or want in ("auto", "sft_varlen"):
         if not shape.sdpa:
             return "eager"

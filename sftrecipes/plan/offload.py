@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from sftrecipes.recipe.load import Recipe
 from sftrecipes.plan.activations import Activations
+from sftrecipes.recipe.typed import Recipe
 
 STASH = 5  # TRL's max_fwd_stash_size: saved tensors kept on the GPU while their copies to host are in flight
 

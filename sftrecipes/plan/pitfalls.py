@@ -5,11 +5,14 @@ at start, the plan command and the launchers' pre-flight print them under the pl
 from __future__ import annotations
 
 from sftrecipes.core.errors import RecipeError
-from sftrecipes.plan.estimate import PROCESS_CPU_GB, full_state_dict_bytes
-from sftrecipes.recipe.load import Recipe, load_recipe
-from sftrecipes.recipe.schema import PAIRED
-from sftrecipes.facts.shape import DTYPE_BYTES, load_dtype, mixed_dtype, model_shape
+from sftrecipes.facts.config import model_shape
+from sftrecipes.facts.shape import DTYPE_BYTES
+from sftrecipes.plan.hostram import PROCESS_CPU_GB, full_state_dict_bytes
 from sftrecipes.plan.sharding import GB, setup
+from sftrecipes.recipe.load import load_recipe
+from sftrecipes.recipe.schema import PAIRED
+from sftrecipes.recipe.target import load_dtype, mixed_dtype
+from sftrecipes.recipe.typed import Recipe
 
 
 def pitfalls(recipe: Recipe) -> list[str]:

@@ -1,5 +1,5 @@
 """The cpu target, rank by rank: what each rank's resident memory grows by while the weights load, planned from the
-loader's own rule (backends.weight_reading) and the checkpoint as it is stored (torch-free), and at the peak of its
+loader's own rule (recipe/target.weight_reading) and the checkpoint as it is stored (torch-free), and at the peak of its
 first steps (rank_steps: the per-GPU accounting of estimate.py on the rank, with what a GPU node offloads to host
 memory, since here both are the process). On the cpu target the
 device is the process itself, so what a GPU rank would hold on the device and what its host holds while reading are
@@ -34,14 +34,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sftrecipes.train.args import PARTITIONED, RANK0_READS, weight_reading
-from sftrecipes.facts.folders import check_weights
 from sftrecipes.core.pages import FAULT_AROUND, fault_bytes
-from sftrecipes.recipe.load import Recipe
-from sftrecipes.facts.shape import DTYPE_BYTES, Shape, read_config
+from sftrecipes.facts.config import read_config
+from sftrecipes.facts.folders import check_weights
+from sftrecipes.facts.shape import DTYPE_BYTES, Shape
 from sftrecipes.plan.sharding import GB, Setup, partitioned_4bit_load, quant_bytes_per_param
+from sftrecipes.recipe.target import PARTITIONED, RANK0_READS, weight_reading
+from sftrecipes.recipe.typed import Recipe
 
-# Measured on every CPU twin at 25.7M parameters (tests/test_twins.py) and 253M (bench/bench_loading.py), 2 ranks, as
+# Measured on every CPU twin at 25.7M parameters (tests/launch/test_twins.py) and 253M (bench/bench_loading.py), 2 ranks, as
 # growth less the libraries' file pages (probes.growth_mb), on ext4 (4 KiB page cache) and from a tmpfs with
 # huge=always (2 MiB folios): the same figures within a few MB, where the libraries' pages differed by 50 MB.
 #
@@ -54,7 +55,7 @@ LOAD_OVERHEAD_GB = 0.019
 # under DeepSpeed the RSS before loading already holds those modules and 18 MB more (deepspeed and what accelerate's
 # plugin builds are imported before the weights load), and loading leaves 0-3 MB beside the weights
 DEEPSPEED_LOAD_OVERHEAD_GB = 0.002
-# what the first steps add to a rank's RSS besides the tensors the per-GPU accounting counts (estimate._live_phases)
+# what the first steps add to a rank's RSS besides the tensors the per-GPU accounting counts (phases.live_phases)
 # and what loading left: the optimizer's and autograd's objects, oneDNN's primitive cache (the kernels built for each
 # new shape), gloo's buffers, the trainer's own state. Measured with the heap held steady (heap.hold_steady) over the
 # planned tensors and the loading overhead: 30-56 MB at 25.7M on every backend but ZeRO-3 and 51-82 MB on ZeRO-3; at
@@ -78,7 +79,7 @@ PROCESS_BASELINE_GB = 0.387
 DEEPSPEED_BASELINE_GB = 0.018
 # bitsandbytes 0.50.2's CPU quantization of one weight: 14 bytes per element of temporaries besides the weight (its
 # float copies and codes), measured at 4.2M and 16.8M elements after the first call's own setup
-# (tests/test_plan.py::test_cpu_quantization_temporaries_per_element_as_planned); one weight at a time
+# (tests/plan/test_plan.py::test_cpu_quantization_temporaries_per_element_as_planned); one weight at a time
 QUANTIZE_BYTES_PER_ELEMENT = 14
 _STORED = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sftrecipes.recipe.load import Recipe
-from sftrecipes.recipe.schema import REFERENCE_FREE
 from sftrecipes.facts.shape import Shape
 from sftrecipes.plan.sharding import GB, Setup
+from sftrecipes.recipe.schema import REFERENCE_FREE
+from sftrecipes.recipe.typed import Recipe
 
 NONE, ADAPTER, COPY, PRECOMPUTED = "", "adapter", "copy", "precomputed"
 FREE = "free"  # orpo, cpo: the method has no reference model

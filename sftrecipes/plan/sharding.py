@@ -2,7 +2,7 @@
 and optimizer states, and how many bytes a parameter takes in each (torch-free: plain arithmetic on the recipe).
 
 Every planner module (estimate.py, activations.py, strategies.py, pitfalls.py) counts bytes through `setup(recipe)`
-and the functions here, so a precision rule is written once: `load_bytes` follows shape.load_dtype, the rule
+and the functions here, so a precision rule is written once: `load_bytes` follows target.load_dtype, the rule
 model.load_dtype loads with.
 """
 
@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sftrecipes.recipe.load import Recipe
-from sftrecipes.facts.shape import DTYPE_BYTES, load_dtype, mixed_dtype
+from sftrecipes.facts.shape import DTYPE_BYTES
+from sftrecipes.recipe.target import load_dtype, mixed_dtype
+from sftrecipes.recipe.typed import Recipe
 
 GB = 1e9  # the planner reports decimal gigabytes
 
@@ -40,7 +41,7 @@ class Setup:
 
 
 def load_bytes(recipe: Recipe) -> int:
-    """Bytes per float weight as loaded (shape.load_dtype, the rule model.load_dtype loads with)."""
+    """Bytes per float weight as loaded (target.load_dtype, the rule model.load_dtype loads with)."""
     return DTYPE_BYTES[load_dtype(recipe)]
 
 

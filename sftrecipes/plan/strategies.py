@@ -10,9 +10,9 @@ import copy
 from dataclasses import dataclass
 
 from sftrecipes.plan.estimate import Plan, estimate
-from sftrecipes.recipe.load import Recipe
 from sftrecipes.plan.reference import COPY
 from sftrecipes.plan.sharding import GB, setup
+from sftrecipes.recipe.typed import Recipe
 
 # bandwidths used only to rank strategies (bytes per second per GPU): NVLink ring, InfiniBand 200 Gb/s, PCIe
 NVLINK, INFINIBAND, PCIE = 150e9, 25e9, 20e9

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import yaml
 
-from sftrecipes.launch.emit import runnable_recipes
 from sftrecipes.core.errors import RecipeError
-from sftrecipes.core.paths import RECIPES, ROOT
+from sftrecipes.core.paths import RECIPES, ROOT, runnable_recipes
 from sftrecipes.recipe.load import PATH_OPTIONS, from_repo_root, is_shipped
 from sftrecipes.recipe.schema import ALIASES
 

@@ -20,7 +20,7 @@ from sftrecipes.core.errors import RecipeError
 from sftrecipes.recipe.sources import EVAL_MARKERS, Source
 
 if TYPE_CHECKING:
-    from sftrecipes.recipe.load import Recipe
+    from sftrecipes.recipe.typed import Recipe
 
 SUMMARY = "run_summary.json"
 TRAINING_FILES = ("final.complete.json", "adapter_config.json", "config.json", "trainer_state.json")

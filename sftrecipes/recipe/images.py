@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sftrecipes.core.errors import RecipeError
-from sftrecipes.facts.shape import config_path, read_config
+from sftrecipes.facts.config import config_path, read_config
 
 if TYPE_CHECKING:
-    from sftrecipes.recipe.load import Recipe
     from sftrecipes.recipe.sources import Source
+    from sftrecipes.recipe.typed import Recipe
 
 IMAGE_COLUMNS = ("images", "image")  # TRL's vision-language datasets: a list of images per row, or one
 IMAGE_PARTS = ("image", "image_url")  # content parts that stand for an image ({"type": "image"}, OpenAI's image_url)

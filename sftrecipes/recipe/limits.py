@@ -1,7 +1,7 @@
 """What a recipe asks beyond what its model or its target can give, refused torch-free from the files: a max_length
 past the positions the model's config.json declares, and activation offloading where there is no GPU to offload from.
 
-validation.validate calls `check`; backends.training_kwargs calls `check_offloading` again with the target the run
+validation.validate calls `check`; train/args.training_kwargs calls `check_offloading` again with the target the run
 resolved (`launch.hardware: auto` on a machine without a GPU).
 """
 
@@ -10,10 +10,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from sftrecipes.core.errors import RecipeError
-from sftrecipes.facts.shape import config_path, read_config
+from sftrecipes.facts.config import config_path, read_config
 
 if TYPE_CHECKING:
-    from sftrecipes.recipe.load import Recipe
+    from sftrecipes.recipe.typed import Recipe
 
 ROPE_KEYS = ("rope_scaling", "rope_parameters")  # the config keys of rope scaling (transformers 5 reads both)
 

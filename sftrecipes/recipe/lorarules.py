@@ -8,10 +8,10 @@ import re
 from typing import TYPE_CHECKING
 
 from sftrecipes.core.errors import RecipeError
-from sftrecipes.facts.shape import config_path, model_shape
+from sftrecipes.facts.config import config_path, model_shape
 
 if TYPE_CHECKING:
-    from sftrecipes.recipe.load import Recipe
+    from sftrecipes.recipe.typed import Recipe
 
 
 def moe_experts(model_name_or_path: str) -> int | None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from sftrecipes.recipe.schema import ALIASES, CONFIGS, METHODS, NULL_IS_A_VALUE, all_options
 from sftrecipes.recipe.snapshots import Option
 
-
 GROUP_TITLES = {"model": "Model, LoRA, quantization", "peft": "peft `LoraConfig` (LoRA only: with use_peft_lora; defaults as peft sets them)",
                 "data": "Data", "run": "Run", "launch": "Launch (`launch:` section)",
                 "trl": "TRL `SFTConfig`, `DPOConfig`, `KTOConfig` / transformers `TrainingArguments` (defaults as TRL sets them)"}

@@ -4,7 +4,7 @@ of those that are; schema.py builds the option table from them."""
 from __future__ import annotations
 
 # peft's LoraConfig fields that are not recipe keys, and why. Every other field is a recipe key of the same name
-# (owner "peft"; it needs use_peft_lora and goes to LoraConfig as given). tests/test_schema_and_assets.py fails when
+# (owner "peft"; it needs use_peft_lora and goes to LoraConfig as given). tests/recipe/test_schema_and_assets.py fails when
 # a field of the installed peft is in neither group, so a field peft adds is placed on purpose.
 PEFT_NOT_EXPOSED: dict[str, str] = {
     # the project's own keys, spelled as the PEFT SFT guide's flags

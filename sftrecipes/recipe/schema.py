@@ -13,7 +13,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sftrecipes.recipe.peftkeys import PEFT_NOT_EXPOSED, PEFT_NOTES
-from sftrecipes.recipe.snapshots import METHOD_CONFIGS, Option, load_methods_snapshot, load_peft_snapshot, load_trl_snapshot, options_of
+from sftrecipes.recipe.snapshots import (
+    METHOD_CONFIGS,
+    Option,
+    load_methods_snapshot,
+    load_peft_snapshot,
+    load_trl_snapshot,
+    options_of,
+)
 
 DTYPES = ("bfloat16", "float16", "float32")
 # What a recipe trains with (its `method` key): the TRL trainer and the config class whose fields are its TRL keys
@@ -262,7 +269,7 @@ class RunOptions:
 
 @dataclass
 class LaunchOptions:
-    """Where the recipe runs: the `launch:` section (backends.py renders the accelerate config from it)."""
+    """Where the recipe runs: the `launch:` section (launch/accelerate.py renders the accelerate config from it)."""
 
     backend: str = opt(
         "none", "Distribution: none (one process), ddp, deepspeed or fsdp.", choices=("none", "ddp", "deepspeed", "fsdp")
@@ -374,7 +381,7 @@ _ALL: dict[str, dict[str, Option]] = {}
 
 def dpo_loss_types() -> tuple[str, ...]:
     """The loss types DPOConfig's loss_type (a list without declared choices) takes, as its help lists them
-    ("Possible values are: `'sigmoid'`, ..."); tests/test_methods.py holds them against the branches of DPOTrainer's loss."""
+    ("Possible values are: `'sigmoid'`, ..."); tests/recipe/test_methods.py holds them against the branches of DPOTrainer's loss."""
     help_ = all_options("dpo")["loss_type"].help
     listed = help_.split("Possible values are:", 1)[1].split(". ", 1)[0]
     return tuple(re.findall(r"`'(\w+)'`", listed))

@@ -2,16 +2,15 @@
 ``SFTConfig``, the preference trainers' ``DPOConfig`` / ``KTOConfig`` / ``ORPOConfig`` / ``CPOConfig`` and peft's ``LoraConfig`` read that way are kept
 as JSON snapshots (``trl_options.json``, ``trl_methods.json``, ``peft_options.json``) so that a recipe is validated and
 ``--help`` printed before torch is imported.
-``tests/test_schema_and_assets.py`` fails when a snapshot differs from the installed package; ``python -m sftrecipes
+Torch-free: the classes are read live, and the snapshots rewritten, by train/options.py;
+``tests/recipe/test_schema_and_assets.py`` fails when a snapshot differs from the installed package; ``python -m sftrecipes
 schema --refresh`` rewrites them."""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import importlib
 import json
-import os
 import types
 import typing
 from dataclasses import dataclass
@@ -107,7 +106,7 @@ def options_of(cls: type, owner: str, kind_of=None) -> list[Option]:
     return out
 
 
-def _snapshot_rows(options: list[Option]) -> list[dict]:
+def snapshot_rows(options: list[Option]) -> list[dict]:
     """Options as stored in a snapshot file (defaults that JSON cannot hold by their repr)."""
     rows = []
     for o in options:
@@ -121,50 +120,15 @@ def _snapshot_rows(options: list[Option]) -> list[dict]:
     return rows
 
 
-def _write_snapshot(path: Path, package: str, rows: list[dict]) -> None:
-    version = __import__(package).__version__
-    path.write_text(json.dumps({f"{package}_version": version, "options": rows}, indent=1, sort_keys=True) + "\n")
-
-
-def trl_snapshot() -> list[dict]:
-    """Read SFTConfig's fields from the installed TRL (imports torch; used to refresh and to test the copy)."""
-    from trl import SFTConfig
-
-    return _snapshot_rows(options_of(SFTConfig, "trl"))
-
-
-def write_trl_snapshot(path: Path = TRL_SNAPSHOT) -> None:
-    _write_snapshot(path, "trl", trl_snapshot())
-
-
 def load_trl_snapshot(path: Path = TRL_SNAPSHOT) -> dict:
     return json.loads(path.read_text())
-
-
-def methods_snapshot() -> dict[str, list[dict]]:
-    """Each preference method's config class (METHOD_CONFIGS) read from the installed TRL, every field of it."""
-    return {method: _snapshot_rows(options_of(trl_class(method, cls), "trl")) for method, cls in METHOD_CONFIGS.items()}
-
-
-def trl_class(method: str, name: str) -> type:
-    """TRL's class `name` (a trainer or a config) for `method`: from trl itself, or from the experimental module
-    METHOD_MODULES names (orpo, cpo), whose import notice is silenced: the run logs which trainer it uses."""
-    module = METHOD_MODULES.get(method, "trl")
-    if module != "trl":
-        os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    return getattr(importlib.import_module(module), name)
-
-
-def write_methods_snapshot(path: Path = METHODS_SNAPSHOT) -> None:
-    version = __import__("trl").__version__
-    path.write_text(json.dumps({"trl_version": version, **methods_snapshot()}, indent=1, sort_keys=True) + "\n")
 
 
 def load_methods_snapshot(path: Path = METHODS_SNAPSHOT) -> dict:
     return json.loads(path.read_text())
 
 
-def _peft_kind(tp: Any) -> tuple[str, bool, tuple | None]:
+def peft_kind(tp: Any) -> tuple[str, bool, tuple | None]:
     """(kind, nullable, choices) of a LoraConfig annotation. Literal choices are kept (bias, init_lora_weights);
     'list|str' keeps a string a string (peft reads a str as one regex, a list as names), 'int|list' is layer indexes."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
@@ -187,17 +151,6 @@ def _peft_kind(tp: Any) -> tuple[str, bool, tuple | None]:
             if inner == {int}:
                 return "int|list", nullable, None
     return _kind(tp)
-
-
-def peft_snapshot() -> list[dict]:
-    """Read LoraConfig's fields from the installed peft (imports torch; used to refresh and to test the copy)."""
-    from peft import LoraConfig
-
-    return _snapshot_rows(options_of(LoraConfig, "peft", _peft_kind))
-
-
-def write_peft_snapshot(path: Path = PEFT_SNAPSHOT) -> None:
-    _write_snapshot(path, "peft", peft_snapshot())
 
 
 def load_peft_snapshot(path: Path = PEFT_SNAPSHOT) -> dict:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from sftrecipes.core.errors import RecipeError
 
 if TYPE_CHECKING:
-    from sftrecipes.recipe.load import Recipe
+    from sftrecipes.recipe.typed import Recipe
 
 EVAL_MARKERS = ("test", "val", "eval")
 
@@ -18,7 +18,7 @@ EVAL_MARKERS = ("test", "val", "eval")
 # collator set-up, _prepare_dataset, the collator), and what becomes of it here: "pipeline" (applied by this
 # package's own tokenization, which TRL then leaves alone: the data reaching TRL already has input_ids + labels),
 # "trainer" (still acts inside SFTTrainer on the prepared data: packing, shuffling, collating), "refused" (a one-line
-# RecipeError from check_trl_data_keys). tests/test_data.py fails when TRL reads a field this table does not classify,
+# RecipeError from check_trl_data_keys). tests/data/test_data.py fails when TRL reads a field this table does not classify,
 # and shows each key's effect in the tokens, labels, prepared rows or batches.
 TRL_DATA_KEYS: dict[str, tuple[str, str]] = {
     "chat_template_path": ("pipeline", "tokenizer.load_tokenizer makes the .jinja file the template the data is rendered "
@@ -47,7 +47,7 @@ TRL_DATA_KEYS: dict[str, tuple[str, str]] = {
 }
 
 
-# The "pipeline" keys that are not handed to SFTConfig at all (backends.training_kwargs leaves them out): applied to
+# The "pipeline" keys that are not handed to SFTConfig at all (train/args.training_kwargs leaves them out): applied to
 # the data here, TRL would apply them again or refuse them on pre-tokenized data.
 CONSUMED_BY_PIPELINE = ("assistant_only_loss", "completion_only_loss", "chat_template_path")
 

@@ -6,25 +6,22 @@ anything heavy is imported or anything is written.
 
 from __future__ import annotations
 
-import importlib.util
-
 import difflib
+import importlib.util
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sftrecipes.recipe import evalonly
-from sftrecipes.recipe import images
-from sftrecipes.recipe import limits
-from sftrecipes.recipe.coerce import coerce
 from sftrecipes.core.errors import RecipeError
 from sftrecipes.facts.folders import start_from
-from sftrecipes.recipe.schema import CONFIGS, DATASET_ENTRY_KEYS, REFERENCE_FREE, TRAINERS, all_options, dpo_loss_types
+from sftrecipes.recipe import evalonly, images, limits
+from sftrecipes.recipe.coerce import coerce
 from sftrecipes.recipe.lorarules import validate_lora
+from sftrecipes.recipe.schema import CONFIGS, DATASET_ENTRY_KEYS, REFERENCE_FREE, TRAINERS, all_options, dpo_loss_types
 from sftrecipes.recipe.sources import check_eval_split, check_trl_data_keys, sources
 
 if TYPE_CHECKING:
-    from sftrecipes.recipe.load import Recipe
+    from sftrecipes.recipe.typed import Recipe
 
 
 # model_init_kwargs keys the recipe owns under its own name (from_pretrained would otherwise get two values, and the

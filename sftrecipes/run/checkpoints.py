@@ -1,10 +1,10 @@
 """A run's checkpoints, torch-free: which one to resume from and whether this run can continue it, the markers written
 last that make a checkpoint (or a finished run) complete, rotation that never drops the last complete one, and a
-failed write named (file, cause, space). The final save's check is finalsave.py, the non-finite guard nonfinite.py."""
+failed write named (file, cause, space). A live trainer's saves go through train/saving.py, the final save's check is
+train/finalsave.py, the non-finite guard train/nonfinite.py."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import json
@@ -27,8 +27,9 @@ FINAL = "final.complete.json"  # in output_dir, written last by a run whose fina
 
 def write_marker(ckpt: Path, run: dict | None = None) -> None:
     """Record every file of a finished checkpoint with its size and a fingerprint of its ends (file_ends), and what
-    resuming it needs (`run`: run_record); written atomically, last. An empty file is a write that failed without an
-    error (a full disk under some filesystems): the checkpoint is left unmarked and the save fails naming it."""
+    resuming it needs (`run`: train/saving.py's run_record); written atomically, last. An empty file is a write that
+    failed without an error (a full disk under some filesystems): the checkpoint is left unmarked and the save fails
+    naming it."""
     files = {str(p.relative_to(ckpt)): p.stat().st_size for p in sorted(ckpt.rglob("*")) if p.is_file() and p.name != MARKER}
     empty = [rel for rel, size in files.items() if size == 0]
     if empty:
@@ -163,32 +164,13 @@ def finished_run(recipe) -> str | None:
 
 
 # ------------------------------------------------------------------------------ resuming on another topology
-# A checkpoint's marker records what the run that wrote it looked like (run_record). Resuming compares it with the
-# run about to start (match_resume), before the tokenizer, data or model load. One optimizer step means one global
-# batch (processes x batch per device x accumulation) and transformers finds the data position from the step count,
-# so resuming keeps the checkpoint's global batch: on another process count, gradient accumulation absorbs the
-# change where it divides, else the run stops. The files must also be readable at the new count: DDP and single
-# process checkpoints hold whole states, FSDP2's DCP checkpoints reshard (tested exact); DeepSpeed's partitions do
-# not, and FSDP1's are refused (not shown to resume exactly).
-
-def run_record(trainer) -> dict:
-    """What resuming this run's checkpoints depends on: processes, batch per device, accumulation, their product (the
-    global batch), the samples seen, and the checkpoint format (backend; ZeRO stage; FSDP version, state-dict type)."""
-    args, state = trainer.args, trainer.accelerator.state
-    rec = {"world_size": args.world_size, "per_device_train_batch_size": args.per_device_train_batch_size,
-           "gradient_accumulation_steps": args.gradient_accumulation_steps}
-    rec["global_batch"] = rec["world_size"] * rec["per_device_train_batch_size"] * rec["gradient_accumulation_steps"]
-    rec["samples_seen"] = trainer.state.global_step * rec["global_batch"]
-    ds, fsdp = getattr(state, "deepspeed_plugin", None), getattr(state, "fsdp_plugin", None)
-    if ds is not None:
-        rec.update(backend="deepspeed", zero_stage=int(ds.zero_stage))
-    elif fsdp is not None:
-        kind = fsdp.state_dict_type
-        rec.update(backend="fsdp", fsdp_version=int(fsdp.fsdp_version), fsdp_state_dict_type=getattr(kind, "name", str(kind)))
-    else:
-        rec["backend"] = "ddp" if args.world_size > 1 else "none"
-    return rec
-
+# A checkpoint's marker records what the run that wrote it looked like (run_record, written by the live trainer's
+# saves: train/saving.py). Resuming compares it with the run about to start (match_resume), before the tokenizer,
+# data or model load. One optimizer step means one global batch (processes x batch per device x accumulation) and
+# transformers finds the data position from the step count, so resuming keeps the checkpoint's global batch: on
+# another process count, gradient accumulation absorbs the change where it divides, else the run stops. The files must
+# also be readable at the new count: DDP and single process checkpoints hold whole states, FSDP2's DCP checkpoints
+# reshard (tested exact); DeepSpeed's partitions do not, and FSDP1's are refused (not shown to resume exactly).
 
 def _format(rec: dict) -> tuple[str, str]:
     """(checkpoint format in words, the launch keys that select it)."""
@@ -289,65 +271,7 @@ def rotate(output_dir: Path, limit: int | None, keep: Path | None = None) -> lis
     return doomed
 
 
-def make_checkpoints_atomic(trainer, also=None) -> None:
-    """Every checkpoint gets its marker only after all ranks wrote their files; rotation happens after that and by
-    the rule above (transformers rotates before anything marks a checkpoint complete). also(folder): what the main
-    process writes into each checkpoint before its marker (a streamed run's position: stream.py)."""
-    original = trainer._save_checkpoint
-
-    def save_checkpoint(model, trial):
-        limit = trainer.args.save_total_limit
-        trainer.args.save_total_limit = None  # no rotation inside: it would run before the marker exists
-        run_dir = Path(trainer._get_output_dir(trial=trial))
-        try:
-            with named_write_errors(run_dir / f"checkpoint-{trainer.state.global_step}"):  # "no space left", not iostream
-                original(model, trial)
-        finally:
-            trainer.args.save_total_limit = limit
-        trainer.accelerator.wait_for_everyone()
-        if trainer.args.should_save:
-            if also is not None:
-                also(run_dir / f"checkpoint-{trainer.state.global_step}")
-            write_marker(run_dir / f"checkpoint-{trainer.state.global_step}", run_record(trainer))
-            rotate(run_dir, limit, keep=trainer.state.best_model_checkpoint)
-        trainer.accelerator.wait_for_everyone()
-
-    trainer._save_checkpoint = save_checkpoint
-
-
 # ------------------------------------------------------------------------------------------ failed writes
-
-@contextlib.contextmanager
-def named_write_errors(folder: Path):
-    """Inside, torch.save to a path writes through a Python file, so a full disk raises OSError ENOSPC naming the file
-    (given a path, torch's C++ writer says only "[enforce fail at inline_container.cc] unexpected pos" or
-    "basic_ios::clear: iostream error"). A write failure leaves as SaveFailed: one line naming the file, the cause,
-    the space free and, when known, the space needed; other exceptions pass unchanged."""
-    import torch
-
-    real = torch.save
-
-    def save(obj, f, *args, **kwargs):
-        if not isinstance(f, (str, os.PathLike)):
-            return real(obj, f, *args, **kwargs)
-        try:
-            with open(f, "wb") as fh:
-                return real(obj, fh, *args, **kwargs)
-        except OSError as e:
-            e.filename = e.filename or os.fspath(f)
-            raise
-
-    torch.save = save
-    try:
-        yield
-    except Exception as e:  # noqa: BLE001 - only write failures are translated, the rest is raised as it was
-        why = write_failure(e, Path(folder))
-        if why is None:
-            raise
-        raise SaveFailed(why) from e
-    finally:
-        torch.save = real
-
 
 def write_failure(e: BaseException, folder: Path) -> str | None:
     """One line for an exception raised while saving into `folder`, or None when it is not a failed write."""

@@ -1,41 +1,76 @@
-"""Heartbeats: each rank of a multi-process run rewrites its file under <output_dir>/.sftrecipes/heartbeat, and a
-watcher (every rank's RunLife, and `launch`) names the rank whose counter stopped changing for heartbeat_timeout
-seconds."""
+"""Heartbeats: a file a live process rewrites in place with a counter that changes at every beat (`Beat`: a rank's,
+beaten by its RunLife; a lock holder's keep-alive, beaten by a thread), and the watcher that names the rank of a
+multi-process run whose counter stopped changing for heartbeat_timeout seconds (every rank's RunLife, and `launch`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
+import threading
 import time
 from pathlib import Path
+from typing import Callable
 
+from sftrecipes.core.jsonfile import read_json
 from sftrecipes.core.procs import proc_state
 
 HEARTBEATS = ".sftrecipes/heartbeat"
-_RECORD = 256  # bytes of one heartbeat record, rewritten in place
+RECORD = 256  # bytes of one heartbeat record, rewritten in place
 
 
-class Heartbeat:
-    """This rank's heartbeat file, rewritten in place (same inode, closed after each write: readers on a shared
-    filesystem see it at their next open) with a counter that changes at every beat."""
+class Beat:
+    """A heartbeat file: the record `fields()` returns with the counter `beat` and the time, padded to `size` bytes
+    and rewritten in place (same inode, closed after each write: readers on a shared filesystem see it at their next
+    open). Beaten by its owner (`beat()`), or by a thread of its own every `interval` s (`every`) until `stop()`."""
+
+    def __init__(self, path: Path, fields: Callable[[], dict], size: int = RECORD):
+        self.path, self.fields, self.size, self.count = path, fields, size, 0
+        self._stop, self._thread = threading.Event(), None
+        self.path.write_bytes(self._record())
+
+    def _record(self) -> bytes:
+        rec = {**self.fields(), "beat": self.count, "time": round(time.time(), 1)}
+        return json.dumps(rec).ljust(self.size).encode()
+
+    def beat(self) -> None:
+        self.count += 1
+        with open(self.path, "r+b") as f:
+            f.write(self._record())
+
+    def every(self, interval: float) -> Beat:
+        """Beaten from a thread every `interval` s (a write that fails is tried again at the next beat)."""
+        def loop():
+            while not self._stop.wait(interval):
+                with contextlib.suppress(OSError):
+                    self.beat()
+
+        self._thread = threading.Thread(target=loop, name="sftrecipes-heartbeat", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+
+class Heartbeat(Beat):
+    """This rank's heartbeat file, <folder>/rank-N.json: its rank, host, pid and step; beaten by its RunLife."""
 
     def __init__(self, folder: Path, rank: int):
         folder.mkdir(parents=True, exist_ok=True)
-        self.path, self.rank, self.count = folder / f"rank-{rank}.json", rank, 0
-        self.path.write_bytes(self._record(0))
-
-    def _record(self, step: int, done: bool = False) -> bytes:
-        rec = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "beat": self.count, "step": step,
-               "time": round(time.time(), 1), "done": done}
-        return json.dumps(rec).ljust(_RECORD).encode()
+        self.rank, self.step, self.done = rank, 0, False
+        host, pid = socket.gethostname(), os.getpid()
+        super().__init__(folder / f"rank-{rank}.json",
+                         lambda: {"rank": self.rank, "host": host, "pid": pid, "step": self.step, "done": self.done})
 
     def beat(self, step: int, done: bool = False) -> None:
         """One beat; `done`: the last, from a rank leaving its run on purpose (a peer still busy, e.g. rank 0 pushing
         to the hub, must not take its silence for a hang)."""
-        self.count += 1
-        with open(self.path, "r+b") as f:
-            f.write(self._record(step, done))
+        self.step, self.done = step, done
+        super().beat()
 
 
 class Watch:
@@ -54,10 +89,10 @@ class Watch:
         mine = self.pids() if self.pids is not None else None
         out = []
         for f in sorted(self.folder.glob("rank-*.json")) if self.folder.is_dir() else []:
+            rec = read_json(f) or {}
             try:
-                rec = json.loads(f.read_bytes())
                 rank, pid, beat = int(rec["rank"]), int(rec["pid"]), int(rec["beat"])
-            except (OSError, ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError):
                 continue  # vanished, or read half-written
             if rank == self.own or rec.get("done") or (self.world is not None and rank >= self.world):
                 continue

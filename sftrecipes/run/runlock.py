@@ -1,5 +1,6 @@
-"""One run per output_dir: <output_dir>/.sftrecipes.lock names the host, pid and start time of the run that holds the
-folder; taking it is atomic, and a dead holder's (or, with force_lock, another host's) lock is taken over.
+"""One run per output_dir: <output_dir>/.sftrecipes.lock (the one lock, lock.py) names the host, pid and start time of
+the run that holds the folder; who may take it over: a dead holder's run, an earlier attempt of the same requeued SLURM
+job, with force_lock a run on another host; anyone else is refused in one line (LockHeld, exit 2).
 
     take_lock/check_lock   take the lock for this process / check, read-only, that this run may take it
     Lock.release()         remove it if still ours, and the folders taking it created if empty again
@@ -7,16 +8,13 @@ folder; taking it is atomic, and a dead holder's (or, with force_lock, another h
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import socket
 import sys
-import uuid
 from pathlib import Path
 
 from sftrecipes.core.errors import RecipeError
-from sftrecipes.core.procs import gone_from_this_host, identity, now_iso, read_holder
+from sftrecipes.run import lock as locks
 
 log = logging.getLogger("sftrecipes")
 
@@ -29,28 +27,11 @@ class LockHeld(RecipeError):
 
 def read_lock(out: Path) -> dict | None:
     """The holder recorded in <out>/.sftrecipes.lock; None when there is no lock, {} when it is unreadable."""
-    return read_holder(out / LOCK)
+    return locks.read_holder(out / LOCK)
 
 
 def describe(held: dict) -> str:
     return f"host {held.get('host')}, pid {held.get('pid')}, since {held.get('since')}"
-
-
-def _holder_state(held: dict) -> str:
-    """'live' or 'dead' for a holder on this host, 'elsewhere' for another host, 'unreadable'."""
-    if not held.get("host") or not isinstance(held.get("pid"), int):
-        return "unreadable"
-    if held["host"] != socket.gethostname():
-        return "elsewhere"
-    if not Path("/proc/self/stat").exists():  # no procfs (not Linux): the pid alone
-        try:
-            os.kill(held["pid"], 0)
-        except ProcessLookupError:
-            return "dead"
-        except PermissionError:
-            pass
-        return "live"
-    return "dead" if gone_from_this_host(held) else "live"
 
 
 def slurm_attempt() -> dict:
@@ -65,7 +46,7 @@ def _refuse_or_reason(out: Path, held: dict, force: bool) -> str:
     if mine and held.get("slurm_job") == mine["slurm_job"] and int(held.get("slurm_restart", 0)) < mine["slurm_restart"]:
         # a requeued job may start on another node; SLURM ended the earlier attempt's processes before restarting it
         return f"an earlier attempt of SLURM job {mine['slurm_job']} held it (requeued)"
-    state = _holder_state(held)
+    state = locks.holder_state(held)
     if state == "dead":
         return "its process is gone"
     if state == "live":
@@ -79,17 +60,17 @@ def _refuse_or_reason(out: Path, held: dict, force: bool) -> str:
     raise LockHeld(f"output_dir: {out / LOCK} is unreadable; if no run uses {out}, set force_lock: true (or delete the file)")
 
 
-class Lock:
+class Lock(locks.Lock):
     """The lock this process took on an output_dir (`created`: the folders taking it created, deepest first)."""
 
-    def __init__(self, path: Path, token: str, created: list[Path] | None = None):
-        self.path, self.token, self.created = path, token, created or []
+    def __init__(self, out: Path, created: list[Path] | None = None):
+        super().__init__(out / LOCK)
+        self.created = created or []
 
     def release(self) -> None:
         """Remove the lock file if it is still ours (a run that took it over after a crash keeps its own), and the
         folders taking it created if they are empty again: a run that failed before writing leaves nothing."""
-        if (read_lock(self.path.parent) or {}).get("token") == self.token:
-            self.path.unlink(missing_ok=True)
+        super().release()
         for folder in self.created:
             try:
                 folder.rmdir()
@@ -105,9 +86,9 @@ def check_lock(out: Path, force: bool = False, token: str | None = None) -> None
 
 
 def take_lock(out: Path, force: bool = False) -> Lock:
-    """Take <out>/.sftrecipes.lock for this process (host, pid, its start time, since). Atomic: the record is written
-    to a file of its own and hard-linked into place, which fails when the lock exists. A stale lock (holder dead on
-    this host; another host's with force) is moved aside and taken over, with a log line."""
+    """Take <out>/.sftrecipes.lock for this process (host, pid, its start time, since, the command; Lock.take: atomic).
+    A stale lock (holder dead on this host; an earlier attempt of this SLURM job; another host's with force) is moved
+    aside and taken over, with a log line."""
     created, p = [], out.absolute()
     while not p.exists():
         created.append(p)
@@ -116,48 +97,14 @@ def take_lock(out: Path, force: bool = False) -> Lock:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise RecipeError(f"output_dir: cannot create '{out}' ({e.strerror}); set output_dir to a writable folder") from None
-    me = {**identity(), "since": now_iso(),
-          "token": uuid.uuid4().hex, "command": " ".join(sys.argv[:4]), **slurm_attempt()}
-    path, tmp, aside = out / LOCK, out / f"{LOCK}.{me['token']}", out / f"{LOCK}.{me['token']}.stale"
-    tmp.write_text(json.dumps(me))
-    try:
-        for _ in range(10):
-            try:
-                os.link(tmp, path)
-                return Lock(path, me["token"], created)
-            except FileExistsError:
-                pass
-            except OSError:  # a filesystem without hard links: exclusive create (a reader may see it empty briefly)
-                try:
-                    with open(path, "x") as f:
-                        f.write(json.dumps(me))
-                    return Lock(path, me["token"], created)
-                except FileExistsError:
-                    pass
-            held = read_lock(out)
-            if held is None:
-                continue  # released meanwhile
-            why = _refuse_or_reason(out, held, force)
-            try:
-                os.rename(path, aside)  # one taker wins the rename
-            except FileNotFoundError:
-                continue
-            if _read_json(aside) != held:  # another run took it over first: we moved its live lock, put it back
-                try:
-                    os.link(aside, path)
-                except FileExistsError:
-                    pass
-                aside.unlink(missing_ok=True)
-                continue
-            aside.unlink(missing_ok=True)
-            log.warning("lock: taking over %s from %s (%s)", path, describe(held), why)
-        raise RecipeError(f"output_dir: could not take the lock {path}: other runs keep taking it; start one run per output_dir")
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+    lock = Lock(out, created)
+    for _ in range(10):
+        if lock.take(command=" ".join(sys.argv[:4]), **slurm_attempt()):
+            return lock
+        held = read_lock(out)
+        if held is None:
+            continue  # released meanwhile
+        why = _refuse_or_reason(out, held, force)
+        if lock.take_over(held):  # (else another run took it over first)
+            log.warning("lock: taking over %s from %s (%s)", lock.path, describe(held), why)
+    raise RecipeError(f"output_dir: could not take the lock {lock.path}: other runs keep taking it; start one run per output_dir")

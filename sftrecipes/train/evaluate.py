@@ -16,19 +16,21 @@ import time
 import datasets
 from peft import PeftModel
 
-from sftrecipes.train import args as backends
-from sftrecipes.facts import folders
-from sftrecipes.train import methods
-from sftrecipes.model import load as models
-from sftrecipes.data.load import load_source
 from sftrecipes.core.errors import RecipeError
-from sftrecipes.recipe.evalonly import eval_record, eval_sources, eval_words, summary_path, unused, why, without_engine
 from sftrecipes.data.formats import check_template, detect_format
-from sftrecipes.recipe.images import refuse_split
-from sftrecipes.recipe.load import Recipe
-from sftrecipes.facts.startmodel import adapter_of, base_of
+from sftrecipes.data.load import load_source
 from sftrecipes.data.tokenization import finish_split, log_bos, tokenize_split
 from sftrecipes.data.tokenizer import load_tokenizer
+from sftrecipes.facts import folders
+from sftrecipes.facts.startmodel import adapter_of, base_of
+from sftrecipes.model import load as models
+from sftrecipes.model.attnchoice import choose_attention
+from sftrecipes.model.wrapping import fsdp_wrap_classes, zero3_leaves
+from sftrecipes.recipe.evalonly import eval_record, eval_sources, eval_words, summary_path, unused, why, without_engine
+from sftrecipes.recipe.images import refuse_split
+from sftrecipes.recipe.typed import Recipe
+from sftrecipes.train import args as backends
+from sftrecipes.train import methods
 
 log = logging.getLogger("sftrecipes")
 
@@ -74,8 +76,8 @@ def load_evaluated(recipe: Recipe, tokenizer, target: str):
 
 def run(recipe: Recipe, target: str, life, warnings: list[str | None] = ()) -> tuple:
     """Evaluate as the recipe says, without training. Returns (trainer, summary); rank 0 writes the summary.
-    life: the process's lifecycle.RunLife (a preemption signal ends an evaluation: nothing to save, run it again).
-    warnings: train.py's lines for what this process runs otherwise (model.packing_fallback).
+    life: the process's runlife.RunLife (a preemption signal ends an evaluation: nothing to save, run it again).
+    warnings: train.py's lines for what this process runs otherwise (fallbacks.packing_fallback).
     Under DeepSpeed ZeRO-1/2 the ranks evaluate data-parallel without DeepSpeed's engine (evalonly.without_engine): the
     launcher's DeepSpeed variable is turned off in this process before the training arguments read it."""
     engine_free = without_engine(recipe)
@@ -96,13 +98,13 @@ def run(recipe: Recipe, target: str, life, warnings: list[str | None] = ()) -> t
         log.info("%s: evaluation only — nothing is trained, no checkpoint, adapter or model is written%s; the summary goes "
                  "to %s", why(recipe), f" ({', '.join(skipped)}: not used)" if skipped else "", where)
     folders.check_model_files(recipe.model)
-    models.choose_attention(recipe, target)
+    choose_attention(recipe, target)
     if recipe.launch.backend == "fsdp":
-        models.fsdp_wrap_classes(recipe)
+        fsdp_wrap_classes(recipe)
     tokenizer, end_of_turn, _ = load_tokenizer(recipe)
     eval_ds, counts, read = eval_dataset(recipe, tokenizer, end_of_turn)
     model, adapter, base = load_evaluated(recipe, tokenizer, target)
-    models.zero3_leaves(model, recipe, main)
+    zero3_leaves(model, recipe, main)
     # SFTTrainer refuses to be built without a train_dataset; evaluate() never reads it: one eval row stands in
     trainer = methods.trainer_class(recipe)(model=model, args=args, train_dataset=eval_ds.select(range(1)),
                                             eval_dataset=eval_ds, processing_class=tokenizer)

@@ -14,8 +14,9 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from sftrecipes.run.checkpoints import SaveFailed, named_write_errors
 from sftrecipes.export import StoredLayout, tied_copies
+from sftrecipes.run.checkpoints import SaveFailed
+from sftrecipes.train.saving import named_write_errors
 
 log = logging.getLogger("sftrecipes")
 

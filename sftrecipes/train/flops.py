@@ -27,7 +27,8 @@ import logging
 import torch
 
 from sftrecipes.core.errors import RecipeError
-from sftrecipes.facts.shape import Shape, model_shape
+from sftrecipes.facts.config import model_shape
+from sftrecipes.facts.shape import Shape
 
 log = logging.getLogger("sftrecipes")
 

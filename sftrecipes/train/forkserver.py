@@ -90,21 +90,25 @@ def serve(path: str) -> None:
         import deepspeed  # noqa: F401
     except ImportError:
         pass
-    import sftrecipes.export  # noqa: F401
-    import sftrecipes.train.args  # noqa: F401
-    import sftrecipes.run.checkpoints  # noqa: F401
-    from sftrecipes.model import cpumath
     import sftrecipes.data.load  # noqa: F401
+    import sftrecipes.export  # noqa: F401
+    import sftrecipes.model.fallbacks  # noqa: F401
+    import sftrecipes.model.load  # noqa: F401
+    import sftrecipes.model.lora  # noqa: F401
+    import sftrecipes.model.quantload  # noqa: F401
+    import sftrecipes.model.wrapping  # noqa: F401
+    import sftrecipes.plan  # noqa: F401 - the bulk of launch.preflight (train.py imports it; a stage above this one)
+    import sftrecipes.run.checkpoints  # noqa: F401
+    import sftrecipes.train.args  # noqa: F401
+    import sftrecipes.train.devices  # noqa: F401
     import sftrecipes.train.finalsave  # noqa: F401
     import sftrecipes.train.hub  # noqa: F401
-    import sftrecipes.model.lora  # noqa: F401
     import sftrecipes.train.metrics  # noqa: F401
-    import sftrecipes.model.load  # noqa: F401
     import sftrecipes.train.nonfinite  # noqa: F401
     import sftrecipes.train.precision  # noqa: F401
-    import sftrecipes.launch.preflight  # noqa: F401
     import sftrecipes.train.probes  # noqa: F401
-    import sftrecipes.model.quantload  # noqa: F401
+    import sftrecipes.train.saving  # noqa: F401
+    from sftrecipes.model import cpumath
 
     if cpumath.choice() == "fp32":  # the mode's first push imports torch._dynamo (~3 s a rank)
         import torch._dynamo  # noqa: F401

@@ -14,10 +14,11 @@ from __future__ import annotations
 import logging
 import os
 
-from sftrecipes.train import args as backends
-from sftrecipes.recipe.load import Recipe
 from sftrecipes.recipe.schema import REFERENCE_FREE, TRAINERS
-from sftrecipes.recipe.snapshots import METHOD_MODULES, trl_class
+from sftrecipes.recipe.snapshots import METHOD_MODULES
+from sftrecipes.recipe.target import RANK0_READS, weight_reading
+from sftrecipes.recipe.typed import Recipe
+from sftrecipes.train.options import trl_class
 
 log = logging.getLogger("sftrecipes")
 
@@ -48,7 +49,7 @@ def trainer_kwargs(recipe: Recipe, load_reference) -> dict:
             "trainer from %s", recipe.method, TRAINERS[recipe.method], METHOD_MODULES[recipe.method])
         return {}
     if needs_reference_copy(recipe):
-        if backends.weight_reading(recipe, quantized=False)[0] == backends.RANK0_READS:
+        if weight_reading(recipe, quantized=False)[0] == RANK0_READS:
             # TRL shards the reference with fully_shard alone, without the broadcast from rank 0 that accelerate gives
             # the policy: a rank that built it on the meta device would compare against garbage (NaN at step 1)
             say("reference model: a second copy of %s, read by every rank (fsdp_cpu_ram_efficient_loading covers the "

@@ -44,8 +44,15 @@ from accelerate.utils import gather_object
 from torch.utils.tensorboard import SummaryWriter
 from transformers import TrainerCallback
 
-from sftrecipes.train.flops import batch_count_tensor, device_peak_tflops, matmul_params, model_shape_of, step_flops, trainable_split
 from sftrecipes.facts.shape import Shape
+from sftrecipes.train.flops import (
+    batch_count_tensor,
+    device_peak_tflops,
+    matmul_params,
+    model_shape_of,
+    step_flops,
+    trainable_split,
+)
 
 log = logging.getLogger("sftrecipes")
 

@@ -9,8 +9,8 @@ import logging
 import torch
 from transformers import TrainerCallback
 
+from sftrecipes.recipe.typed import Recipe
 from sftrecipes.train.probes import fp32_partitions
-from sftrecipes.recipe.load import Recipe
 
 log = logging.getLogger("sftrecipes")
 

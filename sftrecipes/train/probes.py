@@ -5,7 +5,6 @@ model."""
 from __future__ import annotations
 
 import contextlib
-
 import resource
 
 import psutil
@@ -15,8 +14,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers import TrainerCallback
 
-from sftrecipes.model import heap
 from sftrecipes.core import pages
+from sftrecipes.model import heap
 
 
 def _elements(module) -> tuple[int, int, int]:

@@ -11,10 +11,10 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from sftrecipes.data.chat import describe_not_rendered, template_key
-from sftrecipes.run.checkpoints import is_complete
 from sftrecipes.core.errors import RecipeError
+from sftrecipes.data.chat import describe_not_rendered, template_key
 from sftrecipes.data.stream import Stream, empty_counts
+from sftrecipes.run.checkpoints import is_complete
 
 log = logging.getLogger("sftrecipes")
 
