@@ -11,6 +11,8 @@ parses its own ARGS; everything but training (train.py) starts here.
     python -m sftrecipes preflight RECIPE [--key value ...] [--force]      can it start here? (exit 2 if not)
     python -m sftrecipes env RECIPE [--key value ...]                      environment its ranks need (export lines)
     python -m sftrecipes export SRC DEST [--dtype D] [--base DIR] [--verify]  run output/checkpoint -> loadable HF folder
+    python -m sftrecipes chat RUN|FOLDER [--prompt TEXT] [--system TEXT] [--temperature T] [--max_new_tokens N]
+                                                                           talk to a trained run (an adapter on its base)
     python -m sftrecipes demo                                              tiny LoRA run end to end on CPU
     python -m sftrecipes schema [--refresh | --docs]                       check/refresh the TRL and peft option snapshots, docs
 
@@ -145,6 +147,38 @@ def _preflight(argv: list[str]) -> int:
     return 0
 
 
+def _chat(argv: list[str]) -> int:
+    p = _parser("chat")
+    p.add_argument("folder", help="a run's output_dir (an adapter: loaded on its base, not merged) or a model folder")
+    p.add_argument("--prompt", default=None, help="answer this one message, print the answer and exit (for scripts)")
+    p.add_argument("--system", default=None, help="a system prompt, kept across /reset")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default); above 0: sampled")
+    p.add_argument("--max_new_tokens", type=int, default=256, help="the longest reply, in tokens")
+    ns = p.parse_args(argv)
+    if ns.temperature < 0:
+        raise RecipeError(f"--temperature: {ns.temperature} is negative; use 0 for greedy or a positive value to sample")
+    if ns.max_new_tokens < 1:
+        raise RecipeError(f"--max_new_tokens: {ns.max_new_tokens} is not a positive number of tokens; e.g. 256")
+    folder = Path(ns.folder)
+    if not folder.is_dir():
+        raise RecipeError(f"chat: '{folder}' is not a folder; give a run's output_dir or a model folder")
+    if (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file():
+        folders.merge_base(folders.adapter_config(folder), None)  # its base there and unquantized: one line before torch
+    elif not (folder / "config.json").is_file():  # a checkpoint, or a run's folder holding checkpoints only
+        ckpts = sorted((p for p in folder.glob("checkpoint-*") if p.is_dir()), key=folders.natural_key)
+        src = ckpts[-1] if ckpts else folder
+        try:
+            exportable = folders.export_kind(src) in ("zero", "dcp", "adapter", "model")
+        except RecipeError:
+            exportable = False
+        fix = (f"export it first (python -m sftrecipes export {src} {folder.name}-export) and chat with that folder"
+               if exportable else "give a run's output_dir after training, or a model folder")
+        raise RecipeError(f"chat: '{folder}' holds no model (config.json) and no LoRA adapter (adapter_config.json)"
+                          + (f" but {', '.join(p.name for p in ckpts)}" if ckpts else "") + f"; {fix}")
+    ns.folder = folder
+    return _run("chat", ns)
+
+
 def _demo(argv: list[str]) -> int:
     _parser("demo").parse_args(argv)
     return _run("demo")
@@ -187,6 +221,7 @@ VERBS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "preflight": (_preflight, "check RECIPE can start here (hardware, memory); exit 2 if not (--force: past the memory verdict)"),
     "env": (_env, "print the environment a rank of RECIPE needs, as export lines"),
     "export": (_export, "turn a run's output into a folder transformers loads (merging LoRA adapters)"),
+    "chat": (_chat, "talk to a trained run or a model folder in the terminal, with the run's own chat template"),
     "demo": (_demo, "tiny LoRA fine-tune, merge, reload, generate"),
     "schema": (_schema, "check or refresh the stored TRL and peft option lists (--docs: rewrite the option table)"),
 }

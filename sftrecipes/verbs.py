@@ -1,4 +1,4 @@
-"""The parts of the command line's verbs that load the training stack (tiny, merge, export, prepare, demo, the live
+"""The parts of the command line's verbs that load the training stack (tiny, merge, export, prepare, chat, demo, the live
 option snapshots): cli.py parses and checks a verb's arguments torch-free, then calls here (cli._run)."""
 
 from __future__ import annotations
@@ -95,6 +95,12 @@ def _prepare_evaluation(recipe, load_tokenizer) -> int:
           "checked as the run reads them; nothing cached in data_cache_dir (the run prepares its eval rows itself), no "
           "train split read, no start model merged (an adapter is evaluated on its base)")
     return 0
+
+
+def chat(ns: argparse.Namespace) -> int:
+    from sftrecipes.use import chat as chats
+
+    return chats.main(ns.folder, ns.prompt, ns.system, ns.temperature, ns.max_new_tokens)
 
 
 def demo() -> int:
