@@ -13,6 +13,8 @@ parses its own ARGS; everything but training (train.py) starts here.
     python -m sftrecipes export SRC DEST [--dtype D] [--base DIR] [--verify]  run output/checkpoint -> loadable HF folder
     python -m sftrecipes chat RUN|FOLDER [--prompt TEXT] [--system TEXT] [--temperature T] [--max_new_tokens N]
                                                                            talk to a trained run (an adapter on its base)
+    python -m sftrecipes eval RUN|FOLDER --tasks a,b [--include_path DIR] [--limit N] [--apply_chat_template] [--compare-base]
+                                                                           benchmark tasks by lm-evaluation-harness
     python -m sftrecipes demo                                              tiny LoRA run end to end on CPU
     python -m sftrecipes schema [--refresh | --docs]                       check/refresh the TRL and peft option snapshots, docs
 
@@ -160,10 +162,18 @@ def _chat(argv: list[str]) -> int:
     if ns.max_new_tokens < 1:
         raise RecipeError(f"--max_new_tokens: {ns.max_new_tokens} is not a positive number of tokens; e.g. 256")
     folder = Path(ns.folder)
+    _model_folder("chat", folder)
+    ns.folder = folder
+    return _run("chat", ns)
+
+
+def _model_folder(verb: str, folder: Path) -> None:
+    """A folder `verb` can load a model from, checked torch-free: a model (config.json), or a LoRA adapter whose base
+    is there and unquantized; else one line naming what it is and the export that makes it one."""
     if not folder.is_dir():
-        raise RecipeError(f"chat: '{folder}' is not a folder; give a run's output_dir or a model folder")
+        raise RecipeError(f"{verb}: '{folder}' is not a folder; give a run's output_dir or a model folder")
     if (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file():
-        folders.merge_base(folders.adapter_config(folder), None)  # its base there and unquantized: one line before torch
+        folders.merge_base(folders.adapter_config(folder), None)
     elif not (folder / "config.json").is_file():  # a checkpoint, or a run's folder holding checkpoints only
         ckpts = sorted((p for p in folder.glob("checkpoint-*") if p.is_dir()), key=folders.natural_key)
         src = ckpts[-1] if ckpts else folder
@@ -171,12 +181,38 @@ def _chat(argv: list[str]) -> int:
             exportable = folders.export_kind(src) in ("zero", "dcp", "adapter", "model")
         except RecipeError:
             exportable = False
-        fix = (f"export it first (python -m sftrecipes export {src} {folder.name}-export) and chat with that folder"
+        fix = (f"export it first (python -m sftrecipes export {src} {folder.name}-export) and {verb} that folder"
                if exportable else "give a run's output_dir after training, or a model folder")
-        raise RecipeError(f"chat: '{folder}' holds no model (config.json) and no LoRA adapter (adapter_config.json)"
+        raise RecipeError(f"{verb}: '{folder}' holds no model (config.json) and no LoRA adapter (adapter_config.json)"
                           + (f" but {', '.join(p.name for p in ckpts)}" if ckpts else "") + f"; {fix}")
-    ns.folder = folder
-    return _run("chat", ns)
+
+
+def _eval(argv: list[str]) -> int:
+    p = _parser("eval")
+    p.add_argument("folder", help="a run's output_dir (an adapter: peft on its base) or a model folder")
+    p.add_argument("--tasks", required=True, help="lm-evaluation-harness task names, comma-separated")
+    p.add_argument("--include_path", default=None, help="a folder of task YAML files of your own (local tasks)")
+    p.add_argument("--limit", type=float, default=None, help="at most this many documents a task (below 1: a fraction)")
+    p.add_argument("--apply_chat_template", action="store_true", help="prompts through the model's chat template")
+    p.add_argument("--num_fewshot", type=int, default=None)
+    p.add_argument("--batch_size", type=int, default=1)
+    p.add_argument("--compare-base", dest="compare_base", action="store_true",
+                   help="score the base model too (an adapter's base, or --base) and show both side by side")
+    p.add_argument("--base", default=None, help="the base model to compare with (default: the adapter's base)")
+    ns = p.parse_args(argv)
+    folder = Path(ns.folder)
+    _model_folder("eval", folder)
+    tasks = [t.strip() for t in ns.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise RecipeError("--tasks: no task named; e.g. --tasks hellaswag,arc_easy")
+    if ns.include_path is not None and not Path(ns.include_path).is_dir():
+        raise RecipeError(f"--include_path: '{ns.include_path}' is not a folder; give the folder that holds your task YAML files")
+    if ns.limit is not None and ns.limit <= 0:
+        raise RecipeError(f"--limit: {ns.limit:g} is not positive; give a number of documents (or a fraction below 1)")
+    if ns.compare_base and ns.base is None and not (folder / "adapter_config.json").is_file():
+        raise RecipeError(f"--compare-base: '{folder}' is a model, not an adapter, so its base is not known; add --base BASE")
+    ns.folder, ns.tasks = folder, tasks
+    return _run("eval", ns)
 
 
 def _demo(argv: list[str]) -> int:
@@ -222,6 +258,7 @@ VERBS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "env": (_env, "print the environment a rank of RECIPE needs, as export lines"),
     "export": (_export, "turn a run's output into a folder transformers loads (merging LoRA adapters)"),
     "chat": (_chat, "talk to a trained run or a model folder in the terminal, with the run's own chat template"),
+    "eval": (_eval, "score a trained run or a model folder on benchmark tasks (lm-evaluation-harness)"),
     "demo": (_demo, "tiny LoRA fine-tune, merge, reload, generate"),
     "schema": (_schema, "check or refresh the stored TRL and peft option lists (--docs: rewrite the option table)"),
 }

@@ -1,4 +1,4 @@
-"""The parts of the command line's verbs that load the training stack (tiny, merge, export, prepare, chat, demo, the live
+"""The parts of the command line's verbs that load the training stack (tiny, merge, export, prepare, chat, eval, demo, the live
 option snapshots): cli.py parses and checks a verb's arguments torch-free, then calls here (cli._run)."""
 
 from __future__ import annotations
@@ -101,6 +101,13 @@ def chat(ns: argparse.Namespace) -> int:
     from sftrecipes.use import chat as chats
 
     return chats.main(ns.folder, ns.prompt, ns.system, ns.temperature, ns.max_new_tokens)
+
+
+def eval(ns: argparse.Namespace) -> int:  # noqa: A001 - the verb's name
+    from sftrecipes.use import lmeval
+
+    return lmeval.main(ns.folder, ns.tasks, ns.include_path, ns.limit, ns.apply_chat_template, ns.compare_base,
+                       ns.base, ns.num_fewshot, ns.batch_size)
 
 
 def demo() -> int:
