@@ -249,20 +249,25 @@ def loss_words(losses: list[float], train_loss: float | None, logging_steps, ste
     return "no step trained in this run, no loss logged"
 
 
-def leave_process_group(code: int = 0) -> int:
+def leave_process_group(code: int = 0, after=None) -> int:
     """Ranks that exit with the process group alive can abort in teardown ("terminate called without an active
     exception", seen on a QLoRA+FSDP twin), failing a run that had finished. Called by main(), not run(): callers of
-    run() may still need the group (an in-run merge under ZeRO-3)."""
+    run() may still need the group (an in-run merge under ZeRO-3). `after`: what this process does once the group is
+    gone (eval_tasks on the main process), its exit code the process's when the run's was 0."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+        if after is not None:
+            code = after() or code
         # the abort still happened in C++ static teardown (DeepSpeed/gloo threads) after a clean destroy; every file
         # is written and closed by now, so a distributed rank ends without running those destructors
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+    if after is not None:
+        code = after() or code
     return code
 
 
@@ -274,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     try:
         recipe = load_recipe(argv)
+        if recipe.run.eval_tasks:  # the tasks scored after training exist, before anything is written or trained
+            from sftrecipes.use import lmeval
+
+            lmeval.check_tasks(recipe.run.eval_tasks, recipe.run.eval_include_path, ("eval_tasks", "eval_include_path"))
         with runlife.RunLife(recipe) as life:  # dies with its launcher; main process: lock, or a finished run's no-op
             if life.finished:
                 return 0
@@ -294,7 +303,16 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":
             log.warning("%s", e)
         return leave_process_group(lifecycle.preempted_exit_code())
-    return leave_process_group(0)
+    return leave_process_group(0, after=_eval_tasks(recipe))
+
+
+def _eval_tasks(recipe):
+    """eval_tasks: the benchmark run on the saved model by the main process once every rank is done (None: none)."""
+    if not recipe.run.eval_tasks or os.environ.get("RANK", "0") != "0":
+        return None
+    from sftrecipes.use import lmeval
+
+    return lambda: lmeval.after_training(recipe)
 
 
 if __name__ == "__main__":

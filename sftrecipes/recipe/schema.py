@@ -235,6 +235,11 @@ class RunOptions:
         choices=METHODS,
     )
 
+    eval_tasks: list[str] | None = opt(None, "After training, score the run on these lm-evaluation-harness tasks, as `python "
+                                       "-m sftrecipes eval` does (the main process, once every rank is done): output_dir/"
+                                       "lm_eval_results.json, and the figures in run_summary.json (`lm_eval`). Names checked before training.")
+    eval_include_path: str | None = opt(None, "eval_tasks: a folder of task YAML files of your own (lm_eval's --include_path).")
+    eval_limit: float | None = opt(None, "eval_tasks: at most this many documents a task (below 1: a fraction of each).")
     sample_max_new_tokens: int = opt(
         32,
         "After training, greedily generate this many tokens in reply to the first prompt of the eval split (else the "

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from sftrecipes.core.errors import RecipeError
 from sftrecipes.facts.folders import start_from
-from sftrecipes.recipe import evalonly, images, limits
+from sftrecipes.recipe import evalonly, evaltasks, images, limits
 from sftrecipes.recipe.coerce import coerce
 from sftrecipes.recipe.lorarules import validate_lora
 from sftrecipes.recipe.schema import CONFIGS, DATASET_ENTRY_KEYS, REFERENCE_FREE, TRAINERS, all_options, dpo_loss_types
@@ -106,6 +106,7 @@ def validate(r: Recipe) -> None:
         _validate_datasets(d.datasets)
     _validate_method(r)
     evalonly.check(r)  # do_train: false / max_steps: 0: evaluation only (its rules, its eval split)
+    evaltasks.check(r)  # eval_tasks: benchmark tasks after training (the keys with it, a save the harness loads)
     if not evalonly.eval_only(r):  # (an evaluation-only run reads no training split, streamed or not)
         _validate_streaming(r)
 

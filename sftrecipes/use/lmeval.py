@@ -8,11 +8,13 @@ the folder and shown as a table; with --compare-base, the base beside the fine-t
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
 from sftrecipes.core.errors import RecipeError
 from sftrecipes.facts import startmodel
+from sftrecipes.run.lifecycle import output_dir
 
 RESULTS = "lm_eval_results.json"  # in the evaluated folder
 
@@ -26,19 +28,27 @@ def model_args(folder: Path) -> dict[str, str]:
     return {"pretrained": startmodel.base_of(adapter), "peft": str(adapter), "tokenizer": str(adapter)}
 
 
-def score(args: dict, tasks: list[str], include_path: str | None, limit: float | None, chat: bool, fewshot: int | None,
-          batch_size: int) -> dict:
-    """lm_eval.simple_evaluate on one model; a task name it does not know is one line naming the fix."""
-    import torch
-    from lm_eval import simple_evaluate
+def check_tasks(tasks: list[str], include_path: str | None, keys: tuple[str, str] = ("--tasks", "--include_path")):
+    """The TaskManager that knows `tasks` (lm-evaluation-harness's own, with include_path's); a task it does not know is
+    one line naming the fix. Indexes the task folders only: nothing is loaded."""
     from lm_eval.tasks import TaskManager
 
     manager = TaskManager(include_path=include_path) if include_path else TaskManager()
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         where = f" in lm-evaluation-harness or {include_path}" if include_path else " in lm-evaluation-harness"
-        raise RecipeError(f"--tasks: no task {', '.join(repr(t) for t in unknown)}{where}; give a task folder with "
-                          "--include_path, or a name lm-evaluation-harness lists (python -m lm_eval ls tasks)")
+        raise RecipeError(f"{keys[0]}: no task {', '.join(repr(t) for t in unknown)}{where}; give a task folder with "
+                          f"{keys[1]}, or a name lm-evaluation-harness lists (python -m lm_eval ls tasks)")
+    return manager
+
+
+def score(args: dict, tasks: list[str], include_path: str | None, limit: float | None, chat: bool, fewshot: int | None,
+          batch_size: int) -> dict:
+    """lm_eval.simple_evaluate on one model; a task name it does not know is one line naming the fix."""
+    import torch
+    from lm_eval import simple_evaluate
+
+    manager = check_tasks(tasks, include_path)
     return simple_evaluate(model="hf", model_args=args, tasks=tasks, limit=limit, apply_chat_template=chat,
                            num_fewshot=fewshot, batch_size=batch_size, task_manager=manager, log_samples=False,
                            device="cuda" if torch.cuda.is_available() else "cpu")
@@ -101,3 +111,22 @@ def _version() -> str:
     from importlib.metadata import version
 
     return version("lm_eval")
+
+
+def after_training(recipe) -> int:
+    """`eval_tasks`: the run's output_dir scored as `eval` scores it, its figures added to run_summary.json (`lm_eval`:
+    task -> metric -> value). Returns 0, or 1 after one line when the harness fails (the trained run stays as saved)."""
+    run, out = recipe.run, output_dir(recipe)
+    try:
+        main(out, list(run.eval_tasks), run.eval_include_path, run.eval_limit, False, False, None, None, 1)
+    except Exception as e:  # noqa: BLE001 - training is done and saved: the evaluation's failure is one line, exit 1
+        print(f"error: eval_tasks: lm-evaluation-harness failed on {out} ({type(e).__name__}: {e}); the trained run is "
+              f"saved: run `python -m sftrecipes eval {out} --tasks {','.join(run.eval_tasks)}` to try again", file=sys.stderr)
+        return 1
+    record = json.loads((out / RESULTS).read_text())
+    summary_path = out / "run_summary.json"
+    summary = json.loads(summary_path.read_text())
+    summary["lm_eval"] = {task: {k: v for k, v in metrics.items() if "," in k and isinstance(v, (int, float))}
+                          for task, metrics in record["results"].items()}
+    summary_path.write_text(json.dumps(summary, indent=1, default=str))
+    return 0

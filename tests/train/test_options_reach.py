@@ -17,7 +17,7 @@ import pytest
 import torch
 from peft import get_peft_model
 from safetensors.torch import load_file
-from conftest import free_port
+from conftest import free_port, run_cli
 from test_data import first_batch, trainer_for
 from test_lifecycle import fake_agent_preemption
 from transformers import AutoModelForCausalLM, TrainerControl, TrainerState
@@ -541,6 +541,40 @@ def obs_force_lock(tiny_model, tmp_path):
         runlock.take_lock(tmp_path, recipe().run.force_lock)
     runlock.take_lock(tmp_path, recipe("--force_lock", True).run.force_lock)
     assert json.loads((tmp_path / runlock.LOCK).read_text())["host"] != "another-host"
+
+
+_EVAL: dict = {}
+
+
+def _eval_run(tmp_path):
+    """One 2-step run of train.py, as users start it, with eval_tasks (tinymc, a local task of 20 questions, from
+    eval_include_path) limited to 5 documents: its output_dir, shared by the three eval_* observers."""
+    if "out" not in _EVAL:
+        out = tmp_path / "eval-tasks"
+        res = run_cli(["train.py", *BASE, "--chat_template_format", "chatml", "--max_steps", "2", "--sample_max_new_tokens",
+                       "0", "--eval_tasks", "tinymc", "--eval_include_path", "tests/use/tasks", "--eval_limit", "5",
+                       "--output_dir", str(out)])
+        assert res.returncode == 0, res.stderr[-3000:]
+        _EVAL["out"] = out
+    out = _EVAL["out"]
+    return json.loads((out / "lm_eval_results.json").read_text()), json.loads((out / "run_summary.json").read_text()), out
+
+
+def obs_eval_tasks(tiny_model, tmp_path):
+    """The trained model is scored after training, from output_dir, and its figures reach run_summary.json."""
+    record, summary, out = _eval_run(tmp_path)
+    assert record["tasks"] == ["tinymc"] and record["model_args"] == {"pretrained": str(out)}
+    assert summary["lm_eval"]["tinymc"]["acc,none"] == record["results"]["tinymc"]["acc,none"]
+
+
+def obs_eval_include_path(tiny_model, tmp_path):
+    record, _, _ = _eval_run(tmp_path)  # tinymc exists only in that folder
+    assert record["include_path"] == "tests/use/tasks" and "tinymc" in record["results"]
+
+
+def obs_eval_limit(tiny_model, tmp_path):
+    record, _, _ = _eval_run(tmp_path)
+    assert record["limit"] == 5 and record["n_samples"]["tinymc"] == {"original": 20, "effective": 5}
 
 
 OBSERVERS = {name[4:].replace("launch_", "launch."): fn for name, fn in globals().items() if name.startswith("obs_")}
