@@ -106,8 +106,9 @@ def chat(ns: argparse.Namespace) -> int:
 def eval(ns: argparse.Namespace) -> int:  # noqa: A001 - the verb's name
     from sftrecipes.use import lmeval
 
-    return lmeval.main(ns.folder, ns.tasks, ns.include_path, ns.limit, ns.apply_chat_template, ns.compare_base,
-                       ns.base, ns.num_fewshot, ns.batch_size)
+    lmeval.main(ns.folder, ns.tasks, ns.include_path, ns.limit, ns.apply_chat_template, ns.compare_base, ns.base,
+                ns.num_fewshot, ns.batch_size)
+    return 0
 
 
 def demo() -> int:

@@ -42,13 +42,12 @@ def check_tasks(tasks: list[str], include_path: str | None, keys: tuple[str, str
     return manager
 
 
-def score(args: dict, tasks: list[str], include_path: str | None, limit: float | None, chat: bool, fewshot: int | None,
+def score(args: dict, tasks: list[str], manager, limit: float | None, chat: bool, fewshot: int | None,
           batch_size: int) -> dict:
-    """lm_eval.simple_evaluate on one model; a task name it does not know is one line naming the fix."""
+    """lm_eval.simple_evaluate on one model, the tasks from `manager` (check_tasks)."""
     import torch
     from lm_eval import simple_evaluate
 
-    manager = check_tasks(tasks, include_path)
     return simple_evaluate(model="hf", model_args=args, tasks=tasks, limit=limit, apply_chat_template=chat,
                            num_fewshot=fewshot, batch_size=batch_size, task_manager=manager, log_samples=False,
                            device="cuda" if torch.cuda.is_available() else "cpu")
@@ -85,10 +84,12 @@ def table(tuned: dict, base: dict | None) -> str:
 
 
 def main(folder: Path, tasks: list[str], include_path: str | None, limit: float | None, chat: bool,
-         compare_base: bool, base: str | None, fewshot: int | None, batch_size: int) -> int:
+         compare_base: bool, base: str | None, fewshot: int | None, batch_size: int) -> dict:
+    """Score, write RESULTS into `folder`, print the table; returns the record written."""
     started = time.time()
     args = model_args(folder)
-    tuned = score(args, tasks, include_path, limit, chat, fewshot, batch_size)
+    manager = check_tasks(tasks, include_path)  # built once: indexing every task folder takes seconds
+    tuned = score(args, tasks, manager, limit, chat, fewshot, batch_size)
     record = {"folder": str(folder), "model_args": args, "tasks": tasks, "include_path": include_path, "limit": limit,
               "apply_chat_template": chat, "num_fewshot": fewshot, "results": tuned["results"],
               "n_samples": tuned.get("n-samples"), "versions": tuned.get("versions"),
@@ -96,7 +97,7 @@ def main(folder: Path, tasks: list[str], include_path: str | None, limit: float 
     base_rows = None
     if compare_base:
         base_args = {"pretrained": base or args["pretrained"]}
-        base_res = score(base_args, tasks, include_path, limit, chat, fewshot, batch_size)
+        base_res = score(base_args, tasks, manager, limit, chat, fewshot, batch_size)
         record["base"] = {"model_args": base_args, "results": base_res["results"]}
         base_rows = rows(base_res)
     record["seconds"] = round(time.time() - started, 1)
@@ -104,7 +105,7 @@ def main(folder: Path, tasks: list[str], include_path: str | None, limit: float 
     out.write_text(json.dumps(record, indent=1, sort_keys=True, default=str) + "\n")
     print(table(rows(tuned), base_rows))
     print(f"eval: {', '.join(tasks)} on {folder}" + (f" (limit {limit})" if limit else "") + f" -> {out}")
-    return 0
+    return record
 
 
 def _version() -> str:
@@ -118,12 +119,11 @@ def after_training(recipe) -> int:
     task -> metric -> value). Returns 0, or 1 after one line when the harness fails (the trained run stays as saved)."""
     run, out = recipe.run, output_dir(recipe)
     try:
-        main(out, list(run.eval_tasks), run.eval_include_path, run.eval_limit, False, False, None, None, 1)
+        record = main(out, list(run.eval_tasks), run.eval_include_path, run.eval_limit, False, False, None, None, 1)
     except Exception as e:  # noqa: BLE001 - training is done and saved: the evaluation's failure is one line, exit 1
         print(f"error: eval_tasks: lm-evaluation-harness failed on {out} ({type(e).__name__}: {e}); the trained run is "
               f"saved: run `python -m sftrecipes eval {out} --tasks {','.join(run.eval_tasks)}` to try again", file=sys.stderr)
         return 1
-    record = json.loads((out / RESULTS).read_text())
     summary_path = out / "run_summary.json"
     summary = json.loads(summary_path.read_text())
     summary["lm_eval"] = {task: {k: v for k, v in metrics.items() if "," in k and isinstance(v, (int, float))}
