@@ -24,7 +24,7 @@ if __name__ == "__main__" and os.environ.get("SFTRECIPES_FORK_SERVER"):  # the t
 
     forks.exit_in_fork(sys.argv)  # (returns where no server answered: this process runs it)
 
-from sftrecipes.recipe import evalonly  # noqa: E402
+from sftrecipes.recipe import evalonly, valset  # noqa: E402
 from sftrecipes.train import runlife  # noqa: E402 - torch waits inside it until a rank trains
 
 if __name__ == "__main__":  # first thing: a SIGTERM/SIGUSR1 while this process starts waits for RunLife (no sudden death)
@@ -169,6 +169,8 @@ def run(recipe, life=None):
     if stream is not None:  # it could not read on (a row it cannot parse): the steps trained saved, one line, exit 2
         streamtrain.stop_if_unreadable(data_callbacks[0], trainer)
     life.stop_if_preempted(trainer)  # rank 0 writes preempted.json; main() exits 75
+    if valset.final_eval_due(recipe, trainer.state.log_history, trainer.state.global_step):
+        trainer.evaluate()  # val_set_size: the held-out rows after the last step (every rank), into run_summary.json's eval
     backend = probes.describe_backend(trainer)  # before save/generate, which gather shards
     memory_phases = memory.gather(trainer.accelerator)
     if stream is not None:

@@ -85,15 +85,16 @@ def prepare(recipe, dry: bool) -> int:
 def _prepare_evaluation(recipe, load_tokenizer) -> int:
     """prepare for an evaluation-only recipe: the eval splits the run evaluates read (a hub dataset downloaded into
     datasets' cache), checked and tokenized as the run does (evaluate.eval_dataset), to say what the run will evaluate;
-    nothing is written to data_cache_dir (the run prepares its eval rows itself), no train split is read, and an
-    adapter is not merged (the run evaluates it on its base)."""
+    nothing is written to data_cache_dir (the run prepares its eval rows itself), no train split is read (but for
+    val_set_size's held-out rows), and an adapter is not merged (the run evaluates it on its base)."""
     from sftrecipes.train.evaluate import eval_dataset
 
     tokenizer, eot, _ = load_tokenizer(recipe)
     _, counts, read = eval_dataset(recipe, tokenizer, eot)
     print(f"prepare: {why(recipe)}: evaluation only: {', '.join(read)}: {counts['read']} read, {counts['kept']} kept, "
-          "checked as the run reads them; nothing cached in data_cache_dir (the run prepares its eval rows itself), no "
-          "train split read, no start model merged (an adapter is evaluated on its base)")
+          "checked as the run reads them; nothing cached in data_cache_dir (the run prepares its eval rows itself), "
+          f"{'the train split read for the rows val_set_size holds out' if 'held_out' in counts else 'no train split read'}, "
+          "no start model merged (an adapter is evaluated on its base)")
     return 0
 
 

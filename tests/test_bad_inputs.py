@@ -228,6 +228,19 @@ SETUPS.update({"jsonl_and_txt_folder": _jsonl_and_txt_folder, "columns_differ_fo
                "cut_line_jsonl": _cut_line_jsonl})
 
 
+# issue 39: val_set_size on a save_to_disk folder with a test split (found when the data is read: no files validation reads)
+
+
+def _chat_saved_with_test(tmp: Path, tiny: Path) -> None:
+    import datasets
+
+    rows = [json.loads(x) for x in _chat_lines(6).splitlines()]
+    datasets.DatasetDict({s: datasets.Dataset.from_list(rows) for s in ("train", "test")}).save_to_disk(str(tmp / "saved"))
+
+
+SETUPS["chat_saved_with_test"] = _chat_saved_with_test
+
+
 # ----------------------------------------------------------------------------------------------- running
 
 

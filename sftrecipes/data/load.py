@@ -2,7 +2,8 @@
 
 Sources are a hub id, a local folder, a save_to_disk folder or a json/jsonl/parquet/csv/arrow file (a local file or
 folder read by datafiles.py: every file of a split whatever its format, counted per format; its splits checked before
-any row is read); a `datasets:` mixture draws each entry's rows under the seed. Each split's format is read
+any row is read); a `datasets:` mixture draws each entry's rows under the seed; `val_set_size` holds rows of the
+training split out as the eval split (`read_splits`). Each split's format is read
 (formats.py) and its samples made into tokens and labels (tokenization.py). Which sources and splits a recipe names,
 and the data keys checked before anything loads, are sources.py's (torch-free, read by recipe validation).
 
@@ -14,6 +15,7 @@ without the cache.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
@@ -23,6 +25,7 @@ from sftrecipes.core.errors import RecipeError
 from sftrecipes.data import datafiles, prepcache
 from sftrecipes.data.formats import SHAREGPT_ROLES, check_template, detect_format, is_conversational, sample_prompt
 from sftrecipes.data.tokenization import finish_split, log_bos, tokenize_split
+from sftrecipes.recipe import valset
 from sftrecipes.recipe.images import refuse_split
 from sftrecipes.recipe.sources import Source, check_eval_split, sources
 from sftrecipes.recipe.typed import Recipe
@@ -107,11 +110,44 @@ def load_raw(recipe: Recipe):
     """(train, eval or None) of `dataset_name` as loaded, before formatting (a mixture: see load_datasets)."""
     if recipe.data.datasets:
         raise ValueError("load_raw reads dataset_name; a recipe with datasets is read by load_datasets")
-    src = sources(recipe)[0]
-    train = load_source(src, src.split)
-    evals = load_source(src, src.eval_split) if src.eval_split else None
+    got, got_eval, _ = read_splits(recipe, sources(recipe)[0])
+    evals = got_eval.dataset if got_eval is not None else None
     check_eval_split(recipe, evals is not None)
-    return train, evals
+    return got.dataset, evals
+
+
+@dataclass
+class HeldOut:
+    """val_set_size's rows: what run_summary.json records of them, and the split's row indices that train and evaluate."""
+
+    record: dict
+    train_rows: list[int]
+    eval_rows: list[int]
+
+
+def read_splits(recipe: Recipe, src: Source) -> tuple[datafiles.Read, datafiles.Read | None, HeldOut | None]:
+    """(the training split, the eval split or None, None) of a source as read; with val_set_size (recipe/valset.py) the
+    eval split is rows of the training split held out under the seed, which the training split returned lacks. A source
+    with an eval split of its own (the one `splits` names by default, looked for) is then refused in one line."""
+    got = read_source(src, src.split)
+    got_eval = read_source(src, src.eval_split, required=src.eval_required) if src.eval_split else None
+    if recipe.data.val_set_size is None:
+        return got, got_eval, None
+    if got_eval is not None:
+        raise RecipeError(valset.conflict(recipe, src.eval_split))
+    rows, where = len(got.dataset), f"{src.key} {src.path} ({src.split})"
+    picked = np.random.default_rng(valset.seed_of(recipe)[0]).choice(rows, valset.count(recipe, rows, where), replace=False)
+    mask = np.zeros(rows, dtype=bool)
+    mask[picked] = True
+    out = HeldOut(valset.record(recipe, np.flatnonzero(mask), rows, where), np.flatnonzero(~mask).tolist(),
+                  np.flatnonzero(mask).tolist())
+    log.info("data: %s", valset.words(out.record))
+
+    def part(idx: list[int]) -> datafiles.Read:
+        counted = got.counts(idx)
+        return datafiles.Read(got.dataset.select(idx), None, list(counted.items()) if counted is not None else None)
+
+    return part(out.train_rows), part(out.eval_rows), out
 
 
 # ----------------------------------------------------------------------------------------------- mixtures
@@ -201,8 +237,7 @@ def build_datasets(recipe: Recipe, tokenizer, eot: str):
     train_files, eval_files = {}, {}  # rows per file format (datafiles.py)
     sharegpt_logged = False
     for i, src in enumerate(srcs):
-        got = read_source(src, src.split)
-        got_eval = read_source(src, src.eval_split, required=src.eval_required) if src.eval_split else None
+        got, got_eval, held = read_splits(recipe, src)  # (val_set_size: the eval split held out of the training split)
         raw, raw_eval = got.dataset, got_eval.dataset if got_eval is not None else None
         for split, ds in ((src.split, raw), (src.eval_split, raw_eval)):  # image rows: refused before tokenizing
             refuse_split(recipe, ds, f"{src.key} {src.path} ({split})")
@@ -223,13 +258,14 @@ def build_datasets(recipe: Recipe, tokenizer, eot: str):
             draws.append(record)
         name = f"train split of {src.key}" if mixture else "train split"
         train_parts.append(tokenize_split(recipe, tokenizer, eot, raw, name, fmt, f"{src.key} {src.path} ({src.split})",
-                                          idx if mixture else None))
+                                          idx if mixture else held and held.train_rows))
         train_formats[fmt] = train_formats.get(fmt, 0) + len(raw)
         _add_counts(train_files, got.counts(idx if mixture else None))
         if raw_eval is not None:
             _add_counts(eval_files, got_eval.counts())
             eval_parts.append(tokenize_split(recipe, tokenizer, eot, raw_eval, f"eval split of {src.key}" if mixture else "eval split", fmt,
-                                             f"{src.key} {src.path} ({src.eval_split})"))
+                                             f"{src.key} {src.path} ({src.split if held else src.eval_split})",
+                                             held and held.eval_rows))
             eval_formats[fmt] = eval_formats.get(fmt, 0) + len(raw_eval)
     if completion_only_set and "prompt_completion" not in train_formats:
         raise RecipeError(f"completion_only_loss: applies to prompt/completion data, but the data is {', '.join(train_formats)}; "
@@ -247,4 +283,6 @@ def build_datasets(recipe: Recipe, tokenizer, eot: str):
     log_bos(tokenizer, sum(c["duplicate_bos_removed"] for c in counts.values()))
     if mixture:
         counts["mixture"] = {"seed": seed, "sources": draws}
+    if held:
+        counts["held_out"] = held.record
     return train, evals, prompt, counts

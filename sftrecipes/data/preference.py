@@ -1,7 +1,7 @@
 """Preference data: the rows DPOTrainer, KTOTrainer, ORPOTrainer and CPOTrainer train on (one dataset or a seeded mixture, its splits), in the
 shapes TRL tokenizes itself, counted.
 
-Sources, splits, column renames and a mixture's draws are SFT's (sources.py, data.load_source, data.draw_entry), and
+Sources, splits, column renames and a mixture's draws are SFT's (sources.py, data.read_splits (val_set_size too), data.draw_entry), and
 formats.detect_preference_format reads each split's shape from its columns. TRL 1.16 tokenizes preference data itself
 (`_prepare_dataset`: the prompt with the generation prompt, prompt + completion, EOS appended to text completions,
 rows whose prompt alone fills max_length dropped), so what is done here is done to rows, never to tokens:
@@ -30,7 +30,7 @@ from trl.data_utils import extract_prompt, unpair_preference_dataset
 
 from sftrecipes.core.errors import RecipeError
 from sftrecipes.data.formats import check_template, detect_preference_format, from_sharegpt
-from sftrecipes.data.load import draw_entry, load_source, log_mixture
+from sftrecipes.data.load import draw_entry, log_mixture, read_splits
 from sftrecipes.recipe.images import refuse_split
 from sftrecipes.recipe.schema import METHODS, REFERENCE_FREE, TRAINERS
 from sftrecipes.recipe.sources import Source, check_eval_split, sources
@@ -282,9 +282,9 @@ def preference_datasets(recipe: Recipe, tokenizer):
     splits: dict[str, tuple[list, list, list]] = {"train": ([], [], []), "eval": ([], [], [])}  # rows, counts, names
     draws = []
     for i, src in enumerate(srcs):
-        raw = load_source(src, src.split)
-        raw_eval = load_source(src, src.eval_split, required=src.eval_required) if src.eval_split else None
-        for split, ds, split_name in (("train", raw, src.split), ("eval", raw_eval, src.eval_split)):
+        got, got_eval, held = read_splits(recipe, src)  # (val_set_size: the eval split held out of the training split)
+        raw, raw_eval = got.dataset, got_eval.dataset if got_eval is not None else None
+        for split, ds, split_name in (("train", raw, src.split), ("eval", raw_eval, src.split if held else src.eval_split)):
             if ds is None:
                 continue
             where = f"{src.key} {src.path} ({split_name})"
@@ -313,6 +313,8 @@ def preference_datasets(recipe: Recipe, tokenizer):
         counts["eval"] = count_split(method, "eval split", eval_counts, recipe)
     if mixture:
         counts["mixture"] = {"seed": seed, "sources": draws}
+    if held:
+        counts["held_out"] = held.record
     check_eval_split(recipe, evals is not None)
     first = next((p for p in eval_rows if len(p)), None) or next((p for p in train_rows if len(p)), None)
     return train, evals, _sample_prompt(first), counts

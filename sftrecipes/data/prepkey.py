@@ -27,7 +27,7 @@ from sftrecipes.recipe.typed import Recipe
 PREP_VERSION = 2  # 2: the rows as SFTTrainer reads them (packed, shuffled: trainrows.py), one Arrow file a split
 # The modules whose code shapes the prepared rows: their source is part of the key.
 CODE = ("data/load.py", "data/datafiles.py", "recipe/sources.py", "data/formats.py", "data/chat.py", "data/tokenization.py",
-        "data/fastencode.py", "data/tokenizer.py", "data/trainrows.py")
+        "data/fastencode.py", "data/tokenizer.py", "data/trainrows.py", "recipe/valset.py")
 LIBRARIES = ("datasets", "tokenizers", "transformers", "trl", "jinja2", "numpy", "pyarrow")
 
 # What becomes of each recipe key the data step reads (tests/data/test_prepcache.py fails on a DataOptions key or TRL data
@@ -35,7 +35,7 @@ LIBRARIES = ("datasets", "tokenizers", "transformers", "trl", "jinja2", "numpy",
 # in the key through the sources or the tokenizer, or it does not shape the rows (NOT_KEYED, with the reason).
 KEYED = ("add_special_tokens", "append_concat_token", "dataset_text_field", "assistant_only_loss", "completion_only_loss",
          "max_length", "truncation_mode", "chat_template_format", "chat_template_path", "pad_token", "packing",
-         "eval_packing", "packing_strategy", "shuffle_dataset", "seed")
+         "eval_packing", "packing_strategy", "shuffle_dataset", "seed", "val_set_size", "data_seed")
 VIA_SOURCES = ("dataset_name", "datasets", "splits", "dataset_format")  # each source's path, splits, columns, format, draw
 VIA_TOKENIZER = ("model_name_or_path", "tokenizer_name_or_path", "chat_template_format", "chat_template_path", "eos_token",
                  "trust_remote_code")  # the tokenizer as configured, hashed (tokenizer_fingerprint)
@@ -136,11 +136,12 @@ def tokenizer_fingerprint(tokenizer) -> str:
 def recipe_inputs(recipe: Recipe) -> dict[str, Any]:
     """The KEYED recipe keys, each where it acts: the seed draws a mixture's rows and orders the rows under
     shuffle_dataset (the entry holds them packed and shuffled as TRL would: trainrows.py); packing_strategy acts
-    under packing."""
+    under packing; val_set_size's rows are drawn under data_seed where set, else under seed."""
     value = recipe.trl_value
     packing, eval_packing = bool(value("packing")), value("eval_packing")
     packs = packing or bool(eval_packing)
     shuffle = bool(value("shuffle_dataset"))
+    held_out, data_seed = recipe.data.val_set_size, recipe.trl.get("data_seed")
     out = {
         "add_special_tokens": recipe.data.add_special_tokens, "append_concat_token": recipe.data.append_concat_token,
         "dataset_text_field": value("dataset_text_field"),
@@ -151,7 +152,9 @@ def recipe_inputs(recipe: Recipe) -> dict[str, Any]:
         "chat_template_format": recipe.model.chat_template_format, "chat_template_path": recipe.trl.get("chat_template_path"),
         "pad_token": recipe.trl.get("pad_token"), "packing": packing, "eval_packing": eval_packing,
         "packing_strategy": value("packing_strategy") if packs else None,
-        "shuffle_dataset": shuffle, "seed": int(value("seed")) if recipe.data.datasets or shuffle else None,
+        "shuffle_dataset": shuffle,
+        "seed": int(value("seed")) if recipe.data.datasets or shuffle or (held_out and data_seed is None) else None,
+        "val_set_size": held_out, "data_seed": data_seed if held_out else None,
     }
     return out
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sftrecipes.core.errors import RecipeError
-from sftrecipes.recipe.sources import EVAL_MARKERS, Source
+from sftrecipes.recipe.sources import EVAL_MARKERS, Source, sources
 
 if TYPE_CHECKING:
     from sftrecipes.recipe.typed import Recipe
@@ -39,7 +39,10 @@ def why(r: Recipe) -> str:
 def eval_sources(r: Recipe) -> list[Source]:
     """The datasets an evaluation-only run reads and the split of each it evaluates: `splits` may name the eval split
     alone (splits: test); it is the split named like test/val/eval, else the one not named like train. A datasets:
-    entry's own eval_split wins, as in training (null: none from that entry)."""
+    entry's own eval_split wins, as in training (null: none from that entry). val_set_size: the source as training reads
+    it, whose held-out rows are evaluated (evaluate.eval_dataset)."""
+    if r.data.val_set_size is not None:
+        return sources(r)
     names = [s.strip() for s in r.data.splits.split(",") if s.strip()]
     marked = [s for s in names if any(k in s for k in EVAL_MARKERS)]
     default = (marked or [s for s in names if "train" not in s] or [None])[0]
@@ -80,7 +83,7 @@ def check(r: Recipe) -> None:
         raise RecipeError(f"launch.fsdp_version: 2 with {said}: accelerate prepares an FSDP2 model only together with "
                           "an optimizer, and an evaluation has none; set launch.fsdp_version: 1, or launch.backend: "
                           "deepspeed (zero_stage: 3) or ddp")
-    if not any(src.eval_split for src in eval_sources(r)):
+    if r.data.val_set_size is None and not any(src.eval_split for src in eval_sources(r)):
         entries = " or give a datasets entry an eval_split," if r.data.datasets else ""
         raise RecipeError(f"splits: '{r.data.splits}' names no split to evaluate, and {said} evaluates without training; "
                           f"name one (splits: train,test, or splits: test),{entries} or train (do_train: true)")

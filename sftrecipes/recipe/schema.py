@@ -21,6 +21,7 @@ from sftrecipes.recipe.snapshots import (
     load_trl_snapshot,
     options_of,
 )
+from sftrecipes.recipe.valset import HELP as VAL_SET_SIZE_HELP
 
 DTYPES = ("bfloat16", "float16", "float32")
 # What a recipe trains with (its `method` key): the TRL trainer and the config class whose fields are its TRL keys
@@ -163,6 +164,7 @@ class DataOptions:
         "train,test", "Comma-separated splits to load; the one named like 'train' trains, one like 'test' evaluates. "
         "With datasets: each entry's default split and eval_split."
     )
+    val_set_size: float | None = opt(None, VAL_SET_SIZE_HELP)  # the rows held out as the eval split: recipe/valset.py
     add_special_tokens: bool = opt(
         False, "Let the tokenizer add its special tokens (e.g. Llama's BOS) when tokenizing each formatted sample. "
         "When the text already starts with BOS (templates that write {{ bos_token }}: Llama-3, Gemma, Mistral), the "

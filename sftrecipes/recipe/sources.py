@@ -105,8 +105,8 @@ def sources(recipe: Recipe) -> list[Source]:
     `datasets` (its own `split`/`eval_split`, by default those named in `splits`)."""
     train_split, eval_split = split_names(recipe)
     d = recipe.data
-    if not d.datasets:
-        return [Source("dataset_name", d.dataset_name, train_split, eval_split, True, format=d.dataset_format)]
+    if not d.datasets:  # (val_set_size: the default eval split is only looked for, to refuse a source that has it)
+        return [Source("dataset_name", d.dataset_name, train_split, eval_split, d.val_set_size is None, format=d.dataset_format)]
     out = []
     for i, e in enumerate(d.datasets):
         explicit = "eval_split" in e
@@ -124,7 +124,7 @@ def check_eval_split(recipe: Recipe, found: bool | None = None) -> None:
     if strategy == "no":
         return
     if found is None:
-        found = any(src.eval_split for src in sources(recipe))
+        found = any(src.eval_split for src in sources(recipe)) or recipe.data.val_set_size is not None
         why = f"splits is '{recipe.data.splits}'" + (" and no datasets entry has an eval_split" if recipe.data.datasets else "")
     else:
         why = "none of the named eval splits is in the data"

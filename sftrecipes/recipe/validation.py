@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from sftrecipes.core.errors import RecipeError
 from sftrecipes.facts.folders import start_from
-from sftrecipes.recipe import evalonly, evaltasks, images, limits
+from sftrecipes.recipe import evalonly, evaltasks, images, limits, valset
 from sftrecipes.recipe.coerce import coerce
 from sftrecipes.recipe.lorarules import validate_lora
 from sftrecipes.recipe.schema import CONFIGS, DATASET_ENTRY_KEYS, REFERENCE_FREE, TRAINERS, all_options, dpo_loss_types
@@ -105,6 +105,7 @@ def validate(r: Recipe) -> None:
     if d.datasets:
         _validate_datasets(d.datasets)
     _validate_method(r)
+    valset.check(r)  # val_set_size: rows of the training split held out as the eval split
     evalonly.check(r)  # do_train: false / max_steps: 0: evaluation only (its rules, its eval split)
     evaltasks.check(r)  # eval_tasks: benchmark tasks after training (the keys with it, a save the harness loads)
     if not evalonly.eval_only(r):  # (an evaluation-only run reads no training split, streamed or not)
@@ -173,7 +174,7 @@ def validate(r: Recipe) -> None:
     # data
     splits = [s.strip() for s in d.splits.split(",") if s.strip()]
     if evalonly.eval_only(r):
-        images.check_sources(r, evalonly.eval_sources(r), eval_only=True)  # image rows: counted from local files
+        images.check_sources(r, evalonly.eval_sources(r), eval_only=d.val_set_size is None)  # image rows: from local files
     else:
         if not splits or not any("train" in s for s in splits):
             raise RecipeError(f"splits: '{d.splits}' names no training split; include one with 'train' in its name, e.g. train,test")

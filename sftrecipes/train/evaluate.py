@@ -18,7 +18,7 @@ from peft import PeftModel
 
 from sftrecipes.core.errors import RecipeError
 from sftrecipes.data.formats import check_template, detect_format
-from sftrecipes.data.load import load_source
+from sftrecipes.data.load import load_source, read_splits
 from sftrecipes.data.tokenization import finish_split, log_bos, tokenize_split
 from sftrecipes.data.tokenizer import load_tokenizer
 from sftrecipes.facts import folders
@@ -37,11 +37,16 @@ log = logging.getLogger("sftrecipes")
 
 def eval_dataset(recipe: Recipe, tokenizer, eot: str):
     """(the eval rows prepared, their counts, the splits read in words): the splits evalonly.eval_sources names, each
-    loaded, checked (images, format, template) and tokenized; the training split is never read."""
-    parts, formats, read = [], {}, []
+    loaded, checked (images, format, template) and tokenized; the training split is read only for the rows
+    val_set_size holds out of it, as training holds them out."""
+    parts, formats, read, held = [], {}, [], None
     for src in eval_sources(recipe):
-        raw = load_source(src, src.eval_split, required=src.eval_required)
-        where = f"{src.key} {src.path} ({src.eval_split})"
+        if recipe.data.val_set_size is not None:  # the rows training holds out (the training split read, never trained)
+            _, got, held = read_splits(recipe, src)
+            raw, where = got.dataset, f"{src.key} {src.path} ({src.split}, held out by val_set_size)"
+        else:
+            raw = load_source(src, src.eval_split, required=src.eval_required)
+            where = f"{src.key} {src.path} ({src.eval_split})"
         if raw is None:
             log.info("data: %s has no split '%s': nothing evaluated from it", src.key, src.eval_split)
             continue
@@ -59,7 +64,7 @@ def eval_dataset(recipe: Recipe, tokenizer, eot: str):
     rows = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     evals, counts = finish_split(recipe, rows, "eval split", formats, is_eval=True)
     log_bos(tokenizer, counts["duplicate_bos_removed"])
-    return evals, counts, read
+    return evals, {**counts, **({"held_out": held.record} if held else {})}, read
 
 
 def load_evaluated(recipe: Recipe, tokenizer, target: str):
@@ -103,6 +108,7 @@ def run(recipe: Recipe, target: str, life, warnings: list[str | None] = ()) -> t
         fsdp_wrap_classes(recipe)
     tokenizer, end_of_turn, _ = load_tokenizer(recipe)
     eval_ds, counts, read = eval_dataset(recipe, tokenizer, end_of_turn)
+    held_out = {"held_out": counts.pop("held_out")} if "held_out" in counts else {}  # val_set_size's record: data.held_out
     model, adapter, base = load_evaluated(recipe, tokenizer, target)
     zero3_leaves(model, recipe, main)
     # SFTTrainer refuses to be built without a train_dataset; evaluate() never reads it: one eval row stands in
@@ -118,7 +124,7 @@ def run(recipe: Recipe, target: str, life, warnings: list[str | None] = ()) -> t
         record = eval_record(metrics)
         summary = {"evaluation_only": True, "why": why(recipe), "model": recipe.model.model_name_or_path,
                    "adapter": str(adapter) if adapter else None, "base": base, "evaluated": read, "eval": record,
-                   "data": {"eval": counts}, "seconds": round(seconds, 2), "output_dir": args.output_dir,
+                   "data": {"eval": counts, **held_out}, "seconds": round(seconds, 2), "output_dir": args.output_dir,
                    "processes": args.world_size, "distributed_type": str(trainer.accelerator.distributed_type.value),
                    "attention": trainer.accelerator.unwrap_model(trainer.model).config._attn_implementation,
                    "method": recipe.method}

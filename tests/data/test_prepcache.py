@@ -34,6 +34,7 @@ from sftrecipes.data.tokenizer import load_tokenizer
 BASE = ["recipes/tiny/lora.yaml", "--output_dir", "outputs/prepcache"]  # chatml, packing (bfd), max_length 256, seed 42
 MIXTURE = ["--dataset_name", "null", "--datasets", json.dumps([{"path": "data/tiny_chat", "samples": 7}])]
 WRAPPED = ["--packing_strategy", "wrapped"]
+HELD = ["--splits", "train", "--val_set_size", "0.1"]
 
 
 def key_of(*flags) -> str:
@@ -83,6 +84,11 @@ SHAPING = {
     "seed wrapped": ([*WRAPPED, "--shuffle_dataset", "True"], [*WRAPPED, "--shuffle_dataset", "True", "--seed", "7"]),
     "model_name_or_path": ([], ["--model_name_or_path", "QWEN2"]),
     "tokenizer_name_or_path": ([], ["--tokenizer_name_or_path", "QWEN2"]),
+    # val_set_size (recipe/valset.py): its value, and the seed its rows are drawn under (data_seed where set, else seed)
+    "val_set_size": (["--splits", "train"], HELD),
+    "val_set_size rows": (HELD, ["--splits", "train", "--val_set_size", "32"]),
+    "seed held out": (HELD, [*HELD, "--seed", "7"]),
+    "data_seed": (HELD, [*HELD, "--data_seed", "7"]),
 }
 # Keys that do not shape the rows -> flags: the key must stay.
 NEUTRAL = {
@@ -92,6 +98,7 @@ NEUTRAL = {
     "data_cache_dir": ["--data_cache_dir", "/tmp/elsewhere"], "padding_free": ["--padding_free", "True"],
     "pad_to_multiple_of": ["--pad_to_multiple_of", "8"], "heartbeat_timeout": ["--heartbeat_timeout", "30"],
     "ddp_timeout": ["--ddp_timeout", "5"], "tokenizer_name_or_path": ["--tokenizer_name_or_path", "COPY"],  # the same files elsewhere
+    "data_seed": ["--data_seed", "7"],  # the sampler's seed: it draws rows into the entry only with val_set_size
 }
 
 

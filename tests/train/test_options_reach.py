@@ -318,6 +318,11 @@ def obs_splits(tiny_model, tmp_path):
     assert data.load_raw(recipe("--splits", "train"))[1] is None and len(data.load_raw(recipe())[1]) == 40
 
 
+def obs_val_set_size(tiny_model, tmp_path):  # (the rows themselves: tests/data/test_held_out_rows.py)
+    train, evals = data.load_raw(recipe("--splits", "train", "--val_set_size", "0.25"))
+    assert (len(train), len(evals)) == (240, 80)  # a quarter of the 320 training rows held out as the eval split
+
+
 def obs_data_cache_dir(tiny_model, tmp_path):
     r = recipe("--chat_template_format", "chatml", "--splits", "train", "--data_cache_dir", tmp_path / "prepared")
     tok, eot, _ = load_tokenizer(r)
