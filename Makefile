@@ -3,11 +3,12 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cksum requirements.txt | cut -d' ' -f1)
+GGUF_STAMP := $(VENV)/.gguf-$(shell cksum requirements-gguf.txt | cut -d' ' -f1)
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export PYTHONDONTWRITEBYTECODE ?= 1
 
-.PHONY: venv assets demo lint test data schema docs emit plan bench bench-dpo bench-overhead bench-data bench-export bench-loading sweep sweep-two-ranks clean sft-70b-lora sft-70b-qlora sft-offload sft-70b-fsdp sft-70b-qlora-fsdp sft-ddp sft-llama3-70b-lora sft-qwen3-32b-qlora sft-qwen3-moe-lora sft-llama3-70b-qlora sft-llama3-405b-qlora dpo-llama3-70b-lora dpo-qwen3-32b-qlora sft-dpo-llama3-70b-lora
+.PHONY: venv gguf-client assets demo lint test data schema docs emit plan bench bench-dpo bench-overhead bench-data bench-export bench-loading sweep sweep-two-ranks sweep-gguf clean sft-70b-lora sft-70b-qlora sft-offload sft-70b-fsdp sft-70b-qlora-fsdp sft-ddp sft-llama3-70b-lora sft-qwen3-32b-qlora sft-qwen3-moe-lora sft-llama3-70b-qlora sft-llama3-405b-qlora dpo-llama3-70b-lora dpo-qwen3-32b-qlora sft-dpo-llama3-70b-lora
 
 $(STAMP): requirements.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -17,6 +18,16 @@ $(STAMP): requirements.txt
 	@touch $@
 
 venv: $(STAMP)
+
+# llama.cpp for GGUF exports: a one-time source build of llama-cpp-python (about 3.5 min on 2 cores; pip's wheel cache
+# keeps it, so a new venv takes seconds), then its converter unpacked into the venv. The multimodal library is not built.
+$(GGUF_STAMP): $(STAMP) requirements-gguf.txt
+	CMAKE_ARGS="-DLLAVA_BUILD=OFF $(CMAKE_ARGS)" $(BIN)/python -m pip install -q -r requirements-gguf.txt
+	$(BIN)/python -m sftrecipes.facts.llamacpp
+	@rm -f $(VENV)/.gguf-*
+	@touch $@
+
+gguf-client: $(GGUF_STAMP)  ## llama.cpp's runtime, quantizer and converter for `export --to gguf` (one-time build)
 
 assets: $(STAMP)            ## tiny model + tokenizer into .assets/ (deterministic)
 	$(BIN)/python -m sftrecipes tiny
@@ -28,7 +39,7 @@ lint: $(STAMP)              ## ruff, and the house's import contracts (import-li
 	$(BIN)/ruff check .
 	PYTHONPATH=. $(BIN)/lint-imports --no-cache
 
-test: lint                  ## the linter, then the test suite (CPU target; GPU-marked tests skipped)
+test: lint $(GGUF_STAMP)    ## the linter, then the test suite (CPU target; GPU-marked tests skipped)
 	$(BIN)/python -m pytest -q --durations=25 tests
 
 data: $(STAMP)              ## rewrite data/tiny_chat, data/tiny_dpo, data/tiny_kto (checked in; tests compare)

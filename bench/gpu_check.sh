@@ -5,7 +5,9 @@
 # without and with Liger — tokens/s/device, MFU, peak memory and the planner's figure; (3) QLoRA loading — a 1B
 # random-weight Llama in bf16 loaded with the QLoRA ZeRO-3 twin's settings, partitioned as it loads and whole, the GPU's
 # peak over each load against the planner's loading phase (bench/gpu_check.py, bench/qlora_load_probe.py; skipped with
-# the reason where deepspeed or bitsandbytes is not importable: add deepspeed==0.19.8 and bitsandbytes==0.50.2 to .whl/).
+# the reason where deepspeed or bitsandbytes is not importable: add deepspeed==0.19.8 and bitsandbytes==0.50.2 to .whl/);
+# before (1)-(3), where `vllm` is on PATH, vLLM serving a tiny LoRA run and its export against transformers' greedy
+# tokens (bench/vllm_check.py).
 # Writes bench/results/gpu-check-<gpu>-<date>.{json,md}; docs/benchmarks.md, "GPU check", says how to read them.
 #   bench/gpu_check.sh [--budget-s 330] [--steps 6] [--only sdpa,sft_varlen] [--no-liger-rows]
 #   python bench/gpu_check.py --cpu-smoke --out /tmp/x     # the same code on CPU (tests/test_gpu_check.py)
@@ -31,4 +33,8 @@ fi
 # activation offloading: the GPU's and the pinned host memory's peak with it off and on against the plan
 # (bench/offload_probe.py, docs/planner.md "Activation offloading"); a failure here does not stop the check
 "$PY" bench/offload_probe.py --out "bench/results/offload-probe-$(date +%Y%m%d)" || echo "gpu_check: offload probe failed (above)" >&2
+# vLLM (where `vllm` is on PATH; skipped with the reason otherwise): a tiny LoRA run served as scripts/serve_*.sh serve
+# it -- the adapter on its base, then the merged export -- its greedy tokens against transformers' (bench/vllm_check.py,
+# its two servers within --budget-s 300, starts included); a failure here does not stop the check
+"$PY" bench/vllm_check.py --out "bench/results/vllm-check-$(date +%Y%m%d)" || echo "gpu_check: vLLM check failed (above)" >&2
 exec "$PY" bench/gpu_check.py "$@"

@@ -11,6 +11,7 @@ parses its own ARGS; everything but training (train.py) starts here.
     python -m sftrecipes preflight RECIPE [--key value ...] [--force]      can it start here? (exit 2 if not)
     python -m sftrecipes env RECIPE [--key value ...]                      environment its ranks need (export lines)
     python -m sftrecipes export SRC DEST [--dtype D] [--base DIR] [--verify]  run output/checkpoint -> loadable HF folder
+    python -m sftrecipes export SRC DEST --to gguf [--quant q8_0] [--lora] [--verify]   -> GGUF (llama.cpp, Ollama)
     python -m sftrecipes chat RUN|FOLDER [--prompt TEXT] [--system TEXT] [--temperature T] [--max_new_tokens N]
                                                                            talk to a trained run (an adapter on its base)
     python -m sftrecipes eval RUN|FOLDER --tasks a,b [--include_path DIR] [--limit N] [--apply_chat_template] [--compare-base]
@@ -86,9 +87,28 @@ def _export(argv: list[str]) -> int:
     p.add_argument("dest")
     p.add_argument("--base", default=None)
     p.add_argument("--dtype", default=None, choices=schema.DTYPES)
-    p.add_argument("--verify", action="store_true", help="reload the export and compare logits with the source (needs RAM for two fp32 copies)")
+    p.add_argument("--verify", action="store_true", help="reload the export and compare logits with the source (needs RAM "
+                   "for two fp32 copies); --to gguf: llama.cpp against transformers on the run's own rows")
+    p.add_argument("--to", default="hf", choices=("hf", "gguf"), help="hf: a folder transformers loads (default); gguf: "
+                   "a GGUF file made by llama.cpp's own converter, with an Ollama Modelfile")
+    p.add_argument("--quant", default=None, help="--to gguf: the GGUF type (f16, bf16, f32, q8_0, q4_k_m, q5_k_m, q6_k, "
+                   "...; default f16)")
+    p.add_argument("--lora", action="store_true", help="--to gguf: an adapter as a GGUF LoRA beside its base's GGUF, "
+                   "instead of merged")
     ns = p.parse_args(argv)
-    if folders.export_kind(Path(ns.src)) == "adapter":  # a wrong folder: one line before torch
+    kind = folders.export_kind(Path(ns.src))  # a wrong folder: one line before torch
+    if ns.to == "hf" and (ns.quant or ns.lora):
+        raise RecipeError(f"export: {'--quant' if ns.quant else '--lora'} is for GGUF exports; add --to gguf")
+    if ns.to == "gguf":
+        from sftrecipes.facts import llamacpp
+
+        llamacpp.require()
+        ns.quant = llamacpp.check_quant(ns.quant or "f16")
+        if ns.lora and kind == "model":
+            raise RecipeError(f"export --lora: '{ns.src}' is a model, not a LoRA adapter; drop --lora to convert the model")
+        if ns.lora and kind == "adapter":
+            llamacpp.check_gguf_lora(folders.adapter_config(Path(ns.src)))
+    if kind == "adapter":
         folders.merge_base(folders.adapter_config(Path(ns.src)), ns.base)
     return _run("export", ns)
 
@@ -256,7 +276,7 @@ VERBS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "plan": (_plan, "memory per GPU and per node for RECIPE: breakdown, verdict, strategies (exit 2: does not fit)"),
     "preflight": (_preflight, "check RECIPE can start here (hardware, memory); exit 2 if not (--force: past the memory verdict)"),
     "env": (_env, "print the environment a rank of RECIPE needs, as export lines"),
-    "export": (_export, "turn a run's output into a folder transformers loads (merging LoRA adapters)"),
+    "export": (_export, "turn a run's output into a folder transformers loads (merging LoRA adapters), or a GGUF"),
     "chat": (_chat, "talk to a trained run or a model folder in the terminal, with the run's own chat template"),
     "eval": (_eval, "score a trained run or a model folder on benchmark tasks (lm-evaluation-harness)"),
     "demo": (_demo, "tiny LoRA fine-tune, merge, reload, generate"),

@@ -40,6 +40,14 @@ def merge(ns: argparse.Namespace) -> int:
 
 
 def export(ns: argparse.Namespace) -> int:
+    if ns.to == "gguf":
+        from sftrecipes.export.gguf import export_gguf
+
+        record = export_gguf(ns.src, ns.dest, quant=ns.quant, verify=ns.verify, lora=ns.lora, base=ns.base, dtype=ns.dtype)
+        for name, size in record["files"].items():
+            print(f"{Path(ns.dest) / name}  ({size / 1e6:,.1f} MB)")
+        print(f"{Path(ns.dest) / 'Modelfile'}  (ollama create NAME -f {Path(ns.dest) / 'Modelfile'})")
+        return 0
     from sftrecipes.export import export as export_run
 
     print(export_run(ns.src, ns.dest, dtype=ns.dtype, base=ns.base, verify=ns.verify))

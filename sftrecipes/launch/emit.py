@@ -9,6 +9,7 @@ For a recipe recipes/<dir>/<file>.yaml, named <dir>-<file>, `emit` writes:
     scripts/slurm_<name>.sh             multi-node recipes: sbatch script (from any directory), one `launch` per node,
                                         requeue+resume
     scripts/export_<name>.sh            turns the run's output into a folder transformers loads
+    scripts/serve_<name>.sh             vLLM's server on the run's LoRA adapter (on its base) or its export (serve.py)
     docs/generated/setups/<name>.md     shipped (non-tiny) recipes: the command, what it runs, the memory plan, the limits
 
 Recipe values never enter the scripts as shell code: the scripts pass the recipe path and the user's extra
@@ -28,6 +29,7 @@ import yaml
 from sftrecipes.core.errors import RecipeError
 from sftrecipes.core.paths import GENERATED_DOCS, RECIPES, ROOT, runnable_recipes
 from sftrecipes.launch.accelerate import accelerate_config
+from sftrecipes.launch.serve import serve_script
 from sftrecipes.plan import format_plan, plan_recipe
 from sftrecipes.recipe.load import load_recipe
 from sftrecipes.recipe.typed import Recipe
@@ -262,7 +264,8 @@ def setup_doc(recipe: Recipe, path: Path, rel: str, name: str) -> str:
     if L.num_machines > 1:
         cmd.append(f"sbatch scripts/slurm_{name}.sh   # SLURM: one launcher per node")
     cmd += [f"scripts/run_{name}.sh --dry-run       # the exact command, without running it",
-            f"scripts/export_{name}.sh              # after training: a folder from_pretrained loads"]
+            f"scripts/export_{name}.sh              # after training: a folder from_pretrained loads",
+            f"scripts/serve_{name}.sh               # vLLM's OpenAI server on the run (vllm in an environment of its own)"]
     plan = plan_recipe(recipe, _alternatives=False)
     twins = _twins(rel)
     out = [f"<!-- {MARK} from {rel}; edit the recipe, then make emit -->", f"# {title}", "", "```bash", *cmd, "```", "",
@@ -300,6 +303,7 @@ def rendered(path: Path) -> dict[Path, str]:
         ROOT / "configs" / f"{name}.yaml": config_yaml(recipe, rel),
         ROOT / "scripts" / f"run_{name}.sh": run_script(recipe, rel, name),
         ROOT / "scripts" / f"export_{name}.sh": export_script(recipe, rel, name),
+        ROOT / "scripts" / f"serve_{name}.sh": serve_script(recipe, name, HEADER.format(recipe=rel)),
     }
     if recipe.launch.num_machines > 1:
         files[ROOT / "scripts" / f"slurm_{name}.sh"] = slurm_script(recipe, rel, name)
