@@ -275,6 +275,9 @@ def launch_twin(name: str, out: Path, extra=(), env: dict | None = None, timeout
 
 # The ddp twin prepares its data into a fresh datasets cache: its log shows which ranks tokenized.
 TWIN_DATASETS_CACHE = {"ddp": "datasets-cache"}
+# The ddp twin also scores itself after training (eval_tasks on 2 ranks: the main process, once both are done), on the
+# local task tinymc limited to 8 questions: tests/use/test_lmeval.py compares the figures with lm_eval's own.
+TWIN_EXTRA = {"ddp": ["--eval_tasks", "tinymc", "--eval_include_path", "tests/use/tasks", "--eval_limit", "8"]}
 
 
 @pytest.fixture(scope="session")
@@ -292,7 +295,7 @@ def twin_runs(tiny_model, family_models, tmp_path_factory):
             env = {"MAIN_PROCESS_PORT": str(free_port())}
             if name in TWIN_DATASETS_CACHE:
                 env["HF_DATASETS_CACHE"] = str(root / TWIN_DATASETS_CACHE[name])
-            summary, log = launch_twin(name, out, ["--save_strategy", "steps", "--save_steps", "3"], env=env)
+            summary, log = launch_twin(name, out, ["--save_strategy", "steps", "--save_steps", "3", *TWIN_EXTRA.get(name, ())], env=env)
             done[name] = out, summary, log
         return done[name]
 

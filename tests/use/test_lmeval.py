@@ -44,6 +44,17 @@ def test_eval_gives_the_figures_lm_eval_gives_directly(twin_runs, tmp_path):
     assert ours["results"]["tinymc"]["acc,none"] == templated["acc,none"], (ours["results"], templated)
 
 
+def test_eval_tasks_after_a_two_rank_run_give_the_figures_lm_eval_gives(twin_runs, tmp_path):
+    """The ddp twin (2 ranks) ran with eval_tasks tinymc, limit 8 (conftest TWIN_EXTRA): its run_summary.json holds what
+    lm-evaluation-harness gives directly on the saved adapter, and its log says the evaluation ran once."""
+    run, summary, log = twin_runs("ddp")
+    base = json.loads((run / "adapter_config.json").read_text())["base_model_name_or_path"]
+    want = direct(f"pretrained={base},peft={run},tokenizer={run}", tmp_path / "direct", "--limit", "8")
+    for metric in ("acc,none", "acc_norm,none"):
+        assert summary["lm_eval"]["tinymc"][metric] == want[metric], (metric, summary["lm_eval"], want)
+    assert log.count("eval: tinymc on ") == 1, log[-3000:]  # once, by the main process
+
+
 def test_eval_refuses_in_one_line(tiny_model, tmp_path):
     for args, says in (([str(tiny_model), "--tasks", "no_such_task", "--include_path", TASKS], "--tasks: no task 'no_such_task'"),
                        ([str(tiny_model), "--tasks", "tinymc", "--include_path", str(tmp_path / "nowhere")], "--include_path"),
