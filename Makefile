@@ -111,6 +111,9 @@ sweep: $(STAMP)             ## every causal-LM architecture transformers maps: t
 sweep-two-ranks: $(STAMP)   ## the sweep's passing architectures launched on 2 ranks, ZeRO-3 LoRA and FSDP2 twins, only the model changed (~45 s each, goes on from outputs/sweep/ or the committed rows; ARGS="--only a,b --twins zero3"); the table's "2 ranks" column
 	$(BIN)/python bench/sweep.py --two-ranks $(ARGS)
 
+sweep-gguf: $(GGUF_STAMP)   ## the sweep's passing architectures exported with `export --to gguf --quant f32 --verify` in llama.cpp, one at a time (~15 s each, 180 s at most; goes on from outputs/sweep/ or the committed rows; ARGS="--only a,b"); the table's "GGUF" column, not part of "pass"
+	$(BIN)/python bench/sweep.py --gguf $(ARGS)
+
 docs: $(STAMP)              ## regenerate docs/generated/options.md from the schema (checked in; tests compare)
 	$(BIN)/python -m sftrecipes schema --docs
 

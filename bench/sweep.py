@@ -2,12 +2,15 @@
 mapping, as a user would bring it. For each decoder-only text architecture: a tiny random-init model from its config
 class (sftrecipes.tiny_archs.tiny_config, the tiny Llama's tokenizer), LoRA trained 3 steps in one process with
 recipes/tiny/lora.yaml (only model_name_or_path changed), the adapter merged with --verify, and the planner's counts
-held against the meta model's and the run's. Writes docs/generated/architectures.md.
+held against the meta model's and the run's; apart, each passing one on 2 ranks (--two-ranks) and as a GGUF verified in
+llama.cpp (--gguf). Writes docs/generated/architectures.md.
 
     python bench/sweep.py [--jobs 2] [--only llama,qwen3] [--timeout 600] [--fresh] [--table]
       (--only: run those entries again, their rows replaced; the table is rewritten from every row kept)
     python bench/sweep.py --two-ranks [--only a,b] [--twins zero3]   (the passing ones on 2 ranks: ZeRO-3 and FSDP2
       twins, or those named; each twin's result and commit kept apart)
+    python bench/sweep.py --gguf [--only a,b] [--timeout 180]   (the passing ones through `export --to gguf --quant f32
+      --verify` in llama.cpp, one at a time: the table's GGUF column, bench/sweep_gguf.py; not part of "pass")
     python bench/sweep.py --one ARCH --work DIR        (one architecture, in its own process: prints one JSON line)
 
 Each row is kept in outputs/sweep/<arch>.json as it completes, and the table is rewritten after each: a stopped
@@ -39,6 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from sftrecipes.core.paths import SWEEP_DOC as OUT  # noqa: E402 - after the path the package is found on
 from sftrecipes.core.paths import SWEEP_ROWS as ROWS  # noqa: E402
+
+import sweep_gguf  # noqa: E402 - bench/, this script's own folder
 PARAM_TOL = 1e-3  # the plan's parameters within 0.1% of the meta model's
 
 
@@ -184,6 +189,9 @@ def run_one(mt: str, work: Path) -> dict:
     return row
 
 
+SECONDS = {"--one": "seconds", "--two-ranks-one": "two_ranks_seconds", "--gguf-one": "gguf_seconds"}  # a mode's time key
+
+
 def _worker(mt: str, timeout: int, mode: str = "--one", extra: tuple[str, ...] = ()) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"sweep-{mt}-") as d:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -192,6 +200,8 @@ def _worker(mt: str, timeout: int, mode: str = "--one", extra: tuple[str, ...] =
             res = subprocess.run([sys.executable, __file__, mode, mt, "--work", d, *extra], cwd=ROOT, capture_output=True,
                                  text=True, timeout=timeout, env=env)
         except subprocess.TimeoutExpired:
+            if mode == "--gguf-one":
+                return {"arch": mt, "gguf": f"timeout: over {timeout} s", "gguf_seconds": timeout}
             if mode != "--one":
                 return {"arch": mt, **{t: f"timeout: over {timeout} s" for t in TWINS}}
             return {"arch": mt, "result": "fail", "reason": f"timeout: over {timeout} s", "seconds": timeout}
@@ -201,7 +211,7 @@ def _worker(mt: str, timeout: int, mode: str = "--one", extra: tuple[str, ...] =
             return {"arch": mt, "result": "fail", "reason": f"crashed (exit {res.returncode}): {tail}",
                     "seconds": round(time.time() - t0)}
         row = json.loads(lines[-1][len("SWEEP "):])
-        row["seconds" if mode == "--one" else "two_ranks_seconds"] = round(time.time() - t0)
+        row[SECONDS[mode]] = round(time.time() - t0)
         return row
 
 
@@ -247,16 +257,20 @@ def write_table(rows: list[dict], seconds: float, total: int) -> None:
            "`python -m sftrecipes launch` on 2 CPU ranks with the ZeRO-3 LoRA twin and the FSDP2 twin "
            "(`recipes/tiny/zero3.yaml`, `fsdp.yaml`; only `model_name_or_path` changed), 2 steps (`bench/sweep.py "
            "--two-ranks`): *both*, or each twin's last line. *pass*: all of these; an architecture that passes in one "
-           "process and fails a twin is a fail, the twin's line its reason.", "",
+           "process and fails a twin is a fail, the twin's line its reason. " + sweep_gguf.about(), "",
            f"**{len(passed)} of {len(tested)} decoder-only text architectures pass ({100 * len(passed) / max(len(tested), 1):.0f}%)**; "
            f"{len(rows) - len(tested)} entries left out (listed last, with why); {seconds / 60:.0f} min of runs on this machine. "
            f"In one process {len(alone)} pass; on 2 ranks {len(both)} of the {len(launched)} launched train with both twins"
            + ("" if len(launched) == len(alone) else f" ({len(alone) - len(launched)} not launched yet)") + "."
            + ("" if len(rows) >= total else f" **Partial: {len(rows)} of the {total} entries ran** (`make sweep` goes on "
-              "from here)."), "",
-           f"Measured at commit (rows): {at('commit', rows)}" + (f"; on 2 ranks: {at('two_ranks_commit', launched)}" if launched else "") + ".", "",
-           "| architecture | class | result | attention | LoRA targets | plan exact | 2 ranks | reason / note |",
-           "|---|---|---|---|---|---|---|---|"]
+              "from here)."), ""]
+    gguf = sweep_gguf.headline(alone)
+    converted = [r for r in alone if r.get("gguf")]
+    out += ([gguf, ""] if gguf else []) + [
+           f"Measured at commit (rows): {at('commit', rows)}" + (f"; on 2 ranks: {at('two_ranks_commit', launched)}" if launched else "")
+           + (f"; GGUF: {at('gguf_commit', converted)}" if converted else "") + ".", "",
+           "| architecture | class | result | attention | LoRA targets | plan exact | 2 ranks | GGUF | reason / note |",
+           "|---|---|---|---|---|---|---|---|---|"]
     order = {"pass": 0, "fail": 1, "left out": 2}
     for r in sorted(rows, key=lambda r: (order[overall(r)], r["arch"])):
         exact = {True: "yes", False: "no"}.get(r.get("plan_exact"), "")
@@ -264,11 +278,39 @@ def write_table(rows: list[dict], seconds: float, total: int) -> None:
         failed = [f"{t}: {v}" for t, v in two.items() if v != "pass"]
         ranks = ("" if not two else "both" if not failed else "; ".join(failed)).replace("|", "\\|")
         why = (r.get("reason") or r.get("note") or (f"2 ranks, {failed[0]}" if failed else "")).replace("|", "\\|")
+        gg = sweep_gguf.cell(r).replace("|", "\\|")
         out.append(f"| {r['arch']} | {r.get('class', '')} | {overall(r)} | {r.get('attention', '')} | "
-                   f"{r.get('targets', '').replace(',', ', ')} | {exact} | {ranks} | {why} |")
+                   f"{r.get('targets', '').replace(',', ', ')} | {exact} | {ranks} | {gg} | {why} |")
     OUT.write_text("\n".join(out) + "\n")
     ROWS.write_text(json.dumps({"entries": total, "seconds": round(seconds, 1), "rows": sorted(rows, key=lambda r: r["arch"])},
                                indent=1, default=str) + "\n")
+
+
+def gguf_column(done: dict, archs: list[str], only: list[str] | None, at: str, timeout: int, table) -> int:
+    """--gguf: each architecture that passes in one process (those of --only, else those without a GGUF result)
+    exported to GGUF and verified in its own process, one at a time (llama.cpp's runtime takes every core); the row
+    gains the column's keys, its one-process result untouched."""
+    skipped = [a for a in (only or []) if done.get(a, {}).get("result") != "pass"]
+    if skipped:
+        print(f"sweep --gguf: not passing in one process, not exported: {', '.join(skipped)}", flush=True)
+    todo = [a for a in (only or archs) if done.get(a, {}).get("result") == "pass"
+            and (only is not None or not done[a].get("gguf"))]
+    print(f"sweep --gguf: {len(todo)} passing architectures to export", flush=True)
+    for mt in todo:
+        got = _worker(mt, timeout + 60, "--gguf-one", ("--timeout", str(timeout)))  # (+ the tiny model's build)
+        for key in sweep_gguf.KEYS:
+            done[mt].pop(key, None)
+        done[mt].update({k: got[k] for k in sweep_gguf.KEYS if got.get(k) is not None})
+        if "gguf" not in got:  # the worker crashed before answering
+            done[mt]["gguf"] = f"crash: {got.get('reason', 'no answer')}"[:300]
+        done[mt]["gguf_seconds"] = got.get("gguf_seconds", got.get("seconds", 0))
+        done[mt]["gguf_commit"] = at
+        (CACHE / f"{mt}.json").write_text(json.dumps(done[mt], default=str))
+        print(f"{mt:<28} {done[mt]['gguf_seconds']:>4}s {sweep_gguf.cell(done[mt])}", flush=True)
+        table()
+    table()
+    print(f"wrote {OUT.relative_to(ROOT)}")
+    return 0
 
 
 def main() -> int:
@@ -277,14 +319,26 @@ def main() -> int:
     ap.add_argument("--work")
     ap.add_argument("--only")
     ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--timeout", type=int, default=600)
+    ap.add_argument("--timeout", type=int, default=None, help="seconds an entry may run (default 600; --gguf: 180)")
     ap.add_argument("--fresh", action="store_true")
     ap.add_argument("--table", action="store_true", help="only rewrite the table from the rows kept in outputs/sweep/")
     ap.add_argument("--two-ranks", action="store_true", help="launch the passing architectures (or --only) on 2 ranks "
                     "with the ZeRO-3 and FSDP2 twins; one at a time (each uses 2 processes)")
     ap.add_argument("--two-ranks-one")
     ap.add_argument("--twins", default=",".join(TWINS), help="with --two-ranks: the twins to launch (the others' results kept)")
+    ap.add_argument("--gguf", action="store_true", help="export the passing architectures (or --only) to GGUF with "
+                    "--quant f32 --verify in llama.cpp, one at a time: the table's GGUF column")
+    ap.add_argument("--gguf-one")
     ns = ap.parse_args()
+    ns.timeout = ns.timeout or (180 if ns.gguf or ns.gguf_one else 600)
+    if ns.gguf_one:
+        try:
+            got = sweep_gguf.run(ns.gguf_one, Path(ns.work), ns.timeout, save_tiny)
+        except Exception as e:  # noqa: BLE001 - the worker always answers with a row
+            traceback.print_exc()
+            got = {"gguf": f"tiny model: {_one_line(e)}"}
+        print("SWEEP " + json.dumps({"arch": ns.gguf_one, **got}, default=str), flush=True)
+        return 0
     if ns.two_ranks_one:
         try:
             got = two_ranks_one(ns.two_ranks_one, Path(ns.work), tuple(ns.twins.split(",")))
@@ -313,7 +367,7 @@ def main() -> int:
         for f in CACHE.glob("*.json"):
             f.unlink()
     done = {json.loads(f.read_text())["arch"]: json.loads(f.read_text()) for f in CACHE.glob("*.json")}
-    if not done and (ns.only or ns.two_ranks or ns.table) and ROWS.exists():  # a clone: the committed rows
+    if not done and (ns.only or ns.two_ranks or ns.gguf or ns.table) and ROWS.exists():  # a clone: the committed rows
         done = {r["arch"]: r for r in json.loads(ROWS.read_text())["rows"]}
         for r in done.values():
             (CACHE / f"{r['arch']}.json").write_text(json.dumps(r, default=str))
@@ -345,13 +399,15 @@ def main() -> int:
             table()
         print(f"wrote {OUT.relative_to(ROOT)}")
         return 0
+    if ns.gguf:
+        return gguf_column(done, archs, only, at, ns.timeout, table)
     with ThreadPoolExecutor(ns.jobs) as pool:
         for row in pool.map(lambda a: _worker(a, ns.timeout), todo):
             row["commit"] = at
             before = done.get(row["arch"], {})
             same = before.get("tiny_config") == row.get("tiny_config")  # the same tiny model (rows without one: another)
-            for key in ("two_ranks", "two_ranks_seconds", "two_ranks_commit"):  # the 2-rank column is rerun by --two-ranks only
-                if before.get(key) and row["result"] == "pass" and same:
+            for key in ("two_ranks", "two_ranks_seconds", "two_ranks_commit", *sweep_gguf.KEYS):  # the 2-rank and GGUF
+                if before.get(key) is not None and row["result"] == "pass" and same:          # columns: by their own modes
                     row[key] = before[key]
             (CACHE / f"{row['arch']}.json").write_text(json.dumps(row, default=str))
             done[row["arch"]] = row

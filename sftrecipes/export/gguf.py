@@ -75,9 +75,9 @@ def _export(src: Path, dest: Path, tmp: Path, converter: Path, quant: str, verif
     record["converted"] = meta["done"]
     _modelfile(tmp, model_file, lora_file, meta)
     if verify:
-        from sftrecipes.export import gguf_verify
-
-        record["verify"] = gguf_verify.verify(model_file, lora_file, reference, quant, src, converter, meta)
+        record["verify"] = _verify_in_child(work, {"model_file": str(model_file), "lora_file": str(lora_file) if lora_file
+                                                   else None, "reference": {k: str(v) for k, v in reference.items()},
+                                                   "quant": quant, "src": str(src), "converter": str(converter), "meta": meta})
     shutil.rmtree(work)
     return record
 
@@ -187,6 +187,25 @@ def _run_converter(converter: Path, kind: str, meta: dict, work: Path, args: lis
     if kind == "lora":
         out["alpha"] = json.loads((Path(args[0]) / "adapter_config.json").read_text())["lora_alpha"]
     return out
+
+
+def _verify_in_child(work: Path, spec: dict) -> dict:
+    """gguf_verify in a process of its own: llama.cpp aborts the process it runs in on some models it cannot run
+    (a GGML_ASSERT), which must end as one line here, with nothing left behind, not as a core dump."""
+    spec_file = work / "verify.json"
+    spec_file.write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, "-m", "sftrecipes.export.gguf_verify", str(spec_file)], capture_output=True, text=True)
+    lines = [ln.strip() for ln in proc.stderr.splitlines() if ln.strip()]
+    if proc.returncode == 0:
+        figures = json.loads(spec_file.read_text())["figures"]
+        log.info("export --verify: %s", figures["words"])
+        return figures
+    if proc.returncode == 2 and lines and lines[-1].startswith("export --verify:"):
+        why = next((ln for ln in reversed(lines[:-1]) if "error" in ln.lower()), None)  # llama.cpp's log, on a failed load
+        raise RecipeError(lines[-1] + (f" [llama.cpp: {why[:300]}]" if why and "cannot load" in lines[-1] else ""))
+    said = next((ln for ln in reversed(lines) if "GGML_ASSERT" in ln or "error" in ln.lower()), lines[-1] if lines else "")
+    how = f"was stopped by signal {-proc.returncode}" if proc.returncode < 0 else f"exited with status {proc.returncode}"
+    raise RecipeError(f"export --verify: llama.cpp {how} while running the GGUF ({said[:300]}); the GGUF is not kept")
 
 
 def _quantize(inp: Path, out: Path, quant: str) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -78,8 +79,6 @@ def _reference(reference: dict):
 def _metadata(path: Path, converter: Path, meta: dict, lora: bool) -> list[str]:
     """What the file's metadata lacks of the run's: chat template, eos, end of turn, layer pattern (read back with the
     converter's own reader)."""
-    import sys
-
     sys.path.insert(0, str(converter / "gguf-py"))
     from gguf import GGUFReader
 
@@ -108,9 +107,12 @@ def verify(model_file: Path, lora_file: Path | None, reference: dict, quant: str
         raise RecipeError(f"export --verify: the GGUF's metadata: {wrong[0]}" + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""))
     tok = AutoTokenizer.from_pretrained(reference.get("adapter") or reference["model"])
     rows, where = run_rows(src, tok)
-    llm = Llama(str(model_file), lora_path=str(lora_file) if lora_file else None, n_ctx=2 * ROW_TOKENS,
-                n_batch=2 * ROW_TOKENS, n_ubatch=2 * ROW_TOKENS, logits_all=True, type_k=GGML_F32, type_v=GGML_F32,
-                n_threads=os.cpu_count(), verbose=False)
+    try:  # verbose: llama.cpp's own log goes to stderr, where the parent reads why a load failed
+        llm = Llama(str(model_file), lora_path=str(lora_file) if lora_file else None, n_ctx=2 * ROW_TOKENS,
+                    n_batch=2 * ROW_TOKENS, n_ubatch=2 * ROW_TOKENS, logits_all=True, type_k=GGML_F32, type_v=GGML_F32,
+                    n_threads=os.cpu_count(), verbose=True)
+    except ValueError as e:
+        raise RecipeError(f"export --verify: llama.cpp cannot load the GGUF ({e})") from None
     model = _reference(reference)
     tol = tolerance(quant)
     same_tokens, worst, agree, positions, decisive, swapped = 0, 0.0, 0, 0, 0, 0
@@ -140,5 +142,22 @@ def verify(model_file: Path, lora_file: Path | None, reference: dict, quant: str
                           f"from transformers ({where}); this GGUF would not see the text the model was trained on")
     if worst > tol or swapped:
         raise RecipeError(f"export --verify: llama.cpp's {quant} GGUF does not match transformers: {words}")
-    log.info("export --verify: %s; %s", words, where)
-    return figures
+    return figures | {"words": f"{words}; {where}"}
+
+
+def main(spec_file: Path) -> int:
+    """The child process export runs this in (gguf._verify_in_child): figures into the spec file, or one line, exit 2."""
+    spec = json.loads(spec_file.read_text())
+    files = {k: Path(spec[k]) if spec[k] else None for k in ("model_file", "lora_file")}
+    try:
+        figures = verify(files["model_file"], files["lora_file"], {k: Path(v) for k, v in spec["reference"].items()},
+                         spec["quant"], Path(spec["src"]), Path(spec["converter"]), spec["meta"])
+    except RecipeError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    spec_file.write_text(json.dumps(spec | {"figures": figures}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1])))

@@ -144,7 +144,7 @@ def test_k_quant_through_llama_cpp_quantizer_and_a_layer_pattern_other_than_the_
     assert "probe conversations" in record["verify"]["rows"] and record["verify"]["max_rel_logit_error"] <= tolerance("f32")
 
 
-def test_what_a_gguf_export_cannot_do_is_one_line(tiny_model, runs, tmp_path):
+def test_what_a_gguf_export_cannot_do_is_one_line(tiny_model, runs, arch_models, tmp_path):
     unknown = tmp_path / "metaspace"
     shutil.copytree(tiny_model, unknown)
     spec = json.loads((unknown / "tokenizer.json").read_text())
@@ -162,6 +162,9 @@ def test_what_a_gguf_export_cannot_do_is_one_line(tiny_model, runs, tmp_path):
         ([str(tiny_model), str(tmp_path / "o5"), "--quant", "q8_0"], {}, "--quant is for GGUF exports; add --to gguf"),
         ([str(tiny_model), str(tmp_path / "o6"), "--to", "gguf"], {"SFTRECIPES_LLAMACPP": str(tmp_path / "none")},
          "llama.cpp's converter is not unpacked"),
+        # LFM2 converts, and llama.cpp aborts the process that runs it (a GGML_ASSERT): --verify runs it in a child
+        ([str(arch_models("lfm2")), str(tmp_path / "o7"), "--to", "gguf", "--quant", "f32", "--verify"], {},
+         "llama.cpp was stopped by signal 6 while running the GGUF"),
     ]
     for args, env, says in cases:
         res = run_cli(["-m", "sftrecipes", "export", *args], env=env)
