@@ -31,6 +31,7 @@ from sftrecipes.facts import folders, llamacpp
 
 log = logging.getLogger("sftrecipes")
 
+
 def export_gguf(src: str | Path, dest: str | Path, quant: str = "f16", verify: bool = False, lora: bool = False,
                 base: str | None = None, dtype: str | None = None) -> dict:
     converter = llamacpp.require()

@@ -126,6 +126,19 @@ def test_lora_gguf_beside_its_base_applies_the_adapter_in_llama_cpp(runs, tmp_pa
     assert base_alone.abs().max() / max(1.0, want.abs().max()) > 10 * tolerance("f16")
 
 
+def test_rslora_adapter_keeps_its_scale_in_a_gguf_lora(runs, tmp_path):
+    """rsLoRA scales by alpha/sqrt(r), llama.cpp by alpha/r: the GGUF LoRA carries alpha*sqrt(r), and llama.cpp then
+    matches peft's rsLoRA (the ddp twin's adapter read as rsLoRA: the delta 2.8x larger, far past the bound if the
+    scale were alpha/r)."""
+    adapter = tmp_path / "rslora"
+    shutil.copytree(runs["llama"], adapter, ignore=shutil.ignore_patterns("checkpoint-*", "runs", "run_summary.json"))
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps(cfg | {"use_rslora": True}))
+    record = export_gguf(adapter, tmp_path / "g", lora=True, verify=True)
+    assert record["lora"]["alpha"] == pytest.approx(cfg["lora_alpha"] * cfg["r"] ** 0.5)
+    assert record["verify"]["max_rel_logit_error"] <= tolerance("f16")
+
+
 def test_k_quant_through_llama_cpp_quantizer_and_a_layer_pattern_other_than_the_default(family_models, runs, tmp_path):
     """q4_k_m: converted at the source's precision (the tiny models are float32), then llama.cpp's quantizer."""
     record = export_gguf(runs["qwen3"], tmp_path / "q4", quant="q4_k_m", verify=True)
