@@ -151,6 +151,13 @@ def load_tokenizer(recipe: Recipe):
 
 
 SENTINELS = ("SENTINEL-ONE", "SENTINEL-TWO")
+ONE_TOKEN = ("special token", "added token", "token")  # the kinds of end of turn that are one token (an id)
+
+
+def end_of_turn_id(tok) -> tuple[int | None, str | None, str]:
+    """(its id when the end of turn is one token, else None; the end of turn; its kind): end_of_turn with the id."""
+    eot, kind = end_of_turn(tok)
+    return (tok.convert_tokens_to_ids(eot) if kind in ONE_TOKEN else None), eot, kind
 
 
 def end_of_turn(tok) -> tuple[str | None, str]:

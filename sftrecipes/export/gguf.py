@@ -138,12 +138,11 @@ def _tokenizer_meta(folder: Path, model: Path) -> dict:
     """What the GGUF's metadata must say of the run's tokenizer: chat template, eos, end of turn; and the layer pattern."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from sftrecipes.data.tokenizer import end_of_turn
+    from sftrecipes.data.tokenizer import end_of_turn_id
 
     tok = AutoTokenizer.from_pretrained(folder)
     template = tok.chat_template if isinstance(tok.chat_template, str) else None
-    eot, kind = end_of_turn(tok) if template else (None, "none")
-    eot_id = tok.convert_tokens_to_ids(eot) if kind in ("special token", "added token", "token") else None
+    eot_id, eot, _ = end_of_turn_id(tok) if template else (None, None, "none")
     config = AutoConfig.from_pretrained(model)
     types = getattr(config.get_text_config(), "layer_types", None)
     return {"chat_template": template, "eos_token_id": tok.eos_token_id, "eot_token_id": eot_id,

@@ -66,14 +66,14 @@ def run_rows(src: Path, tok) -> tuple[list[list[int]], str]:
 
 
 def _reference(reference: dict):
-    from transformers import AutoModelForCausalLM
+    """transformers' side in fp32, as the merge's --verify reads its source (export/verify.py): the model folder, or
+    the adapter on its base through peft (embeddings resized as the run resized them; tensors peft's loader misses
+    put in by name)."""
+    from sftrecipes.export.verify import _from_pretrained, _peft_reference
 
     if "model" in reference:
-        return AutoModelForCausalLM.from_pretrained(reference["model"], dtype=torch.float32).eval()
-    from peft import PeftModel
-
-    base = AutoModelForCausalLM.from_pretrained(reference["base"], dtype=torch.float32)
-    return PeftModel.from_pretrained(base, reference["adapter"]).eval()
+        return _from_pretrained(reference["model"]).eval()
+    return _peft_reference(reference["base"], reference["adapter"]).eval()
 
 
 def _metadata(path: Path, converter: Path, meta: dict, lora: bool) -> list[str]:

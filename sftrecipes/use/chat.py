@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
-from sftrecipes.data.tokenizer import end_of_turn
+from sftrecipes.data.tokenizer import end_of_turn_id
 from sftrecipes.facts import startmodel
 
 PROMPT = "> "
@@ -41,8 +41,8 @@ def load(folder: Path):
 def stops(model, tok) -> tuple[list[int], list[str]]:
     """Where a reply ends: the end of turn the template closes an assistant turn with (a token, or text), the
     tokenizer's eos and the model's own eos ids."""
-    eot, kind = end_of_turn(tok)
-    ids = [tok.convert_tokens_to_ids(eot)] if kind in ("special token", "added token", "token") else []
+    eot_id, eot, kind = end_of_turn_id(tok)
+    ids = [eot_id] if eot_id is not None else []
     texts = [eot] if kind == "text" and eot else []
     own = model.generation_config.eos_token_id
     ids += [tok.eos_token_id] + (own if isinstance(own, list) else [own])
