@@ -42,7 +42,7 @@ lint: $(STAMP)              ## ruff, and the house's import contracts (import-li
 test: lint $(GGUF_STAMP)    ## the linter, then the test suite (CPU target; GPU-marked tests skipped)
 	$(BIN)/python -m pytest -q --durations=25 tests
 
-data: $(STAMP)              ## rewrite data/tiny_chat, data/tiny_dpo, data/tiny_kto (checked in; tests compare)
+data: $(STAMP)              ## rewrite data/tiny_chat, data/tiny_dpo, data/tiny_kto, data/tiny_grpo (checked in; tests compare)
 	$(BIN)/python -m sftrecipes tiny --data
 	$(BIN)/python data/make_preference_data.py
 

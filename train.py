@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Fine-tuning of a causal LM with TRL, driven by a recipe: SFTTrainer, or DPOTrainer / KTOTrainer (`method`).
+"""Fine-tuning of a causal LM with TRL, driven by a recipe: SFTTrainer, or the trainer of another `method` (DPO, KTO,
+ORPO, CPO; GRPO and RLOO generate and score completions with reward_funcs).
 
     python train.py recipes/tiny/lora.yaml                      # a recipe
     python train.py recipes/tiny/lora.yaml --lora_r 16          # ... with CLI overrides (CLI wins)
@@ -55,6 +56,7 @@ def run(recipe, life=None):
     from sftrecipes.model import attnchoice, fallbacks, lora, quantload, wrapping
     from sftrecipes.model import load as models
     from sftrecipes.plan.pitfalls import pitfalls
+    from sftrecipes.recipe.schema import ONLINE
     from sftrecipes.run import checkpoints
     from sftrecipes.train import args as backends
     from sftrecipes.train import (
@@ -66,6 +68,7 @@ def run(recipe, life=None):
         nonfinite,
         precision,
         probes,
+        rewards,
         saving,
         streamtrain,
     )
@@ -120,6 +123,9 @@ def run(recipe, life=None):
         args.dataset_kwargs = {"skip_prepare_dataset": True}  # packed and shuffled as TRL would, once (trainrows.py)
     else:  # pairs (dpo) or labelled completions (kto) in TRL's shapes, tokenized by its trainer (preference.py)
         train_ds, eval_ds, prompt, data_counts = preference.preference_datasets(recipe, tokenizer)
+    reward_funcs = rewards.reward_functions(recipe) if recipe.method in ONLINE else None  # grpo/rloo, imported here
+    if reward_funcs is not None:
+        rewards.check_columns(recipe, reward_funcs, train_ds.column_names)  # what each reads is in the rows
 
     # 3. model: dtype, attention, 4/8-bit loading; LoRA is applied by the trainer from peft_config
     memory = probes.PhaseMemory()  # each phase's peak RSS on this rank, the kernel's high-water mark reset at its start
@@ -127,6 +133,7 @@ def run(recipe, life=None):
     model = models.load_model(recipe, tokenizer, target)
     fallbacks.no_aux_loss_without_experts(model, args)  # a dense model whose config still declares router logits
     wrapping.zero3_leaves(model, recipe, args.process_index == 0)  # modules whose submodule calls the data decides: one fetch each
+    completions = rewards.CompletionLog() if recipe.method in ONLINE else None  # grpo/rloo: a few completions each log
     memory.start("wrapping")  # to train()'s first callback: peft, accelerate's prepare (sharding, partitioning, broadcast)
     trainer = methods.trainer_class(recipe)(  # SFTTrainer, DPOTrainer or KTOTrainer
         model=model,
@@ -138,11 +145,13 @@ def run(recipe, life=None):
         callbacks=[memory, dtypes := precision.precision_probe(recipe),
                    throughput := metrics.ThroughputCallback(peak_tflops=recipe.launch.peak_tflops),
                    guard := nonfinite.nonfinite_guard(recipe.run.nan_patience), life.callback(),
-                   quantload.kept_rows_check(), *data_callbacks],
-        **methods.trainer_kwargs(recipe, lambda **kw: models.load_model(recipe, tokenizer, target, **kw)),  # dpo/kto: ref_model
+                   quantload.kept_rows_check(), *data_callbacks, *([completions] if completions else [])],
+        **methods.trainer_kwargs(recipe, lambda **kw: models.load_model(recipe, tokenizer, target, **kw), reward_funcs),
     )
     if recipe.method != "sft":
         data_counts = methods.tokenized_counts(recipe, trainer, data_counts)  # what TRL's tokenizing cut, logged
+    if completions is not None:
+        completions.trainer = trainer
     dtypes.trainer = trainer
     for callback in data_callbacks:
         callback.trainer = trainer
@@ -217,7 +226,8 @@ def run(recipe, life=None):
             "data": data_counts,  # per split: read, truncated, dropped after the cut, fully masked, kept (data.py);
             # preparation: built, waited or reused, seconds, rows, rows/s, the cache entry (prepcache.py)
             "method": recipe.method,
-            "preference": methods.preference_log(trainer.state.log_history),  # dpo/kto: rewards, margins, accuracies
+            "preference": methods.preference_log(trainer.state.log_history, recipe.method),  # dpo/kto: margins; grpo: rewards, KL
+            "completions": completions.last if completions else None,  # grpo/rloo: the last logged completions, rewarded
             "eval": evalonly.eval_history(trainer.state.log_history, recipe.method),  # eval_strategy steps/epoch: each evaluation, the last
             "push_later": push_later,
         }

@@ -1,5 +1,6 @@
 """Writes data/tiny_dpo and data/tiny_kto: tiny synthetic preference data that the tiny random-init model learns in a
-few dozen DPO steps (KTO: about a hundred).
+few dozen DPO steps (KTO: about a hundred); and data/tiny_grpo: the same prompts alone, each with its word in an
+`answer` column, for the online methods' reward functions (recipes/tiny/rewards.py).
 
 One rule: the reply repeats the word the user names. A DPO row pairs the reply that follows it (chosen) with one naming
 another word (rejected); a KTO row is one of the two, labelled desirable (true) or not (false), half of each. The
@@ -51,8 +52,18 @@ def kto_rows(n: int, seed: int) -> list[dict]:
     return rows
 
 
+def grpo_rows(n: int, seed: int) -> list[dict]:
+    """Prompt-only rows (conversational) with the asked word as the answer the reward functions read."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        prompt, chosen, _ = pair(rng)
+        rows.append({"prompt": prompt, "answer": chosen[0]["content"].split()[-1].rstrip(".")})
+    return rows
+
+
 def write(out: Path = HERE) -> None:
-    for folder, make in (("tiny_dpo", dpo_rows), ("tiny_kto", kto_rows)):
+    for folder, make in (("tiny_dpo", dpo_rows), ("tiny_kto", kto_rows), ("tiny_grpo", grpo_rows)):
         (out / folder).mkdir(parents=True, exist_ok=True)
         for split, n, seed in SPLITS:
             with open(out / folder / f"{split}.jsonl", "w") as f:

@@ -6,26 +6,29 @@ needs a chat template. ShareGPT turns (from/value) become role/content messages,
 calls, reasoning: chat.py).
 
 Preference methods (`method: dpo`, `kto`, `orpo`, `cpo`) read other shapes: `preference` (prompt/chosen/rejected, or chosen/rejected
-with the prompt implicit in their shared start) and `unpaired_preference` (prompt/completion/label);
+with the prompt implicit in their shared start) and `unpaired_preference` (prompt/completion/label); the online methods
+(`grpo`, `rloo`) read `prompt_only` (a prompt, text or messages, and any columns the reward functions read);
 `detect_preference_format` tells them apart the same way (preference.py reads the rows).
 """
 
 from __future__ import annotations
 
 from sftrecipes.core.errors import RecipeError
-from sftrecipes.recipe.schema import PAIRED
+from sftrecipes.recipe.schema import ONLINE, PAIRED
 from sftrecipes.recipe.typed import Recipe
 
 FORMATS = ("messages", "conversations", "prompt_completion", "text")
 # The preference methods' formats, and the columns of each shape a method reads, in the order `auto` tries them.
 # dpo, orpo and cpo read pairs (schema.PAIRED); kto reads unpaired rows, and pairs too (each made a desirable and an
 # undesirable row: preference.py)
-PREFERENCE_FORMATS = ("preference", "unpaired_preference")
+PREFERENCE_FORMATS = ("preference", "unpaired_preference", "prompt_only")
 PAIRS = (("preference", ("prompt", "chosen", "rejected")), ("preference", ("chosen", "rejected")))
 PREFERENCE_SHAPES: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
     **dict.fromkeys(PAIRED, PAIRS),
     "kto": (("unpaired_preference", ("prompt", "completion", "label")), *PAIRS),
+    **dict.fromkeys(ONLINE, (("prompt_only", ("prompt",)),)),  # grpo/rloo: TRL's prompt-only rows, text or messages
 }
+PREFERENCE_METHOD = {"preference": "dpo", "unpaired_preference": "kto", "prompt_only": "grpo"}  # a format's first method
 CONVERSATIONAL = ("messages", "conversations")
 # ShareGPT `from` values -> chat roles
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
@@ -38,8 +41,8 @@ SHAPES = ("messages (column 'messages': role/content turns), conversations (colu
 def detect_format(recipe: Recipe, columns: list[str], name: str, fmt: str = "auto", key: str = "dataset_format") -> str:
     """The format of a split from its columns (fmt 'auto'), or a check that the columns fit the asked format."""
     if fmt in PREFERENCE_FORMATS:
-        raise RecipeError(f"{key}: {fmt} is data for the preference methods, but method is sft; set method: "
-                          f"{'kto' if fmt == 'unpaired_preference' else 'dpo'}, or {key}: auto for SFT data")
+        raise RecipeError(f"{key}: {fmt} is data for the {'online' if fmt == 'prompt_only' else 'preference'} methods, "
+                          f"but method is sft; set method: {PREFERENCE_METHOD[fmt]}, or {key}: auto for SFT data")
     field_ = recipe.trl_value("dataset_text_field")
     cols = set(columns)
     has = f"(has {', '.join(columns)})"
@@ -117,7 +120,8 @@ def preference_shapes(method: str) -> str:
     """The shapes `method` reads, as error lines list them."""
     shapes = "; ".join("/".join(cols) + (" (the prompt: their shared start)" if "prompt" not in cols else "") + f" [{fmt}]"
                        for fmt, cols in PREFERENCE_SHAPES[method])
-    return shapes + " — each text, or lists of role/content (or ShareGPT from/value) messages" + ("; label a bool" if method == "kto" else "")
+    extra = "; label a bool" if method == "kto" else "; its other columns go to the reward functions" if method in ONLINE else ""
+    return shapes + " — each text, or lists of role/content (or ShareGPT from/value) messages" + extra
 
 
 def detect_preference_format(method: str, columns: list[str], name: str, fmt: str = "auto", key: str = "dataset_format",
@@ -127,10 +131,15 @@ def detect_preference_format(method: str, columns: list[str], name: str, fmt: st
     (a datasets entry's columns)."""
     cols = set(columns)
     has = f"(has {', '.join(columns)})"
-    fix = f"rename its columns (a datasets entry's columns: {{your_column: {'chosen' if method in PAIRED else 'completion'}}})"
+    wanted = "chosen" if method in PAIRED else "prompt" if method in ONLINE else "completion"
+    fix = f"rename its columns (a datasets entry's columns: {{your_column: {wanted}}})"
     if fmt in FORMATS:
         raise RecipeError(f"{key}: {fmt} is a shape of method sft; method {method} reads {preference_shapes(method)}; "
                           f"set {key}: auto or {PREFERENCE_SHAPES[method][0][0]}")
+    if fmt in PREFERENCE_FORMATS and fmt not in {f for f, _ in PREFERENCE_SHAPES[method]}:
+        if method in ONLINE or fmt == "prompt_only":
+            raise RecipeError(f"{key}: {fmt} is data of method {PREFERENCE_METHOD[fmt]}; method {method} reads "
+                              f"{preference_shapes(method)}; set {key}: auto or {PREFERENCE_SHAPES[method][0][0]}")
     if method in PAIRED and fmt == "unpaired_preference":
         raise RecipeError(f"{key}: unpaired_preference (prompt/completion/label) has no pairs, which method {method} compares; "
                           f"set method: kto, or give {method} prompt/chosen/rejected data (dataset_format: preference)")

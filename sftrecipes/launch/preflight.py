@@ -19,6 +19,7 @@ from sftrecipes.facts.folders import check_weights
 from sftrecipes.launch.accelerate import accelerate_config
 from sftrecipes.plan import verdict
 from sftrecipes.recipe.target import render_target
+from sftrecipes.recipe.online import check_vllm
 from sftrecipes.recipe.typed import Recipe
 
 # An accelerate config key -> the recipe key that renders it (accelerate.accelerate_config), where the recipe has one;
@@ -84,6 +85,7 @@ def in_run(recipe: Recipe, target: str) -> int:
     world = check_world_size(recipe)
     check_launcher_matches(recipe)
     check_liger(recipe, target)
+    check_vllm(recipe, target)  # grpo/rloo use_vllm: a GPU and vLLM here
     return world
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sftrecipes.recipe.peftkeys import PEFT_NOT_EXPOSED, PEFT_NOTES
+from sftrecipes.recipe.rewards import RewardOptions
 from sftrecipes.recipe.snapshots import (
     METHOD_CONFIGS,
     Option,
@@ -25,11 +26,13 @@ from sftrecipes.recipe.valset import HELP as VAL_SET_SIZE_HELP
 
 DTYPES = ("bfloat16", "float16", "float32")
 # What a recipe trains with (its `method` key): the TRL trainer and the config class whose fields are its TRL keys
-METHODS = ("sft", "dpo", "kto", "orpo", "cpo")
-TRAINERS = {"sft": "SFTTrainer", "dpo": "DPOTrainer", "kto": "KTOTrainer", "orpo": "ORPOTrainer", "cpo": "CPOTrainer"}
+METHODS = ("sft", "dpo", "kto", "orpo", "cpo", "grpo", "rloo")
+TRAINERS = {"sft": "SFTTrainer", "dpo": "DPOTrainer", "kto": "KTOTrainer", "orpo": "ORPOTrainer", "cpo": "CPOTrainer",
+            "grpo": "GRPOTrainer", "rloo": "RLOOTrainer"}
 CONFIGS = {"sft": "SFTConfig", **METHOD_CONFIGS}
 PAIRED = ("dpo", "orpo", "cpo")  # the methods that compare a chosen and a rejected completion of one prompt
 REFERENCE_FREE = ("orpo", "cpo")  # no reference model at all: no second copy, no adapter-disabled pass
+ONLINE = ("grpo", "rloo")  # online RL: completions generated from prompts during training, scored by reward_funcs
 
 
 def opt(default: Any, help: str, choices: tuple | None = None, aliases: tuple = (), kind: str | None = None) -> Any:
@@ -157,8 +160,10 @@ class DataOptions:
         "Conversational data needs a chat_template_format; text data (text, plain prompt/completion) does not use it. "
         "method dpo/kto: preference ('prompt' + 'chosen' + 'rejected', or 'chosen' + 'rejected' whose shared start is "
         "the prompt; text or lists of messages; kto makes each pair a desirable and an undesirable row) or "
-        "unpaired_preference (kto: 'prompt' + 'completion' + 'label'); auto reads them from the columns.",
-        choices=("auto", "messages", "conversations", "prompt_completion", "text", "preference", "unpaired_preference"),
+        "unpaired_preference (kto: 'prompt' + 'completion' + 'label'); grpo/rloo: prompt_only ('prompt', text or a list "
+        "of messages; the row's other columns reach the reward functions); auto reads them from the columns.",
+        choices=("auto", "messages", "conversations", "prompt_completion", "text", "preference", "unpaired_preference",
+                 "prompt_only"),
     )
     splits: str = opt(
         "train,test", "Comma-separated splits to load; the one named like 'train' trains, one like 'test' evaluates. "
@@ -222,18 +227,20 @@ DATASET_ENTRY_KEYS: dict[str, str] = {
 
 
 @dataclass
-class RunOptions:
-    """How the run behaves around training (train.py)."""
+class RunOptions(RewardOptions):
+    """How the run behaves around training (train.py); the reward functions of grpo/rloo (recipe/rewards.py)."""
 
     method: str = opt(
         "sft",
         "What the run trains: sft (supervised fine-tuning, TRL's SFTTrainer), dpo (preference pairs, TRL's DPOTrainer: "
         "every loss_type it offers), kto (unpaired desirable/undesirable completions, TRL's KTOTrainer), orpo and cpo "
         "(preference pairs without a reference model: TRL's experimental ORPOTrainer and CPOTrainer, whose loss_type "
-        "simpo is SimPO). The TRL keys are then those of its config class (SFTConfig, DPOConfig, KTOConfig, "
-        "ORPOConfig, CPOConfig; a key of another method's class is refused), and the data is read in that method's "
-        "shapes (dataset_format). With LoRA the reference model of dpo and kto is the base with the adapter disabled "
-        "(no second copy).",
+        "simpo is SimPO), grpo and rloo (online RL: completions generated from prompt-only rows and scored by "
+        "reward_funcs; TRL's GRPOTrainer, whose loss_type picks grpo, dr_grpo, dapo, bnpo, ..., and RLOOTrainer). The "
+        "TRL keys are then those of its config class (SFTConfig, DPOConfig, KTOConfig, ORPOConfig, CPOConfig, "
+        "GRPOConfig, RLOOConfig; a key of another method's class is refused), and the data is read in that method's "
+        "shapes (dataset_format). With LoRA the reference model of dpo, kto and grpo/rloo with beta > 0 is the base "
+        "with the adapter disabled (no second copy).",
         choices=METHODS,
     )
 

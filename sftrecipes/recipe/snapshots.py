@@ -1,5 +1,5 @@
 """Options read from config dataclasses: a field becomes an Option (kind, default, help, choices), and TRL's
-``SFTConfig``, the preference trainers' ``DPOConfig`` / ``KTOConfig`` / ``ORPOConfig`` / ``CPOConfig`` and peft's ``LoraConfig`` read that way are kept
+``SFTConfig``, the other methods' ``DPOConfig`` / ``KTOConfig`` / ``ORPOConfig`` / ``CPOConfig`` / ``GRPOConfig`` / ``RLOOConfig`` and peft's ``LoraConfig`` read that way are kept
 as JSON snapshots (``trl_options.json``, ``trl_methods.json``, ``peft_options.json``) so that a recipe is validated and
 ``--help`` printed before torch is imported.
 Torch-free: the classes are read live, and the snapshots rewritten, by train/options.py;
@@ -20,7 +20,8 @@ from typing import Any
 TRL_SNAPSHOT = Path(__file__).with_name("trl_options.json")
 METHODS_SNAPSHOT = Path(__file__).with_name("trl_methods.json")
 # method -> TRL's config class of its trainer, besides sft's SFTConfig (trl_options.json): read into trl_methods.json
-METHOD_CONFIGS = {"dpo": "DPOConfig", "kto": "KTOConfig", "orpo": "ORPOConfig", "cpo": "CPOConfig"}
+METHOD_CONFIGS = {"dpo": "DPOConfig", "kto": "KTOConfig", "orpo": "ORPOConfig", "cpo": "CPOConfig",
+                  "grpo": "GRPOConfig", "rloo": "RLOOConfig"}
 # methods whose trainer and config TRL 1.16 keeps outside its top level: the module that holds them
 METHOD_MODULES = {"orpo": "trl.experimental.orpo", "cpo": "trl.experimental.cpo"}
 PEFT_SNAPSHOT = Path(__file__).with_name("peft_options.json")

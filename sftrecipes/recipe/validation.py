@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from sftrecipes.core.errors import RecipeError
 from sftrecipes.facts.folders import start_from
-from sftrecipes.recipe import evalonly, evaltasks, images, limits, valset
+from sftrecipes.recipe import evalonly, evaltasks, images, limits, online, valset
 from sftrecipes.recipe.coerce import coerce
 from sftrecipes.recipe.lorarules import validate_lora
 from sftrecipes.recipe.schema import CONFIGS, DATASET_ENTRY_KEYS, REFERENCE_FREE, TRAINERS, all_options, dpo_loss_types
@@ -238,6 +238,7 @@ def validate(r: Recipe) -> None:
 def _validate_method(r: Recipe) -> None:
     """The TRL keys a recipe sets belong to its method's config class: a key of another method's class would be
     dropped or refused deep inside the trainer. DPO's loss types: checked here, not at the first step's loss."""
+    online.check_online(r)  # grpo/rloo: reward_funcs, the generation batch; reward_funcs refused elsewhere
     if r.method == "dpo" and "loss_type" in r.trl:
         known = dpo_loss_types()
         wrong = [t for t in r.trl["loss_type"] if t not in known]

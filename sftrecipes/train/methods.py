@@ -1,12 +1,13 @@
-"""What a recipe's `method` trains with: TRL's trainer for it (SFTTrainer, DPOTrainer, KTOTrainer, and TRL's
-experimental ORPOTrainer and CPOTrainer), the reference model of the preference methods, and the preference metrics a
-run reports.
+"""What a recipe's `method` trains with: TRL's trainer for it (SFTTrainer, DPOTrainer, KTOTrainer, TRL's
+experimental ORPOTrainer and CPOTrainer, GRPOTrainer and RLOOTrainer), the reference model of the preference methods,
+the reward functions of the online ones, and the metrics of each a run reports.
 
 The reference model: with LoRA, none is passed: TRL computes the reference log-probs with the adapter disabled (the
 base, no second copy). A full fine-tune gets a second copy loaded exactly as the policy is (model.load_model: dtype,
 attention, ZeRO-3 partitioning while loading), which TRL prepares like the policy (DeepSpeed, FSDP); with
 precompute_ref_log_probs TRL computes them once before training from the policy's initial weights, and nothing else
-is held. orpo and cpo have no reference model (schema.REFERENCE_FREE).
+is held. orpo and cpo have no reference model (schema.REFERENCE_FREE). grpo and rloo: TRL's trainer decides (none at
+beta 0; with LoRA the adapter disabled; else a second copy it loads from the policy's folder), and gets reward_funcs.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 
-from sftrecipes.recipe.schema import REFERENCE_FREE, TRAINERS
+from sftrecipes.recipe.schema import ONLINE, REFERENCE_FREE, TRAINERS
 from sftrecipes.recipe.snapshots import METHOD_MODULES
 from sftrecipes.recipe.target import RANK0_READS, weight_reading
 from sftrecipes.recipe.typed import Recipe
@@ -26,6 +27,9 @@ log = logging.getLogger("sftrecipes")
 # rewards of each; kl of kto; the NLL term of orpo and cpo, and orpo's log odds
 PREFERENCE_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
                       "logps/rejected", "kl", "nll_loss", "log_odds_ratio", "log_odds_chosen")
+# Logged per step by GRPOTrainer/RLOOTrainer (their `_metrics`): the reward in total and per function (rewards/<name>/
+# mean, std), completion lengths, the KL to the reference (beta > 0), the clip ratios, the entropy
+ONLINE_PREFIXES = ("reward", "rewards/", "completions/", "kl", "clip_ratio", "entropy", "frac_reward_zero_std")
 
 
 def trainer_class(recipe: Recipe) -> type:
@@ -34,16 +38,22 @@ def trainer_class(recipe: Recipe) -> type:
 
 def needs_reference_copy(recipe: Recipe) -> bool:
     """A preference method with a reference, training every weight, its reference not precomputed: a second copy."""
-    return (recipe.method not in ("sft", *REFERENCE_FREE) and not recipe.model.use_peft_lora
+    return (recipe.method not in ("sft", *REFERENCE_FREE, *ONLINE) and not recipe.model.use_peft_lora
             and not recipe.trl_value("precompute_ref_log_probs"))
 
 
-def trainer_kwargs(recipe: Recipe, load_reference) -> dict:
+def trainer_kwargs(recipe: Recipe, load_reference, reward_funcs=None) -> dict:
     """What the method's trainer takes beyond SFTTrainer's arguments: `ref_model`, loaded by `load_reference()`
-    where a copy is needed (needs_reference_copy)."""
+    where a copy is needed (needs_reference_copy); grpo/rloo: `reward_funcs` (train/rewards.reward_functions)."""
     if recipe.method == "sft":
         return {}
     say = log.info if os.environ.get("RANK", "0") == "0" else log.debug
+    if recipe.method in ONLINE:
+        beta = float(recipe.trl_value("beta"))
+        say("reference model: %s", "none (beta 0: no KL term)" if beta == 0 else
+            f"the adapter disabled (beta {beta:g}): the base weights, no second copy" if recipe.model.use_peft_lora else
+            f"a second copy (beta {beta:g}), loaded by {TRAINERS[recipe.method]} from the policy's folder and sharded as it is")
+        return {"reward_funcs": reward_funcs}
     if recipe.method in REFERENCE_FREE:  # their trainers take no ref_model
         say("reference model: none (%s compares chosen with rejected under the policy alone); %s is TRL's experimental "
             "trainer from %s", recipe.method, TRAINERS[recipe.method], METHOD_MODULES[recipe.method])
@@ -67,8 +77,10 @@ def trainer_kwargs(recipe: Recipe, load_reference) -> dict:
 def tokenized_counts(recipe: Recipe, trainer, counts: dict) -> dict:
     """After the preference trainer tokenized the splits: what it dropped and what its collator will cut
     (preference.truncation_counts), logged on the main process and added to the data counts of run_summary.json."""
-    from sftrecipes.data.preference import truncation_counts
+    from sftrecipes.data.prefcuts import truncation_counts
 
+    if recipe.method in ONLINE:  # prompts are tokenized as each batch is generated from: nothing cut up front
+        return counts
     splits = {"train": trainer.train_dataset}
     if isinstance(trainer.eval_dataset, dict):
         splits.update({f"eval {k}": v for k, v in trainer.eval_dataset.items()})
@@ -85,11 +97,15 @@ def tokenized_counts(recipe: Recipe, trainer, counts: dict) -> dict:
     return out
 
 
-def preference_log(log_history: list[dict]) -> list[dict]:
-    """Per logging step of a preference run: the step and each preference metric TRL logged (train, not eval)."""
+def preference_log(log_history: list[dict], method: str = "dpo") -> list[dict]:
+    """Per logging step of a preference run: the step and each preference metric TRL logged (train, not eval); of an
+    online run, its rewards, completion lengths, KL and clip ratios (ONLINE_PREFIXES)."""
     rows = []
     for e in log_history:
-        found = {k: e[k] for k in PREFERENCE_METRICS if k in e}
+        if method in ONLINE:
+            found = {k: v for k, v in e.items() if k.startswith(ONLINE_PREFIXES)}
+        else:
+            found = {k: e[k] for k in PREFERENCE_METRICS if k in e}
         if found and "loss" in e:
             rows.append({"step": e.get("step"), **found})
     return rows

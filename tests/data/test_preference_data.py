@@ -13,7 +13,8 @@ from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 from sftrecipes.data import formats
 from sftrecipes.core.errors import RecipeError
 from sftrecipes.core.paths import ROOT
-from sftrecipes.data.preference import preference_datasets, truncation_counts
+from sftrecipes.data.prefcuts import truncation_counts
+from sftrecipes.data.preference import preference_datasets
 from sftrecipes.recipe.load import load_recipe
 from sftrecipes.data.tokenizer import load_tokenizer
 

@@ -53,13 +53,14 @@ def test_each_method_reads_its_config_class(tmp_path):
 
 
 @pytest.mark.parametrize("text,flags,message", [
-    ("beta: 0.2\n", [], "beta: a key of DPOConfig (method dpo, kto, orpo, cpo); method sft trains with SFTTrainer, whose "
+    ("beta: 0.2\n", [], "beta: a key of DPOConfig (method dpo, kto, orpo, cpo, grpo, rloo); method sft trains with SFTTrainer, whose "
                         "SFTConfig has no beta: remove it, or set method: dpo"),
     ("method: dpo\npacking: true\n", [], "packing: a key of SFTConfig (method sft); method dpo trains with DPOTrainer"),
     ("method: kto\n", ["--packing", "true"], "packing: a key of SFTConfig (method sft); method kto"),
     ("method: kto\n", ["--loss_type", "sigmoid"], "'sigmoid' is not one of kto, apo_zero_unpaired"),
     ("method: dpo\nloss_type: [sigmoid, ipx]\n", [], "loss_type: 'ipx' is not a loss DPOTrainer has; use one or more of sigmoid,"),
-    ("method: simpo\n", [], "'simpo' is not one of sft, dpo, kto, orpo, cpo"),
+    ("method: simpo\n", [], "'simpo' is not one of sft, dpo, kto, orpo, cpo, grpo, rloo"),
+    ("method: dpo\n", ["--num_generations", "4"], "num_generations: a key of GRPOConfig (method grpo, rloo); method dpo"),
     ("method: orpo\n", ["--precompute_ref_log_probs", "true"], "precompute_ref_log_probs: a key of DPOConfig (method dpo, "
                                                                "kto); method orpo trains with ORPOTrainer, whose ORPOConfig has no"),
     ("method: cpo\n", ["--loss_type", "kto"], "'kto' is not one of sigmoid, hinge, ipo, simpo, alphapo"),
@@ -91,9 +92,12 @@ def test_help_marks_the_keys_of_one_method():
     res = run_cli(["train.py", "--help"])
     assert res.returncode == 0
     beta = next(ln for ln in res.stdout.splitlines() if ln.startswith("  --beta "))
-    assert "(method dpo, kto, orpo, cpo only)" in beta
+    assert "(method dpo, kto, orpo, cpo, grpo, rloo only)" in beta
+    assert "GRPOConfig (method grpo): float, default 0.0; RLOOConfig (method rloo): float, default 0.05" in beta
     method = next(ln for ln in res.stdout.splitlines() if ln.startswith("  --method "))
-    assert "one of sft, dpo, kto, orpo, cpo" in method
+    assert "one of sft, dpo, kto, orpo, cpo, grpo, rloo" in method
+    generations = next(ln for ln in res.stdout.splitlines() if ln.startswith("  --num_generations "))
+    assert "(method grpo, rloo only)" in generations
 
 
 @pytest.mark.parametrize("layout,message", [
