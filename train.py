@@ -66,6 +66,7 @@ def run(recipe, life=None):
         methods,
         metrics,
         nonfinite,
+        online,
         precision,
         probes,
         rewards,
@@ -160,6 +161,9 @@ def run(recipe, life=None):
     if recipe.model.use_peft_lora and args.process_index == 0:
         log.info("%s", lora.describe_adapter(trainer.model, recipe))  # what LoRA adapted: modules, experts, router
     backends.size_deepspeed_buckets(trainer)  # reduce / prefetch buckets by the hidden size, as the planner counts
+    if recipe.method in ONLINE:  # grpo/rloo: each rank's generation buffer in every checkpoint, back on resume
+        online.save_generation_state(trainer)
+        online.restore_generation_state(trainer, resume)
     saving.make_checkpoints_atomic(  # a marker written last; rotation never drops the last complete one
         trainer, stream and (lambda folder: stream.save(folder, trainer.state.global_step, args)))  # where the stream goes on
     precision.apply_precision_policy(trainer, recipe)  # trainable params fp32 under mixed precision (logged)

@@ -1,5 +1,5 @@
 """Exact resume through the command a user runs (`python -m sftrecipes launch RECIPE`), on a single process, DDP, ZeRO-3
-and FSDP with 2 CPU ranks, a DPO run on FSDP and a DDP run on streamed data. One chain per case:
+and FSDP with 2 CPU ranks, a DPO run on FSDP, a GRPO run on ZeRO-3 and a DDP run on streamed data. One chain per case:
 
 1. straight: an uninterrupted run without checkpoints (the reference weights; saving must not change training);
 2. killed: the launcher is SIGKILLed (its pid, as a user or scheduler kills it) at a random moment after a checkpoint;
@@ -48,6 +48,12 @@ CASES = {  # recipe + flags, the preemption signal
     # DPO through TRL's DPOTrainer on the FSDP2 twin (full fine-tune: the reference is a second copy, sharded like the
     # policy): the preemption callback, the checkpoint and the resume are the same under a preference trainer
     "dpo-fsdp": (["recipes/tiny/fsdp.yaml", "--method", "dpo", "--dataset_name", "data/tiny_dpo"], signal.SIGTERM),
+    # GRPO (TRL's GRPOTrainer) on the ZeRO-3 twin: completions sampled every 3 steps (steps_per_generation), so the
+    # kill and the preemption fall inside generation cycles too: the random state generation samples with and the
+    # completions a cycle still trains on (train/online.py) are in each checkpoint
+    "grpo-zero3": (["recipes/tiny/zero3.yaml", "--method", "grpo", "--dataset_name", "data/tiny_grpo", "--reward_funcs",
+                    "recipes/tiny/rewards.py:answer_letters", "--num_generations", "4", "--max_completion_length", "8",
+                    "--steps_per_generation", "3"], signal.SIGTERM),
     # streamed data (stream.py): the position in the stream is part of each checkpoint; buffers of 40 rows, and the
     # 20 steps of 8 packed rows take the stream into its second data epoch
     "ddp-stream": (["recipes/tiny/ddp.yaml", "--streaming", "true", "--streaming_buffer_rows", "40"], signal.SIGTERM),
