@@ -43,7 +43,7 @@ from sftrecipes.data import tokenization
 from sftrecipes.core.errors import RecipeError
 from sftrecipes.model.lora import lora_config
 from sftrecipes.recipe.load import load_recipe
-from sftrecipes.recipe.schema import CONFIGS, METHODS
+from sftrecipes.recipe.schema import CONFIGS, METHODS, ONLINE
 from sftrecipes.recipe.schema import all_options
 from sftrecipes.tiny import ensure_family
 from sftrecipes.data.tokenizer import load_tokenizer
@@ -111,7 +111,13 @@ TRL_KEYS = sorted([("sft", n) for n, o in all_options().items() if o.owner == "t
                      and n not in REFUSED_BY_METHOD and ((o.methods and m in o.methods) or (o.kind, o.default) != (all_options()[n].kind, all_options()[n].default))])
 SPECIAL_BY_METHOD = {("dpo", "loss_type"): (["ipo", "hinge"], {}, None),  # a list of DPOTrainer's loss types
                      ("dpo", "loss_weights"): ([0.5], {}, None),
-                     ("dpo", "padding_free"): (True, {}, None)}  # (SFT's needs packing, a key DPOConfig lacks)
+                     ("dpo", "padding_free"): (True, {}, None),  # (SFT's needs packing, a key DPOConfig lacks)
+                     # grpo/rloo: a generation batch of whole groups (the base's batch of 8 per step), a list of weights
+                     **{(m, "generation_batch_size"): (16, {}, None) for m in ONLINE},
+                     **{(m, "reward_weights"): ([0.5], {}, None) for m in ONLINE},
+                     ("grpo", "num_generations"): (4, {}, None),
+                     ("grpo", "log_completions_hub_repo"): ("me/completions", {"log_completions": True}, None),
+                     ("rloo", "reward_clip_range"): ([-1.0, 1.0], {}, None)}
 
 
 @pytest.mark.parametrize("method,key", TRL_KEYS)
@@ -119,7 +125,8 @@ def test_trl_option_reaches_training_args(tiny_model, method, key):
     o = all_options(method)[key]
     value, extras, check = SPECIAL_BY_METHOD.get((method, key)) or SPECIAL.get(key, (probe_value(o), {}, None))
     argv = [a for a in BASE if key != "output_dir" or a not in ("--output_dir", "outputs/reach")]
-    r = load_recipe(argv, overrides={"method": method, key: value, **extras})
+    online = {"reward_funcs": ["exact_answer"]} if method in ONLINE else {}  # (grpo/rloo need one)
+    r = load_recipe(argv, overrides={"method": method, **online, key: value, **extras})
     args = backends.training_args(r, "gpu" if key in GPU_ONLY else "cpu")
     assert type(args).__name__ == CONFIGS[method]
     if check is not None:
@@ -563,6 +570,35 @@ def _eval_run(tmp_path):
         _EVAL["out"] = out
     out = _EVAL["out"]
     return json.loads((out / "lm_eval_results.json").read_text()), json.loads((out / "run_summary.json").read_text()), out
+
+
+def _grpo_rewards(*flags):
+    from sftrecipes.train.rewards import reward_functions
+
+    return reward_functions(load_recipe(["recipes/tiny/grpo.yaml", *flags]))
+
+
+def obs_reward_funcs(tiny_model, tmp_path):
+    """Each entry becomes the function TRL calls, in order: a built-in, and the user's own from its file."""
+    fmt, brevity = _grpo_rewards("--reward_funcs", "format", "recipes/tiny/rewards.py:brevity", "--reward_weights", "1", "1")
+    assert fmt.__name__ == "format" and brevity.__module__.startswith("sftrecipes_reward_")
+    assert brevity(prompts=["q"], completions=["a"], completion_ids=[[1, 2, 3]]) == [0.75]
+
+
+def obs_reward_answer_column(tiny_model, tmp_path):
+    exact = _grpo_rewards("--reward_answer_column", "solution")[1]
+    assert exact(prompts=["q", "q"], completions=["7", "7"], solution=["7", "8"]) == [1.0, 0.0]
+
+
+def obs_reward_format_regex(tiny_model, tmp_path):
+    fmt = _grpo_rewards("--reward_funcs", "format", "--reward_weights", "1", "--reward_format_regex", "x+")[0]
+    assert fmt(prompts=["q", "q"], completions=["xxx", "xy"]) == [1.0, 0.0]
+
+
+def obs_reward_length_cache(tiny_model, tmp_path):
+    length = _grpo_rewards("--reward_funcs", "length", "--reward_weights", "1", "--reward_length_cache", "2",
+                           "--max_completion_length", "10")[0]
+    assert length(prompts=["q"] * 2, completions=["a"] * 2, completion_ids=[[1] * 8, [1] * 9]) == [0.0, -0.5]
 
 
 def obs_eval_tasks(tiny_model, tmp_path):
