@@ -3,6 +3,7 @@ process (the logged reward rises; per function, in the log, TensorBoard and run_
 RLOO, a reward model by path and a module:function; the built-in reward functions; and the GRPO twins on every
 kind of backend on 2 ranks, resumed exactly from a checkpoint (inside a generation cycle too)."""
 
+import json
 import math
 import shutil
 
@@ -14,6 +15,7 @@ from conftest import free_port, launch_twin
 from sftrecipes import cli
 from sftrecipes.recipe.load import load_recipe
 from sftrecipes.train import rewards
+from test_preference_train import sft_adapter  # noqa: F401 - the SFT run the pipeline starts from
 from test_twins import BASE_OF, TWINS, assert_loadable
 
 # the twins' GRPO: data/tiny_grpo's prompts, a reward that varies from the first step (every step has a gradient),
@@ -222,3 +224,21 @@ def test_grpo_resumes_exactly(grpo_runs, tmp_path, name):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:5]
     rows = {r["step"]: r for r in summary["preference"]}  # (a step that generated nothing logs no reward)
     assert [r.get("reward") for r in resumed["preference"]] == pytest.approx([rows[r["step"]].get("reward") for r in resumed["preference"]])
+
+
+def test_sft_then_grpo_from_its_adapter(sft_adapter, tmp_path, caplog):  # noqa: F811 - the fixture
+    """SFT -> GRPO as SFT -> DPO: the GRPO recipe names the SFT run's adapter as model_name_or_path; the run merges it
+    into its base once and trains a new adapter on the merge (with the SFT run's tokenizer and template), which merges
+    with --verify."""
+    import logging
+
+    sft = tmp_path / "sft"
+    shutil.copytree(sft_adapter, sft, ignore=shutil.ignore_patterns("checkpoint-*"))
+    with caplog.at_level(logging.INFO, logger="sftrecipes"):
+        _, summary = train.run(load_recipe(["recipes/tiny/grpo.yaml", "--model_name_or_path", str(sft), "--max_steps", "2",
+                                            "--logging_steps", "1", "--sample_max_new_tokens", "0",
+                                            "--output_dir", str(tmp_path / "grpo")]))
+    assert f"model: merging the LoRA adapter {sft} into its base .assets/tiny-llama -> {tmp_path / 'sft-merged'}" in caplog.text
+    adapter = json.loads((tmp_path / "grpo" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == str(tmp_path / "sft-merged") and len(summary["preference"]) == 2
+    assert cli.main(["merge", str(tmp_path / "grpo"), str(tmp_path / "merged"), "--verify"]) == 0
