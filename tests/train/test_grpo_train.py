@@ -142,10 +142,11 @@ def test_builtin_format_and_length_rewards():
 # every weight: with beta 0.1 its reference is a second copy, loaded by TRL on each rank and sharded)
 TWIN_RUNS = ("ddp", "zero2", "zero3", "fsdp", "qlora-zero3", "qlora-fsdp")
 EXTRA = {"fsdp": ["--beta", "0.1"]}
-RESUMED = {"zero3": (), "fsdp": (),  # (the twin runs above, reused)
-           # steps_per_generation 2: each generation feeds 2 steps, so checkpoint-3 is inside a cycle: the resumed run
-           # trains step 4 on the completions the killed one generated at step 3 (train/online.py), not new ones
-           "ddp": ("--steps_per_generation", "2")}
+# resumed from a copy of checkpoint-3: the FSDP2 twin with its reference copy (ZeRO-3 is resumed after SIGKILL and
+# SIGTERM, inside generation cycles, by run/test_resume.py's grpo-zero3 chain), and DDP with steps_per_generation 2:
+# each generation feeds 2 steps, so checkpoint-3 is inside a cycle and the resumed run trains step 4 on the
+# completions the first one generated at step 3 (train/online.py), not on new ones
+RESUMED = {"fsdp": (), "ddp": ("--steps_per_generation", "2")}
 
 
 def grpo_flags(name, extra=()):
