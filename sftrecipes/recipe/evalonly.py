@@ -148,5 +148,10 @@ def eval_history(log_history: list[dict], method: str = "sft") -> dict[str, Any]
 
 
 def eval_words(record: dict[str, Any]) -> str:
-    ppl = record.get("perplexity")
-    return f"eval_loss {record['eval_loss']:.4g}, perplexity {ppl:.4g}" if ppl is not None else f"eval_loss {record.get('eval_loss')}"
+    """The last evaluation in the run's last line: its loss and perplexity (sft), its loss and reward (grpo, rloo)."""
+    ppl, reward = record.get("perplexity"), record.get("eval_reward")
+    if ppl is not None:
+        return f"eval_loss {record['eval_loss']:.4g}, perplexity {ppl:.4g}"
+    if reward is not None:
+        return f"eval_loss {record['eval_loss']:.4g}, eval_reward {reward:.4g} (the generated completions' mean reward)"
+    return f"eval_loss {record.get('eval_loss')}"

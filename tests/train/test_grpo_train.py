@@ -243,3 +243,17 @@ def test_sft_then_grpo_from_its_adapter(sft_adapter, tmp_path, caplog):  # noqa:
     adapter = json.loads((tmp_path / "grpo" / "adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == str(tmp_path / "sft-merged") and len(summary["preference"]) == 2
     assert cli.main(["merge", str(tmp_path / "grpo"), str(tmp_path / "merged"), "--verify"]) == 0
+
+
+def test_grpo_evaluates_its_eval_split_by_generating(tiny_model, tmp_path):
+    """eval_strategy steps: the eval split's prompts are generated from and scored like the training ones; each
+    evaluation's reward per function in run_summary.json's eval, the last one in the run's last line."""
+    from sftrecipes.recipe.evalonly import eval_words
+
+    _, summary = train.run(load_recipe(["recipes/tiny/grpo.yaml", "--max_steps", "2", "--eval_strategy", "steps",
+                                        "--eval_steps", "2", "--per_device_eval_batch_size", "8", "--num_generations_eval",
+                                        "2", "--sample_max_new_tokens", "0", "--output_dir", str(tmp_path / "out")]))
+    last = summary["eval"]["last"]
+    assert last["step"] == 2 and "perplexity" not in last and math.isfinite(last["eval_rewards/brevity/mean"])
+    assert eval_words(last) == f"eval_loss {last['eval_loss']:.4g}, eval_reward {last['eval_reward']:.4g} (the generated " \
+                               "completions' mean reward)"  # (train.py's last line prints it)
