@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export PYTHONDONTWRITEBYTECODE ?= 1
 
-.PHONY: venv gguf-client assets demo lint test data schema docs emit plan bench bench-dpo bench-overhead bench-data bench-export bench-loading sweep sweep-two-ranks sweep-gguf clean sft-70b-lora sft-70b-qlora sft-offload sft-70b-fsdp sft-70b-qlora-fsdp sft-ddp sft-llama3-70b-lora sft-qwen3-32b-qlora sft-qwen3-moe-lora sft-llama3-70b-qlora sft-llama3-405b-qlora dpo-llama3-70b-lora dpo-qwen3-32b-qlora sft-dpo-llama3-70b-lora
+.PHONY: help venv gguf-client assets demo lint test data schema docs emit plan bench bench-dpo bench-overhead bench-data bench-export bench-loading sweep sweep-two-ranks sweep-gguf clean sft-70b-lora sft-70b-qlora sft-offload sft-70b-fsdp sft-70b-qlora-fsdp sft-ddp sft-llama3-70b-lora sft-qwen3-32b-qlora sft-qwen3-moe-lora sft-llama3-70b-qlora sft-llama3-405b-qlora dpo-llama3-70b-lora dpo-qwen3-32b-qlora sft-dpo-llama3-70b-lora grpo-qwen3-8b-lora grpo-llama3-70b-lora sft-grpo-llama3-70b-lora vllm-env
 
 $(STAMP): requirements.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,9 @@ $(STAMP): requirements.txt
 	@touch $@
 
 venv: $(STAMP)
+
+help:                       ## the targets and what each does (the `##` comments of this file)
+	@awk -F':[^#]*## ' '/^[A-Za-z0-9_.-]+:[^=]*## / {printf "  %-26s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 # llama.cpp for GGUF exports: a one-time source build of llama-cpp-python (about 3.5 min on 2 cores; pip's wheel cache
 # keeps it, so a new venv takes seconds), then its converter unpacked into the venv. The multimodal library is not built.
@@ -86,6 +89,26 @@ sft-dpo-llama3-70b-lora: $(STAMP) ## SFT then DPO: the Llama-3.1-70B LoRA SFT re
 	scripts/run_llama3.1-70b-dpo-lora.sh --model_name_or_path outputs/llama3.1-70b-lora --output_dir outputs/llama3.1-70b-sft-dpo-lora $(ARGS)
 dpo-qwen3-32b-qlora: $(STAMP) ## Qwen3-32B DPO with QLoRA, FSDP2, 2 x 24 GB
 	scripts/run_qwen3-32b-dpo-qlora-fsdp.sh $(ARGS)
+grpo-qwen3-8b-lora: $(STAMP) ## Qwen3-8B GRPO with LoRA on GSM8K answers, vLLM colocate (vllm in the training environment), 1 x 80 GB
+	scripts/run_qwen3-8b-grpo-lora.sh $(ARGS)
+grpo-llama3-70b-lora: $(STAMP) ## Llama-3.1-70B-Instruct GRPO with LoRA on GSM8K answers: ZeRO-3 on 4 GPUs + a vLLM server (make vllm-env) on the other 4, 8 x 80 GB
+	scripts/run_llama3.1-70b-grpo-lora.sh $(ARGS)
+sft-grpo-llama3-70b-lora: $(STAMP) ## SFT then GRPO: the Llama-3.1-70B LoRA SFT recipe, then GRPO from its adapter (merged into the base once, beside it; the vLLM server serves the merged model), 8 x 80 GB
+	scripts/run_llama3.1-70b-lora.sh $(ARGS)
+	scripts/run_llama3.1-70b-grpo-lora.sh --model_name_or_path outputs/llama3.1-70b-lora --output_dir outputs/llama3.1-70b-sft-grpo-lora $(ARGS)
+
+# The vLLM server's environment (launch.vllm_server_gpus starts `python -m trl.scripts.vllm_serve` with its python):
+# vllm with its own pins (torch among them), which conflict with the training stack's, and the TRL release it serves for.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cksum requirements-vllm.txt | cut -d' ' -f1)
+$(VLLM_STAMP): requirements-vllm.txt
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q -r requirements-vllm.txt
+	@rm -f $(VLLM_VENV)/.installed-*
+	@touch $@
+
+vllm-env: $(VLLM_STAMP)     ## .venv-vllm: vLLM + TRL for the GRPO recipes' vLLM server (launch.vllm_server_python's default; a GPU machine)
 
 bench: $(STAMP)             ## training throughput grid (checkpointing x batch x packing x LoRA/full): train.py vs bare TRL, tiny model (~13 min); writes docs/benchmarks.md
 	$(BIN)/python bench/bench_train.py $(ARGS)

@@ -7,7 +7,8 @@
 # peak over each load against the planner's loading phase (bench/gpu_check.py, bench/qlora_load_probe.py; skipped with
 # the reason where deepspeed or bitsandbytes is not importable: add deepspeed==0.19.8 and bitsandbytes==0.50.2 to .whl/);
 # before (1)-(3), where `vllm` is on PATH, vLLM serving a tiny LoRA run and its export against transformers' greedy
-# tokens (bench/vllm_check.py).
+# tokens (bench/vllm_check.py); and GRPO on the tiny recipe, transformers' generate and vLLM colocate where vllm is
+# importable: seconds per step and the GPU's peak (bench/grpo_probe.py).
 # Writes bench/results/gpu-check-<gpu>-<date>.{json,md}; docs/benchmarks.md, "GPU check", says how to read them.
 #   bench/gpu_check.sh [--budget-s 330] [--steps 6] [--only sdpa,sft_varlen] [--no-liger-rows]
 #   python bench/gpu_check.py --cpu-smoke --out /tmp/x     # the same code on CPU (tests/test_gpu_check.py)
@@ -37,4 +38,8 @@ fi
 # it -- the adapter on its base, then the merged export -- its greedy tokens against transformers' (bench/vllm_check.py,
 # its two servers within --budget-s 300, starts included); a failure here does not stop the check
 "$PY" bench/vllm_check.py --out "bench/results/vllm-check-$(date +%Y%m%d)" || echo "gpu_check: vLLM check failed (above)" >&2
+# GRPO (recipes/tiny/grpo.yaml through train.run, 8 steps a row, each row a process of its own): transformers' generate,
+# then vLLM colocate where vllm is importable here (else the row says why); seconds per step, GPU peak, rewards
+# (bench/grpo_probe.py -> grpo-probe.{json,md}); a failure here does not stop the check
+"$PY" bench/grpo_probe.py --out "bench/results/grpo-probe-$(date +%Y%m%d)" || echo "gpu_check: GRPO probe failed (above)" >&2
 exec "$PY" bench/gpu_check.py "$@"

@@ -69,11 +69,12 @@ def before_launch(recipe: Recipe, force: bool = False) -> str:
         lines.append("preflight: the plan says it does not fit; launching anyway (--force)")
     if render_target(recipe) == "gpu" and (world > 1 or L.backend != "none" or L.hardware == "gpu"):
         have = gpu_count()
-        if have < L.gpus_per_node:
+        if have < L.gpus_per_node + L.vllm_server_gpus:
             mem = f" of {L.gpu_memory_gb:g} GB" if L.gpu_memory_gb else ""
+            server = f" + {L.vllm_server_gpus} for its vLLM server (launch.vllm_server_gpus)" if L.vllm_server_gpus else ""
             raise RecipeError(
-                f"launch: this recipe needs {L.gpus_per_node} GPU(s){mem} per node ({L.backend}, {world} processes in all) "
-                f"but this machine has {have}; run it on a GPU node (its CPU twin under recipes/tiny/ runs here)"
+                f"launch: this recipe needs {L.gpus_per_node} GPU(s){mem} per node ({L.backend}, {world} processes in all)"
+                f"{server} but this machine has {have}; run it on a GPU node (its CPU twin under recipes/tiny/ runs here)"
             )
         lines.append(f"preflight: {have} GPU(s) visible")
     return "\n".join(lines)

@@ -32,6 +32,7 @@ from sftrecipes.core import procs
 from sftrecipes.core.errors import RecipeError
 from sftrecipes.core.paths import ROOT
 from sftrecipes.facts import startmodel
+from sftrecipes.launch import genserver
 from sftrecipes.launch.accelerate import accelerate_config, launcher_env
 from sftrecipes.launch.preflight import before_launch
 from sftrecipes.recipe.evalonly import eval_only, summary_path
@@ -55,6 +56,7 @@ class Launch:
     config_path: Path | None = None
     topology: str = "1 process"
     machine_rank: int = 0
+    server: genserver.Server | None = None  # the vLLM server started first (launch.vllm_server_gpus, machine 0)
 
 
 def free_port() -> int:
@@ -129,9 +131,12 @@ def launch_command(args: list[str], environ: Mapping[str, str] | None = None) ->
     train = "train.py" if Path.cwd().resolve() == ROOT else str(ROOT / "train.py")
     env = launcher_env(recipe)
     if L.backend == "none":
-        return Launch([sys.executable, train, *args], env, recipe)
+        gen = genserver.plan(recipe, environ, 0, free_port)
+        return Launch([sys.executable, train, *args, *gen.rank_args], {**env, **gen.rank_env}, recipe, server=gen.server)
     world = L.world_size
     rank, address, port = topology(recipe, environ)
+    gen = genserver.plan(recipe, environ, rank, free_port)  # (its flags after the user's: where the server listens)
+    env = {**env, **gen.rank_env}
     config_path = Path(recipe.trl["output_dir"]) / LAUNCH_CONFIG
     if eval_only(recipe):  # beside its summary: never over the config of a training run's results (evalonly.summary_path)
         config_path = summary_path(recipe.trl["output_dir"]).parent / LAUNCH_CONFIG
@@ -144,11 +149,11 @@ def launch_command(args: list[str], environ: Mapping[str, str] | None = None) ->
         env = {**env, "PET_RDZV_ID": f"slurm-{job}"}
     argv = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_path),
             "--num_machines", str(L.num_machines), "--num_processes", str(world), "--machine_rank", str(rank),
-            "--main_process_ip", address, "--main_process_port", str(port), train, *args]
+            "--main_process_ip", address, "--main_process_port", str(port), train, *args, *gen.rank_args]
     where = (f"{L.backend}, {world} process(es) on {L.num_machines} machine(s); this is machine {rank}, main process at "
              f"{address}:{port}" + (f", rendezvous id slurm-{job}" if job else ""))
     config = {**accelerate_config(recipe), "main_process_port": port}  # the port this run really uses
-    return Launch(argv, env, recipe, config, config_path, where, rank)
+    return Launch(argv, env, recipe, config, config_path, where, rank, gen.server)
 
 
 def write_launch_config(run: Launch) -> Path:
@@ -171,19 +176,25 @@ def main(argv: list[str]) -> int:
     """`launch RECIPE [--key value ...] [--dry-run] [--force]`: the output_dir's lock (another run: exit 2), a finished
     run's no-op (resume 'auto': exit 0, nothing written), pre-flight, config, then the run: one plain process is exec'd
     (it is the run: signals reach it, its exit code is the command's); accelerate runs as a child that `supervise`
-    stands guard over. Exit codes: 0 done, 1 training failed, 2 bad input, 75 preempted (resumable). --dry-run prints
-    the environment and the command (stdout) and starts nothing."""
+    stands guard over; a vLLM server (launch.vllm_server_gpus) first, until it answers, and stopped after the run
+    (genserver.py; one that never answers: exit 1). Exit codes: 0 done, 1 training failed, 2 bad input, 75 preempted
+    (resumable). --dry-run prints the environment and the command (stdout) and starts nothing."""
     dry_run, force = "--dry-run" in argv, "--force" in argv
     run = launch_command([a for a in argv if a not in ("--dry-run", "--force")])
     if dry_run:
         for k, v in run.env.items():
             print(f"export {k}={shlex.quote(v)}")
         print(shlex.join(run.argv))
+        if run.server is not None:
+            print(f"# dry run: launch first starts the vLLM server and waits for its {genserver.HEALTH} (log: "
+                  f"{run.server.log}); the server: {run.server.describe()}", file=sys.stderr)
         if run.config is not None:
             print(f"# dry run: nothing started; {run.topology}; at launch this accelerate config is written to "
                   f"{run.config_path}:", file=sys.stderr)
             print("\n".join("#   " + line for line in yaml.safe_dump(run.config, sort_keys=True).splitlines()), file=sys.stderr)
         return 0
+    if run.server is not None:
+        genserver.check_environment(run.server)  # exit 2: no such python, or no vllm there
     out, main_machine = lifecycle.output_dir(run.recipe), run.machine_rank == 0
     if main_machine:  # (other machines cannot tell their own job's lock from another's: machine 0 guards the folder)
         runlock.check_lock(out, run.recipe.run.force_lock)
@@ -193,7 +204,7 @@ def main(argv: list[str]) -> int:
         return 0
     print(before_launch(run.recipe, force=force))  # exit 2 with the reason (memory plan, GPUs)
     check_resume(run.recipe)  # exit 2 if the checkpoint to resume cannot continue at this process count or backend
-    if run.config is None:  # one plain process: train.py takes the lock itself (same pid after exec)
+    if run.config is None and run.server is None:  # one plain process: train.py takes the lock itself (same pid after exec)
         print(f"launch: {run.topology}: {shlex.join(run.argv)}", file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
@@ -206,12 +217,31 @@ def main(argv: list[str]) -> int:
             from sftrecipes.export import startfrom  # (torch: only for a run that starts from an adapter)
 
             startfrom.ensure(run.recipe.model.model_name_or_path, run.recipe.run.heartbeat_timeout)
-        write_launch_config(run)
-        print(f"launch: {run.topology}: {shlex.join(run.argv)}", file=sys.stderr)
-        return supervise(run, lock)
+        if run.config is not None:
+            write_launch_config(run)
+        return _with_server(run, lock)
     finally:
         if lock is not None:
             lock.release()
+
+
+def _with_server(run: Launch, lock: runlock.Lock | None) -> int:
+    """The run, after its vLLM server where it has one (started and healthy first, stopped after it, whatever ends it):
+    accelerate's processes under `supervise`, or the one plain process as a child (genserver.run_beside)."""
+    try:
+        with genserver.serving(run.server):
+            print(f"launch: {run.topology}: {shlex.join(run.argv)}", file=sys.stderr)
+            if run.config is not None:
+                return supervise(run, lock)
+            token = {lifecycle.LOCK_ENV: lock.token} if lock is not None else {}
+            return genserver.run_beside(run.argv, {**os.environ, **run.env, **token})
+    except genserver.ServerFailed as e:
+        print(f"launch: {e}", file=sys.stderr, flush=True)
+        return 1
+    except genserver.Interrupted as e:
+        print(f"launch: {e} while the vLLM server started: stopped it; nothing trained (exit 75: run it again)",
+              file=sys.stderr, flush=True)
+        return lifecycle.EXIT_PREEMPTED
 
 
 def _ranks(agent: int) -> list:

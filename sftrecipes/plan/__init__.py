@@ -6,9 +6,10 @@ and the pitfalls, printed (torch-free).
 The model's shape comes from config.json through sftrecipes/facts/config.py (a local folder, or sftrecipes/facts/model_configs/
 for hub ids) and every byte is arithmetic on that shape and the recipe (docs/planner.md), in this package's
 modules: sharding.py (ranks and bytes per parameter), activations.py (what backward keeps), reference.py (a preference
-run's reference model), estimate.py (one training step of one configuration, per GPU and per node: the model states
-of states.py, the phases of phases.py, the CPU RAM of hostram.py, the network volume of network.py, the peak and the
-verdict), strategies.py (the other configurations, ranked); pitfalls.py adds the configuration traps.
+or online run's reference model), generation.py (what an online run's generation and scoring hold), estimate.py (one
+training step of one configuration, per GPU and per node: the model states of states.py, the phases of phases.py, the
+CPU RAM of hostram.py, the network volume of network.py, the peak and the verdict), strategies.py (the other
+configurations, ranked); pitfalls.py adds the configuration traps.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from sftrecipes.plan.pitfalls import pitfalls
 from sftrecipes.plan.strategies import INFINIBAND, NVLINK, PCIE, alternatives
 from sftrecipes.recipe.evalonly import eval_only, why
 from sftrecipes.recipe.load import load_recipe
-from sftrecipes.recipe.schema import PAIRED
+from sftrecipes.recipe.schema import ONLINE, PAIRED
 from sftrecipes.recipe.typed import Recipe
 
 
@@ -85,13 +86,15 @@ def format_plan(plan: Plan, warnings: list[str] | None = None, evaluation: str |
     line = lambda i: f"  {i.name:<{w}} {i.gb:8.2f} GB  {i.note}"  # noqa: E731
     active = f" ({plan.active_params / 1e9:.2f}B active per token)" if plan.active_params not in (0, plan.params) else ""
     method = "" if plan.method == "sft" else f"{plan.method}, "
-    unit = " pairs" if plan.method in PAIRED else {"kto": " completions"}.get(plan.method, "")
+    unit = " pairs" if plan.method in PAIRED else " completions" if plan.method in ("kto", *ONLINE) else ""
     out = [f"{plan.model}: {method}{plan.params / 1e9:.2f}B params{active}, {plan.trainable / 1e6:.2f}M trainable; {plan.backend} on "
            f"{plan.nodes} node(s) x {plan.gpus_per_node} GPU(s) = {plan.world}; global batch {plan.global_batch}{unit}",
            *([f"EVALUATION ONLY: {evaluation}"] if evaluation else []), "", "Per GPU — model states (always resident):"]
     out += [line(i) for i in plan.states]
     out += [f"  {'= model states':<{w}} {plan.model_states_gb:8.2f} GB", "", f"Per GPU — also live at the peak ({plan.peak_phase}):"]
     out += [line(i) for i in plan.peak if i.gb > 0]
+    if plan.generation:
+        out += ["", f"Per GPU — generation ({plan.method}; in the phases below):"] + [line(i) for i in plan.generation]
     out += ["", "Per GPU — tensors at each phase of a step:"]
     out += [f"  {k:<{w}} {v:8.2f} GB" for k, v in plan.phases.items()]
     out += [f"  {'runtime allowance':<{w}} {plan.allowance_gb:8.2f} GB  CUDA context/workspaces {CUDA_CONTEXT_GB:g} GB + "

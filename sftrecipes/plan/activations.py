@@ -76,9 +76,10 @@ class Activations:
     full_logits: bool = False  # the head returns [tokens, vocab] logits (orpo, cpo), not TRL's chunked log-probs
 
 
-def activations(recipe: Recipe, shape: Shape, s: Setup, adapted: tuple) -> Activations:
-    """The activation bytes of one micro-batch of the recipe (`adapted`: the LoRA targets of each decoder layer)."""
-    b, seq = sequences(recipe), recipe.trl_value("max_length") or shape.max_positions
+def activations(recipe: Recipe, shape: Shape, s: Setup, adapted: tuple, seq: int | None = None) -> Activations:
+    """The activation bytes of one micro-batch of the recipe (`adapted`: the LoRA targets of each decoder layer; `seq`:
+    tokens per sequence where the recipe's max_length does not say it: an online run's prompt + completion)."""
+    b, seq = sequences(recipe), seq or recipe.trl_value("max_length") or shape.max_positions
     tokens = b * seq
     attn = planned_attention(recipe, shape, s.gpu)
     a = s.act_bytes
@@ -156,15 +157,21 @@ def no_grad_forward(shape: Shape, s: Setup, per_layer: list[float], tokens: int,
     saves with grad. The head: the final norm's output, the hidden states it scores (a gathered copy), its tile buffer,
     its fp32 per-token statistics, and off Triton (CPU) ~4 fp32 temporaries of the tile's width."""
     a, h = s.act_bytes, shape.hidden
+    head = tokens * (2 * a * h + 10 * 4) + rows * TRL_VOCAB_TILE * a
+    head += 0 if s.gpu else rows * min(shape.vocab, TRL_VOCAB_TILE) * 4 * 4
+    return max(no_grad_layer(shape, s, per_layer, tokens), tokens * a * h + head)
+
+
+def no_grad_layer(shape: Shape, s: Setup, per_layer: list[float], tokens: int) -> float:
+    """The largest decoder layer's temporaries in a forward without grad of `tokens` tokens (no_grad_forward's; the
+    prefill of generation.py), `per_layer`: what each layer saves with grad for as many tokens."""
+    a, h = s.act_bytes, shape.hidden
 
     def dense(L: Layer) -> float:  # a dense layer's peak per token: attention or MLP, each with its own sizes
         q, kv = L.heads * L.head_dim, L.kv_heads * L.head_dim
         return max(a * (2 * h + 2 * q + 2 * kv + 2 * (q - kv) + q) + 4 * L.heads, a * (3 * h + 3 * L.intermediate))
 
-    layer = max(per_layer) if any(L.experts for L in shape.decoder) else tokens * max(map(dense, shape.decoder))
-    head = tokens * (2 * a * h + 10 * 4) + rows * TRL_VOCAB_TILE * a
-    head += 0 if s.gpu else rows * min(shape.vocab, TRL_VOCAB_TILE) * 4 * 4
-    return max(layer, tokens * a * h + head)
+    return max(per_layer) if any(L.experts for L in shape.decoder) else tokens * max(map(dense, shape.decoder))
 
 
 def _norm_width(shape: Shape, layer: Layer, w: Weight) -> int:

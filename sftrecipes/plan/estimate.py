@@ -5,10 +5,12 @@ what each GPU holds at each phase, what each node's CPU RAM holds, and the verdi
 
 1. model states per rank: weights (by dtype; 4-bit with its quant constants), gradients and Adam states of the
    trainable parameters, each divided by the ranks that shard it (DDP none; ZeRO-1 states; ZeRO-2 +grads;
-   ZeRO-3/FSDP everything), and a preference run's reference copy (reference.py) -- states.model_states;
+   ZeRO-3/FSDP everything), a preference or online run's reference copy (reference.py) and a colocated vLLM's share
+   of the GPU (generation.py) -- states.model_states;
 2. what else is live at each phase of a step -- phases.live_phases: activations (activations.py), ZeRO-3/FSDP gathered
    layers (+ prefetch), gradient buckets, gradients not yet produced, optimizer temporaries. The peak is the largest
-   of the reference forward (dpo, kto: after the policy's forward, its activations held), the start of backward, the
+   of an online run's generation and scoring (grpo, rloo: generation.py), the reference forward (dpo, kto: after the
+   policy's forward, its activations held), the start of backward, the
    backward of the last and of the first layer (grads grow while activations shrink, linearly, so the ends are the
    extremes) and the optimizer step;
 3. the peak phase plus an allowance for the CUDA context and allocator fragmentation on GPUs -- `_peak` (here);
@@ -25,6 +27,7 @@ from sftrecipes.facts.shape import Shape
 from sftrecipes.facts.startmodel import adapter_of, base_of
 from sftrecipes.plan import offload
 from sftrecipes.plan.activations import activations
+from sftrecipes.plan.generation import generation_note, online, plan_generation, resident, words
 from sftrecipes.plan.hostram import cpu_ram, offloaded_per_rank
 from sftrecipes.plan.network import communication
 from sftrecipes.plan.phases import live_phases
@@ -80,6 +83,7 @@ class Plan:
     method: str = "sft"  # what the run trains (recipe.method)
     reference: str = ""  # a preference run's reference and what it holds per GPU, in words (reference.describe)
     reference_kind: str = ""  # reference.Reference.kind
+    generation: list[Item] = field(default_factory=list)  # grpo, rloo: what generation holds per GPU (generation.words)
 
     @property
     def model_states_gb(self) -> float:
@@ -97,7 +101,11 @@ def estimate(recipe: Recipe) -> Plan:
     shape, s, L = model_shape(recipe.model.model_name_or_path), setup(recipe), recipe.launch
     notes: list[str] = []
     st = model_states(recipe, shape, s)  # 1
-    act, moved = offload.apply(recipe, activations(recipe, shape, s, st.adapted),  # activation_offloading: to host
+    g = plan_generation(recipe, shape, s, st.ref) if online(recipe) else None
+    if g:  # grpo, rloo: vLLM's share of a colocated GPU, resident beside the model states
+        st.items.extend(resident(recipe, g))
+    act = activations(recipe, shape, s, st.adapted, g.tokens if g else None)  # an online run: prompt + completion
+    act, moved = offload.apply(recipe, act,  # activation_offloading: to host
                                recipe.gradient_checkpointing and not checkpointing_off(recipe, shape))
     live = live_phases(recipe, shape, s, st, act)  # 2
     phases, peak_phase, allowance = _peak(recipe, shape, s, st, live, notes)  # 3
@@ -121,6 +129,8 @@ def estimate(recipe: Recipe) -> Plan:
         notes.append("the per-rank loading table is the policy's; the reference copy then loads the same way")
     if shape.moe:
         notes += _moe_notes(shape, s, st.adapted, st.float_b, recipe.model.lora_target_modules)
+    if g:
+        notes.append(generation_note(recipe, g))
     return Plan(
         model=_model_words(recipe.model.model_name_or_path, shape.name), params=shape.params, trainable=st.trainable, world=s.world, gpus_per_node=s.gpn,
         nodes=L.num_machines, backend=_backend_name(recipe), states=st.items, peak=_items(live[peak_phase]),
@@ -134,7 +144,8 @@ def estimate(recipe: Recipe) -> Plan:
         rank_loading=[] if s.gpu else rank_loading(recipe, shape, s, st.float_b),
         rank_steps=None if s.gpu else rank_steps(recipe, shape, *_step_peak(phases), offloaded_per_rank(recipe, shape, s, st) / GB,
                                                      s.quant_bits < 16),
-        method=recipe.method, reference=describe(recipe, st.ref), reference_kind=st.ref.kind)
+        method=recipe.method, reference=describe(recipe, st.ref), reference_kind=st.ref.kind,
+        generation=words(recipe, shape, s, st, g) if g else [])
 
 
 def _step_peak(phases: dict[str, float]) -> tuple[float, str]:

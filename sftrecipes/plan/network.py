@@ -1,9 +1,10 @@
 """The network volume each GPU sends per optimizer step, by backend: gradient all-reduce, reduce-scatter, the
-all-gathers of sharded parameters (a preference run's forwards without grad included)."""
+all-gathers of sharded parameters (a preference run's forwards without grad included; an online run's generation)."""
 
 from __future__ import annotations
 
 from sftrecipes.facts.shape import Shape
+from sftrecipes.plan.generation import generation_comm, online, online_forwards, plan_generation
 from sftrecipes.plan.reference import Reference, forwards
 from sftrecipes.plan.sharding import GB, Setup
 from sftrecipes.plan.states import Item
@@ -27,7 +28,8 @@ def communication(recipe: Recipe, shape: Shape, s: Setup, T_grad: float, T_all: 
         # forward + backward (a checkpointed layer is recomputed inside its backward gather)
         grad_op = L.backend == "fsdp" and L.fsdp_sharding_strategy == "SHARD_GRAD_OP"
         gathers = 1 if grad_op else 2
-        policy_fwd, ref_fwd = forwards(recipe, ref)
+        g = plan_generation(recipe, shape, s, ref) if online(recipe) else None
+        policy_fwd, ref_fwd = online_forwards(recipe, ref, g) if g else forwards(recipe, ref)
         gathers += policy_fwd
         items.append(Item("param all-gather", ga * gathers * T_all * f / GB,
                           f"{gathers}x per micro-batch, per layer {T_all / shape.layers * f / 1e6:.0f} MB"
@@ -37,4 +39,6 @@ def communication(recipe: Recipe, shape: Shape, s: Setup, T_grad: float, T_all: 
             b = 2 if (s.mixed16 and L.backend == "fsdp") else ref.bytes_per_param
             items.append(Item("reference all-gather", ga * ref_fwd * shape.params * b * f / GB,
                               f"{ref_fwd}x per micro-batch (the copy's forward)"))
+    if online(recipe) and (gen := generation_comm(recipe, shape, s, plan_generation(recipe, shape, s, ref), T_all, ga, f)):
+        items.append(gen)
     return items, sum(i.gb for i in items)

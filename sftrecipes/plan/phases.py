@@ -2,15 +2,17 @@
 layers ZeRO-3/FSDP gather (+ prefetch, and what ZeRO-3 keeps gathered for reuse), gradient buckets, the gradients not
 yet produced, the optimizer step's temporaries, and a preference run's reference forward.
 
-The phases are the reference forward (dpo, kto: after the policy's forward, its activations held), the start of
-backward, the backward of the last and of the first layer (grads grow while activations shrink, linearly, so the ends
-are the extremes) and the optimizer step; estimate.py takes the largest.
+The phases are an online run's generation and scoring (grpo, rloo: generation.py), the reference forward (dpo, kto:
+after the policy's forward, its activations held), the start of backward, the backward of the last and of the first
+layer (grads grow while activations shrink, linearly, so the ends are the extremes) and the optimizer step;
+estimate.py takes the largest.
 """
 
 from __future__ import annotations
 
 from sftrecipes.facts.shape import Shape
 from sftrecipes.plan.activations import TRL_VOCAB_TILE, Activations, layer_lora_params
+from sftrecipes.plan.generation import buffered, online, online_phases, plan_generation
 from sftrecipes.plan.reference import ADAPTER, COPY, Reference
 from sftrecipes.plan.sharding import GB, Setup
 from sftrecipes.plan.states import ModelStates
@@ -65,12 +67,20 @@ def live_phases(recipe: Recipe, shape: Shape, s: Setup, st: ModelStates, act: Ac
                  + (f"; or its weight grads, {g_layer / GB:.2f} GB, if larger" if not s.lora else ""))
     gath = ("gathered params (ZeRO-3/FSDP)", gathered, "current layer + prefetch")
     kept = _reference_kept(recipe, shape, s, st.ref)  # FSDP SHARD_GRAD_OP: the copy stays gathered after its forward
-    phases = {} if st.ref.kind not in (ADAPTER, COPY) else {"reference forward (no grad)": [
-        ("activations", act.shared + act.saved_all, acts_note),
-        ("LM head (TRL chunked log-probs)", act.head_saved, "the policy's: hidden states saved for its backward"),
-        ("reference forward (no grad)", act.no_grad,
-         f"{act.batch} x {act.seq} tokens, one layer at a time + the LM head's {act.head_rows} x {TRL_VOCAB_TILE} tile"),
-        *([] if kept else _reference_gathers(recipe, shape, s, st, gathered, head_gather)), not_yet(0), buckets]}
+    g = plan_generation(recipe, shape, s, st.ref) if online(recipe) else None
+    if g:  # grpo, rloo: generation and the scoring forwards before the training forward (generation.py)
+        policy = [gath, ("gathered lm_head", head_gather, "")] if s.gathers else []
+        phases = online_phases(recipe, shape, s, st, act, g, policy,
+                               _reference_gathers(recipe, shape, s, st, gathered, head_gather) if not kept else [], not_yet(0))
+    elif st.ref.kind in (ADAPTER, COPY):  # dpo, kto: after the policy's forward, its activations held
+        phases = {"reference forward (no grad)": [
+            ("activations", act.shared + act.saved_all, acts_note),
+            ("LM head (TRL chunked log-probs)", act.head_saved, "the policy's: hidden states saved for its backward"),
+            ("reference forward (no grad)", act.no_grad,
+             f"{act.batch} x {act.seq} tokens, one layer at a time + the LM head's {act.head_rows} x {TRL_VOCAB_TILE} tile"),
+            *([] if kept else _reference_gathers(recipe, shape, s, st, gathered, head_gather)), not_yet(0), buckets]}
+    else:
+        phases = {}
     phases.update({
         "start of backward (LM head)": [
             ("activations", act.shared + act.saved_all, acts_note),
@@ -92,9 +102,11 @@ def live_phases(recipe: Recipe, shape: Shape, s: Setup, st: ModelStates, act: Ac
                             "4 B/param" + (f" /{s.shard_o}" if s.shard_o > 1 else "")
                             + (f", one sub-group of <= {DS_SUB_GROUP_SIZE / 1e9:g}B elements at a time" if L.zero_stage == 3 else ""))],
     })
-    if kept:
-        for items in phases.values():
+    for items in phases.values():
+        if kept:
             items.append(("reference copy kept gathered", kept, "SHARD_GRAD_OP: not resharded after its forward (no backward)"))
+        if g and not any(i[0] == "completions buffered" for i in items):  # the training phases: kept to the next generation
+            items.append(("completions buffered", buffered(g), f"{g.batch} completions of {g.tokens} tokens"))
     return phases
 
 

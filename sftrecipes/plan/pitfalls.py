@@ -10,7 +10,7 @@ from sftrecipes.facts.shape import DTYPE_BYTES
 from sftrecipes.plan.hostram import PROCESS_CPU_GB, full_state_dict_bytes
 from sftrecipes.plan.sharding import GB, setup
 from sftrecipes.recipe.load import load_recipe
-from sftrecipes.recipe.schema import PAIRED
+from sftrecipes.recipe.schema import ONLINE, PAIRED
 from sftrecipes.recipe.target import load_dtype, mixed_dtype
 from sftrecipes.recipe.typed import Recipe
 
@@ -21,7 +21,8 @@ def pitfalls(recipe: Recipe) -> list[str]:
     world = L.world_size
     pdb, ga = recipe.trl_value("per_device_train_batch_size"), recipe.trl_value("gradient_accumulation_steps")
     lr = recipe.trl_value("learning_rate")
-    unit = "pairs (chosen + rejected)" if recipe.method in PAIRED else {"kto": "completions"}.get(recipe.method, "sequences")
+    unit = ("pairs (chosen + rejected)" if recipe.method in PAIRED else
+            "completions" if recipe.method in ("kto", *ONLINE) else "sequences")
     out = [f"global batch = {pdb} per device x {ga} accumulation x {world} ranks = {pdb * ga * world} {unit} per step"]
     for base_file in recipe.sources[:-1]:
         try:

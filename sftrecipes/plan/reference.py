@@ -1,8 +1,10 @@
-"""The reference model of a preference run (method dpo or kto; orpo and cpo have none) as the planner counts it: which reference the run
-uses, and the bytes it holds per GPU (torch-free).
+"""The reference model of a preference run (method dpo or kto; orpo and cpo have none) or an online one (grpo, rloo
+with beta > 0) as the planner counts it: which reference the run uses, and the bytes it holds per GPU (torch-free).
 
 The rule is methods.needs_reference_copy's and TRL 1.16's (DPOTrainer / KTOTrainer `__init__`, trl.models.utils
 prepare_deepspeed / prepare_fsdp):
+- grpo / rloo with beta 0 (GRPO's default): no reference model at all (GRPOTrainer / RLOOTrainer `__init__`); with beta
+  > 0 as below (they have no precompute_ref_log_probs);
 - precompute_ref_log_probs: no copy and no reference forward during training; one forward pass over the data before
   step 1 writes the reference log-probs into the dataset (with LoRA through the base, the adapter disabled). A full
   fine-tune under FSDP: TRL loads a copy itself for that pass (the policy is not sharded until train()):
@@ -23,18 +25,19 @@ from dataclasses import dataclass
 
 from sftrecipes.facts.shape import Shape
 from sftrecipes.plan.sharding import GB, Setup
-from sftrecipes.recipe.schema import REFERENCE_FREE
+from sftrecipes.recipe.schema import ONLINE, REFERENCE_FREE
 from sftrecipes.recipe.typed import Recipe
 
 NONE, ADAPTER, COPY, PRECOMPUTED = "", "adapter", "copy", "precomputed"
 FREE = "free"  # orpo, cpo: the method has no reference model
+NO_KL = "no-kl"  # grpo, rloo with beta 0: no KL term, no reference model
 
 
 @dataclass(frozen=True)
 class Reference:
     """What a run's reference costs: its kind, and the bytes of a copy (whole, and each GPU's share at rest)."""
 
-    kind: str  # NONE (sft), FREE (orpo, cpo), ADAPTER, COPY or PRECOMPUTED
+    kind: str  # NONE (sft), FREE (orpo, cpo), NO_KL (grpo, rloo with beta 0), ADAPTER, COPY or PRECOMPUTED
     bytes_per_param: int = 0  # of a copy, as held
     ranks: int = 1  # ranks a copy is sharded over
     whole: float = 0.0  # bytes of the whole copy
@@ -59,8 +62,11 @@ def reference(recipe: Recipe, shape: Shape, s: Setup, float_b: int) -> Reference
         return Reference(NONE)
     if recipe.method in REFERENCE_FREE:
         return Reference(FREE)
+    if recipe.method in ONLINE and not recipe.trl_value("beta"):
+        return Reference(NO_KL)
     lora = recipe.model.use_peft_lora
-    if recipe.trl_value("precompute_ref_log_probs"):  # (with LoRA the pass runs the base, the adapter disabled)
+    # (with LoRA the precompute pass runs the base, the adapter disabled)
+    if recipe.method not in ONLINE and recipe.trl_value("precompute_ref_log_probs"):
         # a full fine-tune under FSDP: TRL's own copy, in the policy's (load) dtype, whole while it loads
         load = shape.params * s.load_bytes if recipe.launch.backend == "fsdp" and not lora else 0.0
         return Reference(PRECOMPUTED, precompute_load=load)
@@ -75,7 +81,7 @@ def forwards(recipe: Recipe, ref: Reference) -> tuple[int, int]:
     reference with the adapter disabled, KTO's KL batch; the reference copy's). DPO: one reference forward over the
     chosen and rejected sequences; KTO: the KL batch (mismatched completions) through the policy, then the KL batch
     and the completions through the reference (none of it for apo_zero_unpaired, which has no KL term)."""
-    if ref.kind in (NONE, FREE):
+    if ref.kind in (NONE, FREE, NO_KL):
         return 0, 0
     kl = recipe.method == "kto" and recipe.trl_value("loss_type") != "apo_zero_unpaired"
     ref_passes = 0 if ref.kind == PRECOMPUTED else 1 + kl
@@ -89,6 +95,8 @@ def describe(recipe: Recipe, ref: Reference) -> str:
     head = f"reference ({recipe.method}): "
     if ref.kind == FREE:
         return head + "none: the method compares chosen with rejected under the policy alone: 0 GB per GPU"
+    if ref.kind == NO_KL:
+        return head + "none: beta 0, no KL term, so TRL loads no reference model: 0 GB per GPU"
     if ref.kind == ADAPTER:
         return head + "the base with the adapter disabled (LoRA), no second copy: 0 GB per GPU"
     if ref.kind == PRECOMPUTED:

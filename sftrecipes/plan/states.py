@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from sftrecipes.facts.shape import Shape
 from sftrecipes.plan.activations import layer_lora_params
-from sftrecipes.plan.reference import ADAPTER, COPY, FREE, Reference, reference
+from sftrecipes.plan.reference import ADAPTER, COPY, FREE, NO_KL, Reference, reference
 from sftrecipes.plan.sharding import GB, Setup, quant_bytes_per_param, trainable_bytes
 from sftrecipes.recipe.typed import Recipe
 
@@ -106,6 +106,8 @@ def _reference_item(ref: Reference, shape: Shape) -> Item:
         return Item("reference model", 0.0, "none: the base with the adapter disabled (LoRA)")
     if ref.kind == FREE:
         return Item("reference model", 0.0, "none: the method has no reference model")
+    if ref.kind == NO_KL:
+        return Item("reference model", 0.0, "none: beta 0 (no KL term)")
     if ref.kind != COPY:
         return Item("reference model", 0.0, "none during training: log-probs computed in a pass before step 1")
     return Item("reference model (frozen copy)", ref.per_gpu / GB,

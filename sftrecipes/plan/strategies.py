@@ -1,7 +1,7 @@
 """The strategies table: other ways to run the same model and batch (DDP, ZeRO stages, FSDP, offload, more GPUs, QLoRA,
-a shorter context; for a preference run's reference copy, precomputed log-probs or LoRA), each estimated like the
-recipe itself and ranked by fit, then by the time its network and host<->device traffic takes at assumed bandwidths
-(torch-free).
+a shorter context or completion; for a reference copy, precomputed log-probs, beta 0 or LoRA; generating layer by layer
+under ZeRO-3), each estimated like the recipe itself and ranked by fit, then by the time its network and host<->device
+traffic takes at assumed bandwidths (torch-free).
 """
 
 from __future__ import annotations
@@ -9,9 +9,11 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
+from sftrecipes.core.errors import RecipeError
 from sftrecipes.plan.estimate import Plan, estimate
 from sftrecipes.plan.reference import COPY
 from sftrecipes.plan.sharding import GB, setup
+from sftrecipes.recipe.schema import ONLINE
 from sftrecipes.recipe.typed import Recipe
 
 # bandwidths used only to rank strategies (bytes per second per GPU): NVLink ring, InfiniBand 200 Gb/s, PCIe
@@ -66,19 +68,32 @@ def alternatives(recipe: Recipe, plan: Plan) -> list[Strategy]:
     if recipe.model.use_peft_lora and not recipe.model.use_4bit_quantization:
         cands.append(("QLoRA (4-bit nf4 base, nested quant)*", {"use_4bit_quantization": True, "use_nested_quant": True,
                       "bnb_4bit_quant_storage_dtype": "bfloat16", "bnb_4bit_compute_dtype": "bfloat16"}))
-    if plan.reference_kind == COPY:  # a preference run's frozen copy: computed once before training, or no copy at all
-        cands += [("precompute_ref_log_probs", {"precompute_ref_log_probs": True}),
+    online = recipe.method in ONLINE
+    if plan.reference_kind == COPY:  # a frozen copy: computed once before training (dpo, kto), no KL term (grpo, rloo), or none
+        cands += [("beta 0 (no KL term, no reference)*", {"beta": 0.0}) if online else
+                  ("precompute_ref_log_probs", {"precompute_ref_log_probs": True}),
                   ("LoRA r16 (reference: adapter off)*", {"use_peft_lora": True, "lora_r": 16, "lora_alpha": 32,
                                                           "lora_target_modules": "all-linear"})]
-    seq = recipe.trl_value("max_length")
-    if seq and seq >= 256:
+    if (online and L.backend == "deepspeed" and L.zero_stage == 3 and recipe.trl_value("ds3_gather_for_generation")
+            and not recipe.trl_value("use_vllm")):  # transformers generate with every parameter gathered
+        cands.append(("ZeRO-3, generate layer by layer", {"ds3_gather_for_generation": False}))
+    seq, cap = recipe.trl_value("max_length"), recipe.trl_value("vllm_max_model_length") if online else None
+    if online and cap:  # half the completion, the same prompts (prompt + completion is planned at vllm_max_model_length)
+        c = recipe.trl_value("max_completion_length")
+        if c >= 256:
+            cands.append((f"max_completion_length {c // 2}*", {"max_completion_length": c // 2,
+                                                               "vllm_max_model_length": cap - c + c // 2}))
+    elif not online and seq and seq >= 256:
         cands.append((f"max_length {seq // 2}*", {"max_length": seq // 2}))
     out = []
     for name, changes in cands:
         r = _variant(recipe, **changes)
         if r.launch.backend != "deepspeed":
             r.launch.offload_optimizer = r.launch.offload_params = False
-        p = estimate(r)
+        try:
+            p = estimate(r)
+        except RecipeError:  # a variant the recipe's own keys refuse (a generation_batch_size other ranks cannot split)
+            continue
         s = setup(r)
         pcie = 0.0
         if s.offload_opt:  # grads down, updated params up, once per step

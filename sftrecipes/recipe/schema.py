@@ -14,6 +14,7 @@ from typing import Any
 
 from sftrecipes.recipe.peftkeys import PEFT_NOT_EXPOSED, PEFT_NOTES
 from sftrecipes.recipe.rewards import RewardOptions
+from sftrecipes.recipe.serverkeys import ServerOptions
 from sftrecipes.recipe.snapshots import (
     METHOD_CONFIGS,
     Option,
@@ -282,8 +283,8 @@ class RunOptions(RewardOptions):
 
 
 @dataclass
-class LaunchOptions:
-    """Where the recipe runs: the `launch:` section (launch/accelerate.py renders the accelerate config from it)."""
+class LaunchOptions(ServerOptions):
+    """Where the recipe runs: the `launch:` section (launch/accelerate.py renders it; grpo's vLLM server: serverkeys.py)."""
 
     backend: str = opt(
         "none", "Distribution: none (one process), ddp, deepspeed or fsdp.", choices=("none", "ddp", "deepspeed", "fsdp")

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 from sftrecipes.core.errors import RecipeError
 from sftrecipes.facts.folders import start_from
-from sftrecipes.recipe import evalonly, evaltasks, images, limits, online, valset
+from sftrecipes.recipe import evalonly, evaltasks, images, limits, online, serverkeys, valset
 from sftrecipes.recipe.coerce import coerce
 from sftrecipes.recipe.lorarules import validate_lora
-from sftrecipes.recipe.schema import CONFIGS, DATASET_ENTRY_KEYS, REFERENCE_FREE, TRAINERS, all_options, dpo_loss_types
+from sftrecipes.recipe.schema import CONFIGS, DATASET_ENTRY_KEYS, ONLINE, REFERENCE_FREE, TRAINERS, all_options, dpo_loss_types
 from sftrecipes.recipe.sources import check_eval_split, check_trl_data_keys, sources
 
 if TYPE_CHECKING:
@@ -233,6 +233,7 @@ def validate(r: Recipe) -> None:
         if getattr(L, key) is not None and getattr(L, key) <= 0:
             raise RecipeError(f"launch.{key}: must be > 0 GB, got {getattr(L, key)}")
     _validate_launch(r)
+    serverkeys.check_server(r, r.method in ONLINE)  # launch.vllm_server_*: the vLLM server of grpo/rloo
 
 
 def _validate_method(r: Recipe) -> None:

@@ -81,9 +81,15 @@ def test_every_make_target_has_its_launcher():
                            ("sft-offload", "run_llama2-7b-offload.sh"), ("sft-70b-fsdp", "run_llama2-70b-fsdp.sh"),
                            ("sft-70b-qlora-fsdp", "run_llama2-70b-qlora-fsdp.sh"), ("sft-ddp", "run_llama2-7b-ddp.sh"),
                            ("sft-llama3-70b-qlora", "run_llama3.1-70b-qlora.sh"),
-                           ("sft-llama3-405b-qlora", "run_llama3.1-405b-qlora.sh")):
+                           ("sft-llama3-405b-qlora", "run_llama3.1-405b-qlora.sh"),
+                           ("grpo-qwen3-8b-lora", "run_qwen3-8b-grpo-lora.sh"), ("grpo-llama3-70b-lora", "run_llama3.1-70b-grpo-lora.sh"),
+                           ("sft-grpo-llama3-70b-lora", "run_llama3.1-70b-grpo-lora.sh")):
         assert f"{target}: $(STAMP)" in makefile and f"scripts/{script}" in makefile
         assert os.access(ROOT / "scripts" / script, os.X_OK)
+    listed = subprocess.run(["make", "-s", "help"], cwd=ROOT, capture_output=True, text=True, timeout=60).stdout
+    for target in ("sft-70b-lora", "dpo-llama3-70b-lora", "grpo-qwen3-8b-lora", "grpo-llama3-70b-lora", "sft-grpo-llama3-70b-lora",
+                   "vllm-env"):  # `make help` lists each with its ## line
+        assert any(line.split()[:1] == [target] and len(line.split()) > 3 for line in listed.splitlines()), (target, listed)
 
 
 def test_configs_are_standard_accelerate_configs():

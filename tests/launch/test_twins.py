@@ -316,3 +316,36 @@ def test_plan_holds_rank_by_rank(twin, tmp_path):
                 ("held after loading", g.held_gb, g.held_up_to_gb, "loading", "end_mb"),
                 ("first steps", plan.rank_steps.peak_gb, None, "first_steps", "peak_mb")):
             assert_planned(planned_gb, up_to_gb, growth_mb(m, phase, key), (twin, m["rank"], what, m))
+
+
+# The GRPO recipes' twins (recipes/qwen3-8b/grpo-lora.yaml, recipes/llama3.1-70b/grpo-lora.yaml): their shipped
+# settings on 2 CPU ranks, transformers generating (each twin's header names the vLLM keys it leaves out)
+GRPO_TWINS = {
+    "qwen3-grpo": dict(distributed_type="MULTI_CPU", wrapper="DistributedDataParallel", shard="none", base="qwen3",
+                       reference="reference model: the adapter disabled (beta 0.04): the base weights, no second copy"),
+    "llama3-grpo-zero3": dict(distributed_type="DEEPSPEED", zero_stage=3, shard="params", base="llama3",
+                              reference="reference model: none (beta 0: no KL term)"),
+}
+
+
+@pytest.mark.parametrize("name", list(GRPO_TWINS))
+def test_grpo_twin_runs_through_its_launcher(family_models, tmp_path, name):
+    """The GRPO twin as shipped (6 steps) through its emitted launcher on 2 ranks: its backend took effect, every step
+    scored its completions with spread (a gradient) on both ranks' share, the reference is what beta says (KL logged
+    where beta > 0), two completions per step logged with their rewards, the adapter loads on its base."""
+    want = GRPO_TWINS[name]
+    out = tmp_path / name
+    summary, log = launch_twin(name, out, env={"MAIN_PROCESS_PORT": str(free_port())})
+    b = summary["backend"]
+    assert b["world_size"] == 2 and b["distributed_type"] == want["distributed_type"], b
+    assert b.get("wrapper") == want.get("wrapper", b.get("wrapper")) and b.get("zero_stage") == want.get("zero_stage")
+    if want["shard"] == "params":
+        assert b["param_elements_local"] * 2 == pytest.approx(b["param_elements_full"], rel=0.02), b
+    rows = summary["preference"]
+    assert summary["method"] == "grpo" and len(rows) == 6, rows
+    assert all(math.isfinite(r["rewards/answer_letters/mean"]) and r["reward_std"] > 0 for r in rows), rows
+    assert log.count(want["reference"]) == 1, log[-3000:]
+    assert ("kl" in rows[-1] and rows[-1]["kl"] > 0) == ("beta 0.04" in want["reference"]), rows[-1]
+    assert [c["step"] for c in summary["completions"]] == [6, 6] and log.count("completion (step 6): ") == 2
+    assert "answer_letters" in summary["completions"][0]["rewards"]
+    assert_loadable(out, summary, base_dir=family_models[want["base"]])

@@ -601,6 +601,25 @@ def obs_reward_length_cache(tiny_model, tmp_path):
     assert length(prompts=["q"] * 2, completions=["a"] * 2, completion_ids=[[1] * 8, [1] * 9]) == [0.0, -0.5]
 
 
+def _server(*flags):
+    from sftrecipes.launch import genserver
+
+    r = load_recipe(["recipes/llama3.1-70b/grpo-lora.yaml", *flags])
+    return genserver.plan(r, {}, 0, lambda: 8123)
+
+
+def obs_launch_vllm_server_gpus(tiny_model, tmp_path):
+    """The server gets the GPUs after the ranks' (its tensor-parallel size of them), the ranks keep theirs."""
+    g = _server("--launch.gpus_per_node", "6", "--launch.vllm_server_gpus", "2", "--vllm_tensor_parallel_size", "2")
+    assert g.server.env == {"CUDA_VISIBLE_DEVICES": "6,7"} and g.rank_env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5"}
+    assert g.server.argv[g.server.argv.index("--tensor_parallel_size") + 1] == "2"
+
+
+def obs_launch_vllm_server_python(tiny_model, tmp_path):
+    g = _server("--launch.vllm_server_python", "/opt/vllm-env/bin/python")
+    assert g.server.argv[:3] == ["/opt/vllm-env/bin/python", "-m", "trl.scripts.vllm_serve"]
+
+
 def obs_eval_tasks(tiny_model, tmp_path):
     """The trained model is scored after training, from output_dir, and its figures reach run_summary.json."""
     record, summary, out = _eval_run(tmp_path)
