@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export PYTHONDONTWRITEBYTECODE ?= 1
 
-.PHONY: help venv gguf-client assets demo lint test data schema docs emit plan bench bench-dpo bench-overhead bench-data bench-export bench-loading sweep sweep-two-ranks sweep-gguf clean sft-70b-lora sft-70b-qlora sft-offload sft-70b-fsdp sft-70b-qlora-fsdp sft-ddp sft-llama3-70b-lora sft-qwen3-32b-qlora sft-qwen3-moe-lora sft-llama3-70b-qlora sft-llama3-405b-qlora dpo-llama3-70b-lora dpo-qwen3-32b-qlora sft-dpo-llama3-70b-lora grpo-qwen3-8b-lora grpo-llama3-70b-lora sft-grpo-llama3-70b-lora vllm-env
+.PHONY: help venv gguf-client assets demo lint test data schema docs emit plan bench bench-dpo bench-grpo bench-overhead bench-data bench-export bench-loading sweep sweep-two-ranks sweep-gguf clean sft-70b-lora sft-70b-qlora sft-offload sft-70b-fsdp sft-70b-qlora-fsdp sft-ddp sft-llama3-70b-lora sft-qwen3-32b-qlora sft-qwen3-moe-lora sft-llama3-70b-qlora sft-llama3-405b-qlora dpo-llama3-70b-lora dpo-qwen3-32b-qlora sft-dpo-llama3-70b-lora grpo-qwen3-8b-lora grpo-llama3-70b-lora sft-grpo-llama3-70b-lora vllm-env
 
 $(STAMP): requirements.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -115,6 +115,9 @@ bench: $(STAMP)             ## training throughput grid (checkpointing x batch x
 
 bench-dpo: $(STAMP)         ## DPO throughput: train.py recipes/tiny/dpo.yaml vs a bare TRL DPOTrainer script, 4 rows (~7 min); writes docs/benchmarks.md
 	$(BIN)/python bench/bench_train.py --dpo $(ARGS)
+
+bench-grpo: $(STAMP)        ## GRPO time per step: train.py recipes/tiny/grpo.yaml vs a bare TRL GRPOTrainer script (bench/bare_grpo.py), 2 reward rows (~7 min); writes docs/benchmarks.md and bench/results/grpo-bench-<date>.{md,json}; exit 1 when train.py is over 1.03x
+	$(BIN)/python bench/bench_grpo.py $(ARGS)
 
 bench-overhead: $(STAMP)    ## what train.py adds per step over bare TRL, by counts: make bench-overhead [ARGS="--row 10 --steps 40"]
 	$(BIN)/python bench/overhead_profile.py $(ARGS)
