@@ -16,6 +16,7 @@ from sftrecipes import cli
 from sftrecipes.recipe.load import load_recipe
 from sftrecipes.train import rewards
 from test_preference_train import sft_adapter  # noqa: F401 - the SFT run the pipeline starts from
+from test_preference_train import weights
 from test_twins import BASE_OF, TWINS, assert_loadable
 
 # the twins' GRPO: data/tiny_grpo's prompts, a reward that varies from the first step (every step has a gradient),
@@ -193,16 +194,6 @@ def test_grpo_twin_trains_on_its_backend(grpo_runs, family_models, name):
         assert log.count("reference model: none (beta 0: no KL term)") == 1
     assert_loadable(out, summary, base_dir=family_models[BASE_OF[name]] if name in BASE_OF else ".assets/tiny-llama",
                     quantized="qlora" in name)
-
-
-def weights(out, dest):
-    from safetensors.torch import load_file
-
-    from sftrecipes.export import export
-
-    if (out / "adapter_model.safetensors").is_file():
-        return load_file(out / "adapter_model.safetensors")
-    return load_file(export(out, dest) / "model.safetensors")
 
 
 @pytest.mark.parametrize("name", list(RESUMED))
