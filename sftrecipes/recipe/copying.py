@@ -18,6 +18,7 @@ import yaml
 from sftrecipes.core.errors import RecipeError
 from sftrecipes.core.paths import RECIPES, ROOT, runnable_recipes
 from sftrecipes.recipe.load import PATH_OPTIONS, from_repo_root, is_shipped
+from sftrecipes.recipe.rewards import files_from
 from sftrecipes.recipe.schema import ALIASES
 
 
@@ -99,6 +100,8 @@ def copy_recipe(src: str, dest: str, force: bool = False) -> tuple[Path, Path, d
             canonical = ALIASES.get(key, key)
             if canonical in PATH_OPTIONS and canonical != "output_dir" and from_repo_root(canonical, value) != value:
                 changes[key] = from_repo_root(canonical, value)
+            elif canonical == "reward_funcs" and files_from(ROOT, value) != value:  # its file.py:function entries
+                changes[key] = files_from(ROOT, value)
     new_text = _replace_top_level(text, changes)
     if yaml.safe_load(new_text) != {**data, **changes}:  # a layout the line edit does not handle: write the data
         lines = text.splitlines(keepends=True)

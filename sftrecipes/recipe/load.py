@@ -31,6 +31,7 @@ from sftrecipes.recipe.schema import (
     RunOptions,
     all_options,
 )
+from sftrecipes.recipe.rewards import files_from
 from sftrecipes.recipe.snapshots import Option
 from sftrecipes.recipe.typed import Recipe
 from sftrecipes.recipe.validation import _word, adopt_model_init_kwargs, looks_local, validate
@@ -278,6 +279,8 @@ def load_recipe(argv: list[str] | None = None, files: list[str] | None = None, o
         for key in PATH_OPTIONS:
             if isinstance(merged.get(key), tuple) and is_shipped(merged[key][1]):
                 merged[key] = (from_repo_root(key, merged[key][0]), merged[key][1])
+        if isinstance(merged.get("reward_funcs"), tuple) and is_shipped(merged["reward_funcs"][1]):  # file.py:function
+            merged["reward_funcs"] = (files_from(ROOT, merged["reward_funcs"][0]), merged["reward_funcs"][1])
 
     values: dict[str, Any] = {}
     renamed: dict[str, str] = {}

@@ -89,6 +89,19 @@ def read_spec(entry: str, base: Path | None = None) -> RewardSpec:
                       "a module:function or a model folder; fix the entry")
 
 
+def files_from(root: Path, entries):
+    """reward_funcs as seen from elsewhere: each `relative/file.py:function` entry of a shipped recipe (relative to the
+    repository root, as its other paths are) made absolute; other entries, and anything not a list, unchanged."""
+    if not isinstance(entries, list):
+        return entries
+    out = []
+    for entry in entries:
+        path, sep, function = str(entry).rpartition(":")
+        relative = sep and path.endswith(".py") and not Path(path).is_absolute() and not path.startswith("~")
+        out.append(f"{root / path}:{function}" if relative else entry)
+    return out
+
+
 def check_rewards(recipe, online: bool) -> list[RewardSpec]:
     """The recipe's reward_funcs read (read_spec) and held to its method and reward_weights: one line on the first
     fault. Returns the specs ([] for the other methods)."""

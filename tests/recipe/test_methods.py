@@ -145,3 +145,11 @@ def test_a_run_from_an_sft_adapter_plans_as_its_base(tmp_path, capsys):
                                          "meta-llama/Llama-3.1-70B-Instruct, merged into it at start):")
     assert started[1:] == base[1:] and len(base) > 10
     assert not (tmp_path / "llama3.1-70b-lora-merged").exists()  # planning merges nothing
+
+
+def test_a_shipped_recipes_reward_file_is_found_from_any_folder(tmp_path, monkeypatch):
+    """recipes/tiny/grpo.yaml names recipes/tiny/rewards.py:brevity, relative to the repository root like its other
+    paths: read from another folder, the entry is that file (checked there: it defines brevity); built-ins unchanged."""
+    monkeypatch.chdir(tmp_path)
+    r = load_recipe([str(ROOT / "recipes" / "tiny" / "grpo.yaml")])
+    assert r.run.reward_funcs == [f"{ROOT}/recipes/tiny/rewards.py:brevity", "exact_answer"]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import train
-from conftest import free_port, launch_twin
+from conftest import ROOT, free_port, launch_twin
 from sftrecipes import cli
 from sftrecipes.recipe.load import load_recipe
 from sftrecipes.train import rewards
@@ -57,7 +57,9 @@ def test_a_copied_tiny_grpo_recipe_learns_from_a_reward_file(tiny_model, tmp_pat
         "    return [1.0 - min(len(ids), 12) / 12 for ids in completion_ids]\n")
     recipe = tmp_path / "my-grpo.yaml"
     assert cli.main(["cp", "tiny/grpo", str(recipe)]) == 0
-    text = recipe.read_text().replace("recipes/tiny/rewards.py:brevity", f"{tmp_path}/my_rewards.py:shorter")
+    shipped = f"{ROOT}/recipes/tiny/rewards.py:brevity"  # cp made the shipped reward file's path work from anywhere
+    assert shipped in recipe.read_text()
+    text = recipe.read_text().replace(shipped, f"{tmp_path}/my_rewards.py:shorter")
     recipe.write_text(text)
     with caplog.at_level(logging.INFO, logger="sftrecipes"):
         _, summary = train.run(load_recipe([str(recipe), "--output_dir", str(tmp_path / "out"), "--report_to",
