@@ -184,11 +184,21 @@ class RunLife:
             self.lock.release()
             self.lock = None
 
-    def _exit(self, code: int) -> None:
-        """End this process now, from the watcher thread: the lock released, the log flushed."""
+    def _exit(self, code: int, last: str | None = None) -> None:
+        """End this process now, from the watcher thread: the lock released, the log flushed. `last`: a warning that is
+        the process's last line: written while this thread holds every log handler's lock, so that a line the main
+        thread logs meanwhile (it runs on until os._exit) waits, and never follows it."""
         if self.lock is not None:
             self.lock.release()
-        for h in logging.getLogger().handlers + log.handlers:
+        handlers = logging.getLogger().handlers + log.handlers
+        if last is not None:
+            record = log.makeRecord(log.name, logging.WARNING, __file__, 0, "%s", (last,), None)
+            for h in handlers:
+                h.acquire()
+            for h in handlers:
+                if record.levelno >= h.level and h.filter(record):
+                    h.emit(record)
+        for h in handlers:
             h.flush()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -233,16 +243,14 @@ class RunLife:
         if eval_only(self.recipe):  # an evaluation saves nothing to resume from: no preempted.json
             line = (f"evaluation interrupted by {sig.name} before it finished: nothing was written (an evaluation-only "
                     "run saves no checkpoint to resume from); run it again (exit 75)")
-            log.warning("%s", line)
             note_refusal(line, "interrupted")  # under launch: it says so and exits 75 (this rank exits 0, as preempted)
-            self._exit(preempted_exit_code())
+            self._exit(preempted_exit_code(), last=line)
         if self.phase == "setup":
             if self.owns:
                 last = latest_checkpoint(self.out)
                 write_preempted(self.out, int(last.name.rsplit("-", 1)[-1]) if last else 0, sig.name, str(last) if last else None)
-            log.warning("preemption: %s before training started: nothing to save; exiting (resume_from_checkpoint: auto "
-                        "starts again from the latest complete checkpoint)", sig.name)
-            self._exit(preempted_exit_code())
+            self._exit(preempted_exit_code(), last=f"preemption: {sig.name} before training started: nothing to save; "
+                       "exiting (resume_from_checkpoint: auto starts again from the latest complete checkpoint)")
         elif self.phase == "training":
             if not self.signal:
                 self.signal = int(sig)
