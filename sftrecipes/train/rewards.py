@@ -67,6 +67,7 @@ def _answers(kwargs: dict, column: str, n: int, name: str) -> list:
     return list(kwargs[column])[:n]
 
 
+ANSWER_BUILTINS = ("exact_answer", "numeric_answer")  # the built-ins that read reward_answer_column
 TRL_ARGS = ("trainer_state", "log_extra", "log_metric", "completion_ids", "prompts", "completions")
 
 
@@ -155,7 +156,7 @@ def check_columns(recipe: Recipe, funcs: list, columns: list[str]) -> None:
     for spec, func in zip(recipe.run.reward_funcs, funcs):
         if isinstance(func, str):
             continue
-        if getattr(func, "__name__", "") in ("exact_answer", "numeric_answer") and spec in ("exact_answer", "numeric_answer"):
+        if spec in ANSWER_BUILTINS:
             wanted = [recipe.run.reward_answer_column]
         else:
             try:
@@ -165,7 +166,7 @@ def check_columns(recipe: Recipe, funcs: list, columns: list[str]) -> None:
             wanted = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
         missing = [c for c in wanted if c not in have]
         if missing:
-            key = "reward_answer_column" if spec in ("exact_answer", "numeric_answer") else "reward_funcs"
+            key = "reward_answer_column" if spec in ANSWER_BUILTINS else "reward_funcs"
             raise RecipeError(f"{key}: reward {spec} reads the column '{missing[0]}', which the training rows lack (they "
                               f"have {', '.join(c for c in columns if c != 'prompt') or 'only prompt'}); "
                               + ("set reward_answer_column to the column with each prompt's answer" if key != "reward_funcs"
