@@ -71,6 +71,7 @@ def run(recipe, life=None):
         probes,
         rewards,
         saving,
+        seqpar,
         streamtrain,
     )
 
@@ -86,6 +87,7 @@ def run(recipe, life=None):
 
         return evaluate.run(recipe, target, life, [unpacked])  # (its own training arguments: ZeRO-1/2 without the engine)
     args = backends.training_args(recipe, target)
+    seqpar.setup(recipe, target)  # launch.sequence_parallel_size: Ulysses' loss, batches and process groups mended
     life.started(args)  # every rank up: the lock is this run's
     resume = checkpoints.resolve_resume(recipe.trl.get("resume_from_checkpoint"), args.output_dir)
     checkpoints.match_resume(resume, recipe, args)  # its backend and global batch at this process count, or one line why not
@@ -161,6 +163,8 @@ def run(recipe, life=None):
     if recipe.model.use_peft_lora and args.process_index == 0:
         log.info("%s", lora.describe_adapter(trainer.model, recipe))  # what LoRA adapted: modules, experts, router
     backends.size_deepspeed_buckets(trainer)  # reduce / prefetch buckets by the hidden size, as the planner counts
+    if recipe.launch.sequence_parallel_size > 1:
+        seqpar.attach(trainer)  # the accumulation window's tokens counted from the sliced labels
     if recipe.method in ONLINE:  # grpo/rloo: each rank's generation buffer in every checkpoint, back on resume
         online.save_generation_state(trainer)
         online.restore_generation_state(trainer, resume)

@@ -197,8 +197,10 @@ def varlen_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_o
                      mask_function=mask_function or causal_mask_function, attention_mask=attention_mask, **kwargs)
 
 
-def register() -> str:
-    """Register the kernel and its mask with transformers (idempotent); returns its name for attn_implementation."""
-    AttentionInterface.register(NAME, varlen_attention_forward)
-    AttentionMaskInterface.register(NAME, varlen_mask)
-    return NAME
+def register(slot: str = NAME) -> str:
+    """Register the kernel and its mask with transformers (idempotent); returns its name for attn_implementation.
+    slot "sdpa": in the place of transformers' sdpa for the whole process (sequence parallelism: DeepSpeed's Ulysses
+    wraps the sdpa slot, and this kernel, given no mask there, keeps the packed samples apart by their position_ids)."""
+    AttentionInterface.register(slot, varlen_attention_forward)
+    AttentionMaskInterface.register(slot, varlen_mask)
+    return slot

@@ -58,8 +58,12 @@ def load_model(recipe: Recipe, tokenizer, hardware: str, every_rank_reads: bool 
     m = recipe.model
     kwargs = dict(recipe.trl_value("model_init_kwargs") or {})  # recipe validation took out what the recipe owns
     impl, why = choose_attention(recipe, hardware)
+    slotted = None
     if impl == VARLEN:
         register()
+        if recipe.launch.sequence_parallel_size > 1:  # Ulysses wraps the sdpa slot (accelerate takes sdpa or flash
+            impl = register(slot="sdpa")  # only): the varlen kernel sits there, reading the gathered position_ids
+            slotted = f"{VARLEN} (in the sdpa slot, which sequence parallelism wraps)"
     kwargs.update(
         dtype=load_dtype(recipe),
         attn_implementation=impl,
@@ -93,7 +97,7 @@ def load_model(recipe: Recipe, tokenizer, hardware: str, every_rank_reads: bool 
         else:  # a weight the checkpoint lacks, or a loader that no longer calls the setter quantload wraps
             log.warning("%s; the rest stayed whole until the backend shards them (more memory while loading than "
                         "planned)", part.summary())
-    log_attention(recipe, hardware, model.config._attn_implementation, why)  # what the loaded model really runs
+    log_attention(recipe, hardware, slotted or model.config._attn_implementation, why)  # what the loaded model runs
     if rank and rows is not None:  # the 4-bit layers came from rank 0 (receive_4bit_layers), whole where not sent by layer
         model.__dict__.pop("hf_device_map", None)
         log.debug("rank %d: %d decoder layers received", rank, received)

@@ -14,6 +14,7 @@ from typing import Any
 
 from sftrecipes.recipe.peftkeys import PEFT_NOT_EXPOSED, PEFT_NOTES
 from sftrecipes.recipe.rewards import RewardOptions
+from sftrecipes.recipe.seqpar import SequenceOptions
 from sftrecipes.recipe.serverkeys import ServerOptions
 from sftrecipes.recipe.snapshots import (
     METHOD_CONFIGS,
@@ -283,8 +284,9 @@ class RunOptions(RewardOptions):
 
 
 @dataclass
-class LaunchOptions(ServerOptions):
-    """Where the recipe runs: the `launch:` section (launch/accelerate.py renders it; grpo's vLLM server: serverkeys.py)."""
+class LaunchOptions(ServerOptions, SequenceOptions):
+    """Where the recipe runs: the `launch:` section (launch/accelerate.py renders it; grpo's vLLM server: serverkeys.py;
+    sequence and context parallelism: seqpar.py)."""
 
     backend: str = opt(
         "none", "Distribution: none (one process), ddp, deepspeed or fsdp.", choices=("none", "ddp", "deepspeed", "fsdp")

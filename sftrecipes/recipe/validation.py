@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from sftrecipes.core.errors import RecipeError
 from sftrecipes.facts.folders import start_from
-from sftrecipes.recipe import evalonly, evaltasks, images, limits, online, serverkeys, valset
+from sftrecipes.recipe import evalonly, evaltasks, images, limits, online, seqpar, serverkeys, valset
 from sftrecipes.recipe.coerce import coerce
 from sftrecipes.recipe.lorarules import validate_lora
 from sftrecipes.recipe.schema import CONFIGS, DATASET_ENTRY_KEYS, ONLINE, REFERENCE_FREE, TRAINERS, all_options, dpo_loss_types
@@ -234,6 +234,7 @@ def validate(r: Recipe) -> None:
             raise RecipeError(f"launch.{key}: must be > 0 GB, got {getattr(L, key)}")
     _validate_launch(r)
     serverkeys.check_server(r, r.method in ONLINE)  # launch.vllm_server_*: the vLLM server of grpo/rloo
+    seqpar.check_sequence(r)  # launch.sequence_parallel_size / context_parallel_size
 
 
 def _validate_method(r: Recipe) -> None:

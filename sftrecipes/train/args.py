@@ -89,6 +89,13 @@ def training_kwargs(recipe: Recipe, target: str) -> dict:
         kw["pad_to_multiple_of"] = SDPA_PACKED_PAD
         log.info("pad_to_multiple_of: %d (packing under sdpa on a GPU: a bounded set of batch shapes lets cuDNN reuse its "
                  "attention graphs; set pad_to_multiple_of to override)", SDPA_PACKED_PAD)
+    if recipe.launch.sequence_parallel_size > 1 or recipe.launch.context_parallel_size > 1:
+        from sftrecipes.model.attnchoice import choose_attention
+        from sftrecipes.train import seqpar
+
+        kw["parallelism_config"] = seqpar.parallelism_config(recipe, choose_attention(recipe, target)[0])
+        if recipe.launch.sequence_parallel_size > 1:  # every batch's length divides by N (recipe/seqpar.py checked an
+            kw["pad_to_multiple_of"] = seqpar.pad_multiple(recipe, kw.get("pad_to_multiple_of"))  # explicit one)
     if recipe.method == "sft" and recipe.data.streaming:  # stream.py: rows cut, masked and packed as they are read;
         kw["dataset_kwargs"] = {"skip_prepare_dataset": True}  # the collator still flattens bfd rows (packing stays on)
         kw["ignore_data_skip"] = True  # the stream starts at the checkpoint's position: no batches to skip (the RNG

@@ -1,0 +1,173 @@
+"""Sequence parallelism in a rank (launch.sequence_parallel_size, recipe/seqpar.py): accelerate's ParallelismConfig
+for the training arguments, and what the run adds to the stack's Ulysses so that N ranks train as one process would.
+
+accelerate registers DeepSpeed's UlyssesSPAttentionHF around the model's attention kernel and wraps the data loader in
+UlyssesSPDataLoaderAdapter, which gathers the N ranks' batches and hands each rank its slice of every sequence;
+transformers' Trainer then computes the loss (deepspeed_sp_compute_loss). Measured against one process on the same
+rows (tests/train/test_seqpar.py), four things needed the run's own hand:
+- the gradient: transformers gathers the N losses with a differentiable all_gather, whose backward sums the N ranks'
+  copies, and DeepSpeed sums the sequence's ranks again: every gradient came out N times too large (grad_norm 4.02
+  against 2.01 at N=2). Here each rank's loss carries the gradient of its own tokens only, the other ranks' share as a
+  constant; its value is the sequence's whole loss, weighted by labelled tokens over the accumulation window and the
+  data-parallel groups as transformers weights a run without it (average_tokens_across_devices);
+- packed rows: the padding-free collator's cu_seq_lens/max_length keys are not (batch, sequence) tensors, which the
+  adapter refuses; they are dropped, and the project's varlen kernel reads the samples' boundaries from the gathered
+  position_ids instead, installed in the "sdpa" slot that Ulysses wraps (accelerate takes sdpa or flash attention only);
+- gloo (the cpu target) gathers tensors of one shape only: each batch is padded to the longest of its group first
+  (labels -100, so no token is added to the loss);
+- DeepSpeed's own process groups (deepspeed.comm) are set up on the cpu target before accelerate asks for them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import torch.distributed as dist
+
+from sftrecipes.recipe.typed import Recipe
+
+log = logging.getLogger("sftrecipes")
+
+# batch keys the adapter cannot slice (not (batch, sequence) tensors); the kernel reads position_ids instead
+UNSLICED = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+_window: dict = {"tokens": None}  # labelled tokens of the current accumulation window, all ranks together
+
+
+def degree(recipe: Recipe) -> int:
+    return int(recipe.launch.sequence_parallel_size)
+
+
+def pad_multiple(recipe: Recipe, other: int | None) -> int:
+    """pad_to_multiple_of under sequence parallelism: every batch's length divides by N (with `other`, the multiple the
+    run would pad to anyway)."""
+    n = degree(recipe)
+    return n if not other else other * n // math.gcd(other, n)
+
+
+def parallelism_config(recipe: Recipe, kernel: str):
+    """accelerate's ParallelismConfig for sequence (Ulysses) or context (ring) parallelism, None without either.
+    kernel: the attention the model loads with (attnchoice.choose_attention's)."""
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+
+    L = recipe.launch
+    if L.context_parallel_size > 1:
+        return ParallelismConfig(cp_size=L.context_parallel_size, cp_backend="torch",
+                                 dp_shard_size=L.world_size // L.context_parallel_size)
+    if degree(recipe) == 1:
+        return None
+    attn = kernel if kernel.startswith("flash_attention") else "sdpa"  # sft_varlen sits in the sdpa slot (model/load.py)
+    return ParallelismConfig(sp_size=degree(recipe), sp_backend="deepspeed", sp_handler=DeepSpeedSequenceParallelConfig(
+        sp_seq_length_is_variable=True, sp_attn_implementation=attn))
+
+
+def setup(recipe: Recipe, target: str) -> None:
+    """In each rank, before the trainer exists: DeepSpeed's process groups on the cpu target, the loss and the data
+    loader adapter mended (module docstring)."""
+    if degree(recipe) == 1:
+        return
+    if target == "cpu":
+        import deepspeed.comm as dscomm
+
+        if not dscomm.is_initialized():
+            dscomm.init_distributed(dist_backend="gloo")  # (wraps the process group training_args made)
+    import transformers.trainer as hf_trainer
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
+
+    hf_trainer.deepspeed_sp_compute_loss = sp_compute_loss
+    if not getattr(UlyssesSPAttentionHF.forward, "_sftrecipes", False):
+        forward = UlyssesSPAttentionHF.forward
+
+        def rows_as_they_come(self, module, query, *args, **kwargs):
+            rows = query.shape[0]
+            if rows != self.batch_size:  # packed rows: one, not per_device_train_batch_size
+                self.batch_size = rows
+                for name in ("required_query_shape", "required_key_value_shape", "required_context_shape"):
+                    shape = list(getattr(self, name))
+                    shape[1] = rows
+                    setattr(self, name, torch.Size(shape))
+            return forward(self, module, query, *args, **kwargs)
+
+        rows_as_they_come._sftrecipes = True
+        UlyssesSPAttentionHF.forward = rows_as_they_come
+    if not getattr(UlyssesSPDataLoaderAdapter.refill, "_sftrecipes", False):
+        refill = UlyssesSPDataLoaderAdapter.refill
+
+        def mended_refill(self):
+            if not isinstance(self.iter, _Even):
+                self.iter = _Even(self.iter, self.sp_group, self.device)
+            return refill(self)
+
+        mended_refill._sftrecipes = True
+        UlyssesSPDataLoaderAdapter.refill = mended_refill
+
+
+def attach(trainer) -> None:
+    """On the trainer: the accumulation window's labelled tokens counted from the sliced labels (transformers counts
+    `labels`, which the adapter replaces by `shift_labels`), and the loss marked as already scaled for accumulation."""
+    count = trainer._get_num_items_in_batch
+
+    def window_tokens(batch_samples, device):
+        if not batch_samples or "shift_labels" not in batch_samples[0] or not trainer.model.training:
+            return count(batch_samples, device)
+        n = sum(b["shift_labels"].ne(-100).sum() for b in batch_samples).to(device=device, dtype=torch.float32)
+        dist.all_reduce(n)
+        _window["tokens"] = n
+        return n
+
+    trainer._get_num_items_in_batch = window_tokens
+    trainer.loss_is_scaled_for_ga = True
+
+
+class _Even:
+    """The data loader's batches with the keys the adapter cannot slice dropped and, on gloo, padded to the longest
+    batch of the sequence-parallel group (gloo's all_gather takes one shape)."""
+
+    def __init__(self, it, group, device):
+        self.it, self.group, self.device = it, group, device
+        self.gloo = dist.get_backend(group) == "gloo"
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = next(self.it)
+        for key in UNSLICED:
+            batch.pop(key, None)
+        if not self.gloo:
+            return batch
+        length = batch["input_ids"].shape[1]
+        longest = torch.tensor([length], dtype=torch.int64)
+        dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=self.group)
+        extra = int(longest) - length
+        if extra:
+            fill = {"labels": -100, "position_ids": 0, "attention_mask": 0}
+            for key, value in batch.items():
+                if torch.is_tensor(value) and value.dim() == 2 and value.shape[1] == length:
+                    batch[key] = torch.nn.functional.pad(value, (0, extra), value=fill.get(key, 0))
+        return batch
+
+
+def sp_compute_loss(accelerator, model, inputs, return_outputs, pc):
+    """transformers' deepspeed_sp_compute_loss with each rank's gradient its own tokens' (module docstring): the value
+    is the labelled-token mean of the whole sequences over the accumulation window, times the data-parallel groups
+    that DeepSpeed averages over."""
+    from deepspeed.utils import groups
+
+    if "labels" not in inputs and "shift_labels" in inputs:
+        inputs["labels"] = inputs["shift_labels"]
+    outputs = model(**inputs)
+    good = (inputs["shift_labels"] != -100).sum()
+    mine = outputs.loss * good.clamp(min=1)  # the fused head's loss: its tokens' sum over their count (0 with none)
+    group = groups._get_sequence_parallel_group()
+    whole = mine.detach().clone()
+    dist.all_reduce(whole, group=group)
+    tokens = _window["tokens"]
+    if tokens is None:  # (a forward outside the training loop's accumulation: its own sequences' tokens)
+        tokens = good.to(torch.float32)
+        dist.all_reduce(tokens)
+    dp = dist.get_world_size() // dist.get_world_size(group)
+    loss = (mine + (whole - mine.detach())) * dp / tokens.clamp(min=1)
+    return (loss, outputs) if return_outputs else loss
