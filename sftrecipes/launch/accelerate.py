@@ -63,6 +63,18 @@ def accelerate_config(recipe: Recipe) -> dict:
         else:
             fsdp["fsdp_reshard_after_forward"] = L.fsdp_sharding_strategy == "FULL_SHARD"
         cfg["fsdp_config"] = fsdp
+    if L.sequence_parallel_size > 1:  # Ulysses (recipe/seqpar.py); each rank also builds it (train/seqpar.py), with
+        cfg["parallelism_config"] = {  # the attention kernel it loads
+            "parallelism_config_sp_size": L.sequence_parallel_size,
+            "parallelism_config_sp_backend": "deepspeed",
+            "parallelism_config_sp_seq_length_is_variable": True,
+        }
+    elif L.context_parallel_size > 1:
+        cfg["parallelism_config"] = {
+            "parallelism_config_cp_size": L.context_parallel_size,
+            "parallelism_config_cp_backend": "torch",
+            "parallelism_config_dp_shard_size": world // L.context_parallel_size,
+        }
     return cfg
 
 

@@ -6,10 +6,12 @@ UlyssesSPDataLoaderAdapter, which gathers the N ranks' batches and hands each ra
 transformers' Trainer then computes the loss (deepspeed_sp_compute_loss). Measured against one process on the same
 rows (tests/train/test_seqpar.py), four things needed the run's own hand:
 - the gradient: transformers gathers the N losses with a differentiable all_gather, whose backward sums the N ranks'
-  copies, and DeepSpeed sums the sequence's ranks again: every gradient came out N times too large (grad_norm 4.02
-  against 2.01 at N=2). Here each rank's loss carries the gradient of its own tokens only, the other ranks' share as a
-  constant; its value is the sequence's whole loss, weighted by labelled tokens over the accumulation window and the
-  data-parallel groups as transformers weights a run without it (average_tokens_across_devices);
+  copies, and DeepSpeed's ZeRO-1/2 sum the sequence's ranks again: every gradient came out N times too large
+  (grad_norm 4.02 against 2.01 at N=2); ZeRO-3's reduce-scatter averages instead, so there it was right. Here each
+  rank's loss carries the gradient of its own tokens, counted as often as the stage's reduction needs
+  (_gradient_factor), the other ranks' share as a constant; its value is the sequence's whole loss, weighted by
+  labelled tokens over the accumulation window and the data-parallel groups as transformers weights a run without it
+  (average_tokens_across_devices);
 - packed rows: the padding-free collator's cu_seq_lens/max_length keys are not (batch, sequence) tensors, which the
   adapter refuses; they are dropped, and the project's varlen kernel reads the samples' boundaries from the gathered
   position_ids instead, installed in the "sdpa" slot that Ulysses wraps (accelerate takes sdpa or flash attention only);
@@ -59,8 +61,11 @@ def parallelism_config(recipe: Recipe, kernel: str):
     if degree(recipe) == 1:
         return None
     attn = kernel if kernel.startswith("flash_attention") else "sdpa"  # sft_varlen sits in the sdpa slot (model/load.py)
-    return ParallelismConfig(sp_size=degree(recipe), sp_backend="deepspeed", sp_handler=DeepSpeedSequenceParallelConfig(
-        sp_seq_length_is_variable=True, sp_attn_implementation=attn))
+    # dp_replicate_size: the data-parallel groups, which accelerate multiplies into DeepSpeed's train_batch_size (left
+    # at 1, a world of 4 in groups of 2 failed DeepSpeed's batch assertion: 4 != 2 x 2 x 2)
+    return ParallelismConfig(sp_size=degree(recipe), sp_backend="deepspeed", dp_replicate_size=L.world_size // degree(recipe),
+                             sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True,
+                                                                        sp_attn_implementation=attn))
 
 
 def setup(recipe: Recipe, target: str) -> None:
@@ -169,5 +174,23 @@ def sp_compute_loss(accelerator, model, inputs, return_outputs, pc):
         tokens = good.to(torch.float32)
         dist.all_reduce(tokens)
     dp = dist.get_world_size() // dist.get_world_size(group)
-    loss = (mine + (whole - mine.detach())) * dp / tokens.clamp(min=1)
+    k = _gradient_factor(accelerator, dist.get_world_size(group))
+    loss = (k * mine + (whole - k * mine.detach())) * dp / tokens.clamp(min=1)
     return (loss, outputs) if return_outputs else loss
+
+
+def _gradient_factor(accelerator, n: int) -> int:
+    """How many times a rank's own-token gradient must count for DeepSpeed to end with the sequences' gradient:
+    ZeRO-1/2 divide the gradients by the data-parallel groups and sum the sequence's N ranks (1); ZeRO-3's
+    reduce-scatter averages over every rank, so each rank's share counts N times (N). Measured: with 1 under ZeRO-3
+    the gradient norm was half one process's at N=2. (ZeRO-3 without reduce_scatter sums small buckets and averages
+    large ones: no single factor; the accelerate config never turns reduce_scatter off.)"""
+    if "k" not in _window:
+        stage = int(accelerator.state.deepspeed_plugin.zero_stage)
+        engine = getattr(accelerator, "deepspeed_engine_wrapped", None)
+        optimizer = getattr(getattr(engine, "engine", None), "optimizer", None)
+        if stage == 3 and not getattr(optimizer, "reduce_scatter", True):
+            raise RuntimeError("sequence parallelism under ZeRO-3 needs DeepSpeed's reduce_scatter: without it some "
+                               "gradient buckets are summed over the sequence's ranks and others averaged")
+        _window["k"] = n if stage == 3 else 1
+    return _window["k"]
