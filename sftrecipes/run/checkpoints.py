@@ -186,8 +186,11 @@ def _n(processes: int) -> str:
     return f"{processes} process{'es' if processes != 1 else ''}"
 
 
-def _batch(world: int, per_device: int, accumulation: int) -> str:
-    return f"{_n(world)} x {per_device} per device x {accumulation} accumulation = {world * per_device * accumulation}"
+def _batch(world: int, per_device: int, accumulation: int, sp: int = 1) -> str:
+    """A global batch in words; under sequence parallelism the data-parallel groups of sp processes are what count."""
+    dp = world // sp
+    who = _n(world) if sp == 1 else f"{dp} group{'s' if dp != 1 else ''} of {sp} processes (sequence parallel)"
+    return f"{who} x {per_device} per device x {accumulation} accumulation = {dp * per_device * accumulation}"
 
 
 def match_resume(ckpt: str | None, recipe, args) -> None:
@@ -226,23 +229,28 @@ def match_resume(ckpt: str | None, recipe, args) -> None:
         raise RecipeError(f"{key}: {path.name} was saved by {_n(sw)} under {was} and this run has {world}: resume with {_n(sw)} "
                           f"(launch.num_machines x launch.gpus_per_node = {sw}); only FSDP2 checkpoints are known to reshard exactly")
     pd, ga = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    sp, ssp = L.sequence_parallel_size, saved.get("sequence_parallel_size", 1)
+    dp = world // sp  # data-parallel ranks: a sequence-parallel group of sp processes trains one batch at a time
     position = f"the data continues after sample {saved.get('samples_seen', '?')}"
-    if world * pd * ga == g:
-        if sw != world and main:
-            log.info("resume: %s was saved by %s, this run has %d; same global batch (%s), %s", path.name, _n(sw), world,
-                     _batch(world, pd, ga), position)
+    if dp * pd * ga == g:
+        if (sw, ssp) != (world, sp) and main:
+            log.info("resume: %s was saved by %s, this run has %s; same global batch (%s), %s", path.name,
+                     _batch(sw, spd, sga, ssp).split(" x ")[0], _batch(world, pd, ga, sp).split(" x ")[0],
+                     _batch(world, pd, ga, sp), position)
         return
-    if g % (world * pd) == 0:
-        args.gradient_accumulation_steps = g // (world * pd)
+    if g % (dp * pd) == 0:
+        args.gradient_accumulation_steps = g // (dp * pd)
         if main:
             log.warning("resume: gradient_accumulation_steps %d -> %d to keep %s's global batch (%s) on %s; %s", ga,
-                        args.gradient_accumulation_steps, path.name, _batch(sw, spd, sga), _batch(world, pd, args.gradient_accumulation_steps), position)
+                        args.gradient_accumulation_steps, path.name, _batch(sw, spd, sga, ssp),
+                        _batch(world, pd, args.gradient_accumulation_steps, sp), position)
         return
-    fix = (f"set per_device_train_batch_size to a divisor of {g // world} ({g} over {world} processes)" if g % world == 0
+    fix = (f"set per_device_train_batch_size to a divisor of {g // dp} ({g} over {dp} data-parallel ranks)" if g % dp == 0
            else f"use a process count that divides {g}")
-    raise RecipeError(f"{key}: {path.name} trained with a global batch of {g} ({_batch(sw, spd, sga)}); {_n(world)} x {pd} "
-                      f"per device cannot make {g} by accumulation, and another global batch would change what a step is and "
-                      f"misplace the data position: {fix}, or resume with {_n(sw)}")
+    raise RecipeError(f"{key}: {path.name} trained with a global batch of {g} ({_batch(sw, spd, sga, ssp)}); "
+                      f"{_batch(world, pd, 1, sp).split(' x ')[0]} x {pd} per device cannot make {g} by accumulation, "
+                      f"and another global batch would change what a step is and misplace the data position: {fix}, or "
+                      f"resume with {_n(sw)}{f' in groups of {ssp}' if ssp > 1 else ''}")
 
 
 def check_resume(recipe) -> None:

@@ -13,12 +13,16 @@ from sftrecipes.run.checkpoints import SaveFailed, rotate, write_failure, write_
 
 
 def run_record(trainer) -> dict:
-    """What resuming this run's checkpoints depends on: processes, batch per device, accumulation, their product (the
-    global batch), the samples seen, and the checkpoint format (backend; ZeRO stage; FSDP version, state-dict type)."""
+    """What resuming this run's checkpoints depends on: processes (and their sequence-parallel groups), batch per
+    device, accumulation, their product over the data-parallel ranks (the global batch), the samples seen, and the checkpoint format (backend; ZeRO stage; FSDP version, state-dict type)."""
     args, state = trainer.args, trainer.accelerator.state
     rec = {"world_size": args.world_size, "per_device_train_batch_size": args.per_device_train_batch_size,
            "gradient_accumulation_steps": args.gradient_accumulation_steps}
-    rec["global_batch"] = rec["world_size"] * rec["per_device_train_batch_size"] * rec["gradient_accumulation_steps"]
+    pc = getattr(trainer.accelerator, "parallelism_config", None)
+    sp = int(pc.sp_size) if pc is not None and pc.sp_enabled else 1  # a group of sp ranks trains one batch at a time
+    if sp > 1:
+        rec["sequence_parallel_size"] = sp
+    rec["global_batch"] = rec["world_size"] // sp * rec["per_device_train_batch_size"] * rec["gradient_accumulation_steps"]
     rec["samples_seen"] = trainer.state.global_step * rec["global_batch"]
     ds, fsdp = getattr(state, "deepspeed_plugin", None), getattr(state, "fsdp_plugin", None)
     if ds is not None:

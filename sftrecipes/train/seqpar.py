@@ -18,6 +18,8 @@ rows (tests/train/test_seqpar.py), four things needed the run's own hand:
 - gloo (the cpu target) gathers tensors of one shape only: each batch is padded to the longest of its group first
   (labels -100, so no token is added to the loss);
 - DeepSpeed's own process groups (deepspeed.comm) are set up on the cpu target before accelerate asks for them.
+And two a resumed or longer run needs: skipping the trained batches (transformers counts the adapter's micro-batches,
+and accelerate's skip cannot take the adapter), and each epoch's order (the adapter passed no epoch to the sampler).
 """
 
 from __future__ import annotations
@@ -103,10 +105,35 @@ def setup(recipe: Recipe, target: str) -> None:
         def mended_refill(self):
             if not isinstance(self.iter, _Even):
                 self.iter = _Even(self.iter, self.sp_group, self.device)
-            return refill(self)
+            refill(self)
+            for _ in range(self.__dict__.pop("_drop", 0)):  # a resume inside a group's turn: its trained micro-batches
+                self.micro_batches.popleft()
+
+        def set_epoch(self, epoch: int):
+            """The epoch reaches the sampler, and the iterator is made after it (the adapter made its next one when the
+            last epoch ended, with the old epoch's order)."""
+            if hasattr(self.dl, "set_epoch"):
+                self.dl.set_epoch(epoch)
+            self.iter = iter(self.dl)
+            self.micro_batches.clear()
 
         mended_refill._sftrecipes = True
         UlyssesSPDataLoaderAdapter.refill = mended_refill
+        UlyssesSPDataLoaderAdapter.set_epoch = set_epoch
+        skip = hf_trainer.skip_first_batches
+
+        def skip_in_turns(dataloader, num_batches=0):
+            """Resuming: transformers counts the adapter's micro-batches, N for each batch of a rank's loader, and
+            accelerate's skip needs the loader itself (it failed on the adapter: no attribute 'dataset')."""
+            if not isinstance(dataloader, UlyssesSPDataLoaderAdapter):
+                return skip(dataloader, num_batches)
+            n = dataloader.sp_world_size
+            out = UlyssesSPDataLoaderAdapter(skip(dataloader.dl, num_batches // n), sp_rank=dataloader.sp_rank,
+                                             sp_group=dataloader.sp_group, sp_world_size=n, device=dataloader.device)
+            out._drop = num_batches % n
+            return out
+
+        hf_trainer.skip_first_batches = skip_in_turns
 
 
 def attach(trainer) -> None:

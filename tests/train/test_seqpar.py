@@ -86,3 +86,49 @@ def test_sequence_parallel_ranks_train_as_one_process(name, one_process, tmp_pat
     assert norm_diff <= NORM_TOL, (norms, ref_norms)
     if "--packing" in sp_flags and sp_flags[sp_flags.index("--packing") + 1] == "true":
         assert summary["packed"] and "sft_varlen (in the sdpa slot" in log  # the kernel that keeps samples apart
+
+
+def adapter(out) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "adapter_model.safetensors"))
+
+
+def test_epochs_and_exact_resume_under_sequence_parallelism_and_into_another_split(one_process, tmp_path):
+    """Over two epochs of 8 rows, 2 ranks in one sequence-parallel group train as one process does (each epoch's order
+    reaches the sampler); their checkpoint at step 2 resumes to the uninterrupted run's weights under the same split
+    and as 2 data-parallel ranks of half the batch (the same rows a step; ZeRO partitions over all ranks alike); a
+    split that cannot make its global batch is refused in one line before any rank starts."""
+    import shutil
+    from pathlib import Path
+
+    data = tmp_path / "rows"
+    data.mkdir()
+    for split, n in (("train", 8), ("test", 2)):
+        lines = Path(f"data/tiny_chat/{split}.jsonl").read_text().splitlines()[:n]
+        (data / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
+    flags = UNPACKED + ["--dataset_name", str(data), "--max_steps", "6", "--save_strategy", "steps", "--save_steps", "2"]
+    sp = flags + ["--launch.sequence_parallel_size", "2"]
+    whole, norms, _ = run(sp, tmp_path / "whole")
+    ref, ref_norms, _ = one_process(flags + ONE)
+    assert whole["steps"] == 6 and whole["losses"] == pytest.approx(ref["losses"], rel=LOSS_TOL)  # 4 steps an epoch
+    assert norms == pytest.approx(ref_norms, rel=NORM_TOL)
+    expected = adapter(tmp_path / "whole")
+    for name, extra in (("same split", []),
+                        ("data parallel", ["--launch.sequence_parallel_size", "1", "--per_device_train_batch_size", "1"])):
+        out = tmp_path / name.replace(" ", "-")
+        shutil.copytree(tmp_path / "whole" / "checkpoint-2", out / "checkpoint-2")
+        summary, _, log = run(sp + extra, out)
+        assert summary["resumed_from"].endswith("checkpoint-2") and summary["steps"] == 6, log[-2000:]
+        assert summary["losses"][-4:] == pytest.approx(whole["losses"][-4:], rel=LOSS_TOL), name
+        got = adapter(out)
+        assert max((got[k] - expected[k]).abs().max().item() for k in expected) <= 1e-6, name
+    out = tmp_path / "refused"
+    shutil.copytree(tmp_path / "whole" / "checkpoint-2", out / "checkpoint-2")
+    res = run_cli(["-m", "sftrecipes", "launch", *BASE, *sp, "--launch.sequence_parallel_size", "1",
+                   "--output_dir", str(out)])
+    last = res.stderr.strip().splitlines()[-1]
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stdout[-1500:] + res.stderr[-1500:]
+    assert last.startswith("error: resume_from_checkpoint: checkpoint-2 trained with a global batch of 2 (1 group of 2 "
+                           "processes (sequence parallel) x 2 per device x 1 accumulation = 2)"), last
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2"]
