@@ -89,6 +89,10 @@ sft-dpo-llama3-70b-lora: $(STAMP) ## SFT then DPO: the Llama-3.1-70B LoRA SFT re
 	scripts/run_llama3.1-70b-dpo-lora.sh --model_name_or_path outputs/llama3.1-70b-lora --output_dir outputs/llama3.1-70b-sft-dpo-lora $(ARGS)
 dpo-qwen3-32b-qlora: $(STAMP) ## Qwen3-32B DPO with QLoRA, FSDP2, 2 x 24 GB
 	scripts/run_qwen3-32b-dpo-qlora-fsdp.sh $(ARGS)
+sft-llama3-8b-128k: $(STAMP) ## Llama-3.1-8B-Instruct full fine-tune at 128k tokens a row: Ulysses sequence parallelism over 8 GPUs, DeepSpeed ZeRO-3, 8 x 80 GB
+	scripts/run_llama3.1-8b-sp-128k.sh $(ARGS)
+sft-qwen3-32b-64k: $(STAMP) ## Qwen3-32B LoRA at 64k tokens a row (YaRN x2): Ulysses sequence parallelism over 8 GPUs, DeepSpeed ZeRO-3, 8 x 80 GB
+	scripts/run_qwen3-32b-sp-64k-lora.sh $(ARGS)
 grpo-qwen3-8b-lora: $(STAMP) ## Qwen3-8B GRPO with LoRA on GSM8K answers, vLLM colocate (vllm in the training environment), 1 x 80 GB
 	scripts/run_qwen3-8b-grpo-lora.sh $(ARGS)
 grpo-llama3-70b-lora: $(STAMP) ## Llama-3.1-70B-Instruct GRPO with LoRA on GSM8K answers: ZeRO-3 on 4 GPUs + a vLLM server (make vllm-env) on the other 4, 8 x 80 GB

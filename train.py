@@ -53,7 +53,7 @@ def run(recipe, life=None):
     from sftrecipes.export import startfrom
     from sftrecipes.facts import folders
     from sftrecipes.launch import preflight
-    from sftrecipes.model import attnchoice, fallbacks, lora, quantload, wrapping
+    from sftrecipes.model import attention, attnchoice, fallbacks, lora, quantload, wrapping
     from sftrecipes.model import load as models
     from sftrecipes.plan.pitfalls import pitfalls
     from sftrecipes.recipe.schema import ONLINE
@@ -228,7 +228,7 @@ def run(recipe, life=None):
             "memory": memory_phases,  # per rank: baseline, then each phase's start/peak/end RSS and growth (MB)
             "precision": dtypes.table,
             "throughput": throughput.summary,  # tokens/s/device, step time, MFU, memory per rank (also metrics.json/png)
-            "attention": model.config._attn_implementation,
+            "attention": attention.kernel_of(model),
             "sample": {"prompt": prompt, "reply": sample.get("reply"), "stopped_on": sample.get("stopped_on"),
                        "new_tokens": sample.get("new_tokens")},
             "data": data_counts,  # per split: read, truncated, dropped after the cut, fully masked, kept (data.py);

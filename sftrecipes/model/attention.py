@@ -204,3 +204,12 @@ def register(slot: str = NAME) -> str:
     AttentionInterface.register(slot, varlen_attention_forward)
     AttentionMaskInterface.register(slot, varlen_mask)
     return slot
+
+
+def kernel_of(model) -> str:
+    """The kernel a loaded model attends with: its config's attn_implementation, or this one where it sits in the
+    sdpa slot (register(slot="sdpa"), under sequence parallelism)."""
+    name = model.config._attn_implementation
+    if name == "sdpa" and AttentionInterface._global_mapping.get("sdpa") is varlen_attention_forward:
+        return NAME
+    return name

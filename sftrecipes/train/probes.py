@@ -71,6 +71,7 @@ def describe_backend(trainer) -> dict:
     engine = getattr(trainer, "deepspeed", None)
     if engine is not None:
         info["zero_stage"] = engine.zero_optimization_stage()
+        info["sequence_parallel_size"] = int(getattr(engine, "sequence_parallel_size", 1))  # DeepSpeed's own SP groups
         for key, cfg in (("zero_offload_optimizer", engine.zero_offload_optimizer()), ("zero_offload_params", engine.zero_offload_param())):
             info[key] = str(getattr(cfg, "device", "none") or "none").split(".")[-1]
         opt = engine.optimizer

@@ -39,9 +39,12 @@ TWINS = {
     "llama3-qlora-zero3": dict(distributed_type="DEEPSPEED", zero_stage=3, shard="params"),
     "qwen3-qlora-fsdp": dict(distributed_type="FSDP", fsdp_version=2, wrapper="FSDPPeftModelForCausalLM", shard="params"),
     "qwen3moe-zero3": dict(distributed_type="DEEPSPEED", zero_stage=3, shard="params"),
+    # long context: both ranks one sequence-parallel group (Ulysses), each row split over them
+    "llama3-sp": dict(distributed_type="DEEPSPEED", zero_stage=3, shard="params", sequence_parallel_size=2),
+    "qwen3-sp": dict(distributed_type="DEEPSPEED", zero_stage=3, shard="params", sequence_parallel_size=2),
 }
 BASE_OF = {"llama3-zero3": "llama3", "llama3-qlora-zero3": "llama3", "qwen3-qlora-fsdp": "qwen3",
-           "qwen3moe-zero3": "qwen3_moe"}  # else tiny-llama
+           "qwen3moe-zero3": "qwen3_moe", "llama3-sp": "llama3", "qwen3-sp": "qwen3"}  # else tiny-llama
 
 
 def assert_loadable(out, summary, base_dir=".assets/tiny-llama", quantized=False):
@@ -109,7 +112,8 @@ def test_twin_runs_through_its_launcher(twin_runs, family_models, name):
     out, summary, log = twin_runs(name)
     b = summary["backend"]
     assert b["world_size"] == 2
-    for key in ("distributed_type", "wrapper", "zero_stage", "fsdp_version", "zero_offload_optimizer", "zero_offload_params", "optimizer"):
+    for key in ("distributed_type", "wrapper", "zero_stage", "fsdp_version", "zero_offload_optimizer", "zero_offload_params",
+                "optimizer", "sequence_parallel_size"):
         if key in want:
             assert b[key] == want[key], (key, b)
     if "zero_stage" in b:  # DeepSpeed's buckets by the model's hidden size h, as the planner counts them (backends.py)
