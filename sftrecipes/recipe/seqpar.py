@@ -105,6 +105,16 @@ def check_sequence(r: Recipe) -> None:
         raise RecipeError(f"attn_implementation: {r.model.attn_implementation} cannot attend a sequence split by "
                           f"{SP_KEY} (DeepSpeed's Ulysses drops the dense mask it needs); set attn_implementation: "
                           "auto, sdpa or flash_attention_2")
+    packed = r.trl_value("packing") or r.trl_value("padding_free")
+    if packed and r.model.attn_implementation == "sdpa":
+        raise RecipeError(f"attn_implementation: sdpa keeps packed samples apart with a mask, which {SP_KEY} drops "
+                          "(each rank attends the gathered sequence causally): the samples would attend across their "
+                          "boundaries; set attn_implementation: auto (sft_varlen reads them from the positions) or "
+                          "flash_attention_2, or packing: false")
+    if r.data.streaming:
+        raise RecipeError(f"streaming: not proven under {SP_KEY} (the stream's position counts each rank's rows, and a "
+                          "sequence-parallel group trains one rank's batch at a time); set streaming: false (the data "
+                          f"is prepared once and cached), or remove {SP_KEY}")
     heads = head_counts(r.model.model_name_or_path)
     fits = sp_degrees(heads)
     if heads and sp not in fits:
