@@ -620,6 +620,34 @@ def obs_launch_vllm_server_python(tiny_model, tmp_path):
     assert g.server.argv[:3] == ["/opt/vllm-env/bin/python", "-m", "trl.scripts.vllm_serve"]
 
 
+def obs_launch_sequence_parallel_size(tiny_model, tmp_path):
+    """Rendered for accelerate, and each rank's ParallelismConfig: 4 ranks in 2 groups of 2, the batch's length a
+    multiple of 2 (what it trains like: tests/train/test_seqpar.py)."""
+    from sftrecipes.train import args as backends, seqpar
+
+    flags = ("--launch.backend", "deepspeed", "--launch.zero_stage", 2, "--launch.gpus_per_node", 4,
+             "--launch.sequence_parallel_size", 2)
+    assert acc(*flags)["parallelism_config"] == {"parallelism_config_sp_size": 2, "parallelism_config_sp_backend": "deepspeed",
+                                                 "parallelism_config_sp_seq_length_is_variable": True}
+    assert "parallelism_config" not in acc("--launch.backend", "deepspeed", "--launch.gpus_per_node", 4)
+    pc = seqpar.parallelism_config(recipe(*flags), "sft_varlen")
+    assert (pc.sp_size, pc.sp_backend, pc.dp_replicate_size, pc.sp_handler.sp_attn_implementation) == (2, "deepspeed", 2, "sdpa")
+    assert backends.training_kwargs(recipe(*flags, "--pad_to_multiple_of", 8), "cpu")["pad_to_multiple_of"] == 8
+    assert backends.training_kwargs(recipe(*flags), "cpu")["pad_to_multiple_of"] == 2
+
+
+def obs_launch_context_parallel_size(tiny_model, tmp_path):
+    """Rendered for accelerate and each rank (FSDP2 on GPUs; refused on the cpu target: bad_inputs' cp_on_cpu)."""
+    from sftrecipes.train import seqpar
+
+    flags = ("--launch.backend", "fsdp", "--launch.hardware", "gpu", "--launch.gpus_per_node", 4, "--packing", "false",
+             "--launch.context_parallel_size", 2)
+    assert acc(*flags)["parallelism_config"] == {"parallelism_config_cp_size": 2, "parallelism_config_cp_backend": "torch",
+                                                 "parallelism_config_dp_shard_size": 2}
+    pc = seqpar.parallelism_config(recipe(*flags), "sdpa")
+    assert (pc.cp_size, pc.cp_backend, pc.dp_shard_size, pc.sp_size) == (2, "torch", 2, 1)
+
+
 def obs_eval_tasks(tiny_model, tmp_path):
     """The trained model is scored after training, from output_dir, and its figures reach run_summary.json."""
     record, summary, out = _eval_run(tmp_path)
