@@ -24,15 +24,12 @@ and accelerate's skip cannot take the adapter), and each epoch's order (the adap
 
 from __future__ import annotations
 
-import logging
 import math
 
 import torch
 import torch.distributed as dist
 
 from sftrecipes.recipe.typed import Recipe
-
-log = logging.getLogger("sftrecipes")
 
 # batch keys the adapter cannot slice (not (batch, sequence) tensors); the kernel reads position_ids instead
 UNSLICED = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
