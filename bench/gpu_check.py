@@ -258,6 +258,8 @@ def run_row(row: dict, a, model_dirs: dict, data: dict, device: str) -> dict:
             "--use_flash_attn", "false", "--attn_implementation", row["attention"], "--use_liger_kernel", str(row["liger"]).lower(),
             "--sample_max_new_tokens", "0", "--learning_rate", "1e-5", "--save_strategy", "no", "--report_to", "none",
             "--launch.hardware", "gpu" if device == "cuda" else "cpu", "--output_dir", str(Path(a.out) / "runs" / tag)]
+    if a.seq > gpu_bench.SHAPES[row["size"]]["max_position_embeddings"]:  # long-context rows (gpu_check.sh's 32k step):
+        argv += ["--max_length_beyond_positions", "true"]  # random weights, RoPE computes any position
     if device == "cuda":
         argv += ["--launch.gpu_memory_gb", str(round(torch.cuda.get_device_properties(0).total_memory / 1e9, 1))]
         torch.cuda.empty_cache()

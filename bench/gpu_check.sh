@@ -8,7 +8,8 @@
 # the reason where deepspeed or bitsandbytes is not importable: add deepspeed==0.19.8 and bitsandbytes==0.50.2 to .whl/);
 # before (1)-(3), where `vllm` is on PATH, vLLM serving a tiny LoRA run and its export against transformers' greedy
 # tokens (bench/vllm_check.py); and GRPO on the tiny recipe, transformers' generate and vLLM colocate where vllm is
-# importable: seconds per step and the GPU's peak (bench/grpo_probe.py).
+# importable: seconds per step and the GPU's peak (bench/grpo_probe.py); and 32k-token rows (8B LoRA, varlen and
+# flash-attn 2): tokens/s, peak memory, the plan (bench/results/longctx-32k-<date>).
 # Writes bench/results/gpu-check-<gpu>-<date>.{json,md}; docs/benchmarks.md, "GPU check", says how to read them.
 #   bench/gpu_check.sh [--budget-s 330] [--steps 6] [--only sdpa,sft_varlen] [--no-liger-rows]
 #   python bench/gpu_check.py --cpu-smoke --out /tmp/x     # the same code on CPU (tests/test_gpu_check.py)
@@ -42,4 +43,10 @@ fi
 # then vLLM colocate where vllm is importable here (else the row says why); seconds per step, GPU peak, rewards
 # (bench/grpo_probe.py -> grpo-probe.{json,md}); a failure here does not stop the check
 "$PY" bench/grpo_probe.py --out "bench/results/grpo-probe-$(date +%Y%m%d)" || echo "gpu_check: GRPO probe failed (above)" >&2
+# long context (issue 41): the 8B LoRA with checkpointing at 32768 tokens a row, one GPU (sequence parallelism needs
+# several: its equality with one process is proven on CPU, tests/train/test_seqpar.py), varlen and flash-attn 2:
+# tokens/s, the GPU's peak and the planner's figure (bench/gpu_check.py's throughput rows); a failure does not stop
+"$PY" bench/gpu_check.py --seq 32768 --batch 1 --steps 4 --configs lora_ckpt --only sft_varlen,flash_attention_2 \
+  --no-liger-rows --no-qlora-load --budget-s 200 --row-timeout-s 150 --out "bench/results/longctx-32k-$(date +%Y%m%d)" \
+  || echo "gpu_check: 32k long-context rows failed (above)" >&2
 exec "$PY" bench/gpu_check.py "$@"
