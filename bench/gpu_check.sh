@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check (one GPU, under 8 minutes on an H200): (0) the suite's GPU-marked tests (pytest -m gpu); (1) packed-attention numerics in bf16 (varlen, flex, flash-attn 2
+# GPU check (one GPU, under 8 minutes on an H200 before the 32k step, which adds up to its 200 s budget): (0) the suite's GPU-marked tests (pytest -m gpu); (1) packed-attention numerics in bf16 (varlen, flex, flash-attn 2
 # where importable, against sdpa with the dense block-diagonal mask); (2) throughput rows — LoRA ~8B with gradient
 # checkpointing on and off and a full ~1B, each with sdpa padded / sdpa packed / varlen / flex / flash-attn 2, each
 # without and with Liger — tokens/s/device, MFU, peak memory and the planner's figure; (3) QLoRA loading — a 1B
