@@ -88,7 +88,8 @@ def format_plan(plan: Plan, warnings: list[str] | None = None, evaluation: str |
     method = "" if plan.method == "sft" else f"{plan.method}, "
     unit = " pairs" if plan.method in PAIRED else " completions" if plan.method in ("kto", *ONLINE) else ""
     out = [f"{plan.model}: {method}{plan.params / 1e9:.2f}B params{active}, {plan.trainable / 1e6:.2f}M trainable; {plan.backend} on "
-           f"{plan.nodes} node(s) x {plan.gpus_per_node} GPU(s) = {plan.world}; global batch {plan.global_batch}{unit}",
+           f"{plan.nodes} node(s) x {plan.gpus_per_node} GPU(s) = {plan.world}; global batch {plan.global_batch}{unit}"
+           + (f"; {plan.split.kind} {plan.split.degree}: {plan.rank_tokens} tokens per rank" if plan.split.on else ""),
            *([f"EVALUATION ONLY: {evaluation}"] if evaluation else []), "", "Per GPU — model states (always resident):"]
     out += [line(i) for i in plan.states]
     out += [f"  {'= model states':<{w}} {plan.model_states_gb:8.2f} GB", "", f"Per GPU — also live at the peak ({plan.peak_phase}):"]

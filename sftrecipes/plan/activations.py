@@ -16,12 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sftrecipes.facts.shape import Layer, Shape, Weight
+from sftrecipes.plan.seqsplit import Split, exchange_working, kv_heads, rank_tokens, split
 from sftrecipes.plan.sharding import Setup
 from sftrecipes.recipe.schema import PAIRED, REFERENCE_FREE
 from sftrecipes.recipe.target import checkpointing_off, requested_attention
 from sftrecipes.recipe.typed import Recipe
 
 TRL_TOKEN_TILE, TRL_VOCAB_TILE = 4096, 32768  # trl.kernels.chunked_logprob tile of the fused LM head
+PAGE = 4096  # bytes of a page of anonymous memory (the cpu target's RSS counts pages written, not bytes allocated)
 
 
 def planned_attention(recipe: Recipe, shape: Shape, gpu: bool) -> str:
@@ -62,7 +64,7 @@ class Activations:
 
     batch: int  # sequences per micro-batch
     seq: int  # tokens per sequence
-    tokens: int
+    tokens: int  # tokens of the micro-batch one rank holds (its 1/N of every row under a sequence split)
     attn: str  # the planned attention kernel
     per_layer: list[float]  # tensors each decoder layer saves
     working: list[float]  # temporaries inside each layer's backward (+ a de-quantized weight)
@@ -74,13 +76,16 @@ class Activations:
     head_rows: int  # tokens per tile of TRL's LM head
     no_grad: float = 0.0  # one forward of the same batch without grad (a reference forward): what it holds at once
     full_logits: bool = False  # the head returns [tokens, vocab] logits (orpo, cpo), not TRL's chunked log-probs
+    split: Split = Split()  # sequence / context parallelism: over how many ranks each row is split (seqsplit.py)
+    tile_unwritten: float = 0.0  # of the LM head's tile buffer, the bytes a vocab narrower than it never writes (tile_unwritten)
 
 
 def activations(recipe: Recipe, shape: Shape, s: Setup, adapted: tuple, seq: int | None = None) -> Activations:
     """The activation bytes of one micro-batch of the recipe (`adapted`: the LoRA targets of each decoder layer; `seq`:
     tokens per sequence where the recipe's max_length does not say it: an online run's prompt + completion)."""
     b, seq = sequences(recipe), seq or recipe.trl_value("max_length") or shape.max_positions
-    tokens = b * seq
+    sp = split(recipe)
+    tokens = rank_tokens(b * seq, sp)  # every per-token term below counts the rank's share of the rows
     attn = planned_attention(recipe, shape, s.gpu)
     a = s.act_bytes
     ckpt = recipe.gradient_checkpointing and not checkpointing_off(recipe, shape)  # (where it cannot: the run goes without)
@@ -89,8 +94,9 @@ def activations(recipe: Recipe, shape: Shape, s: Setup, adapted: tuple, seq: int
     per_layer: dict = {}
     for layer, ad in zip(shape.decoder, adapted):
         if (layer, ad) not in per_layer:
-            per_layer[layer, ad] = (_layer_activation_bytes(shape, layer, ad, s, recipe, seq, attn, tokens),
-                                    _backward_working_bytes(shape, layer, ad, s, tokens))
+            per_layer[layer, ad] = (_layer_activation_bytes(shape, layer, ad, s, recipe, seq, attn, tokens, sp),
+                                    max(_backward_working_bytes(shape, layer, ad, s, tokens),
+                                        exchange_working(layer, s.act_bytes, tokens, sp)))
     acts = [per_layer[k][0] for k in zip(shape.decoder, adapted)]
     wss = [per_layer[k][1] for k in zip(shape.decoder, adapted)]
     saved_all = shape.layers * tokens * a * h if ckpt else sum(acts)  # checkpointing keeps each layer's input only
@@ -99,7 +105,9 @@ def activations(recipe: Recipe, shape: Shape, s: Setup, adapted: tuple, seq: int
     shared = tokens * (2 * a * sum({L.head_dim for L in shape.decoder}) + 16)
     if recipe.method != "sft":
         shared += tokens * 16  # the preference collators' attention and completion masks (int64)
-    if attn == "sdpa" and (packs(recipe, shape) or _padded(recipe)):
+    if sp.on:  # the adapter's shift_labels and the position_ids the attention layers gather (int64)
+        shared += tokens * 16
+    elif attn == "sdpa" and (packs(recipe, shape) or _padded(recipe)):  # (a split drops the mask: causal sdpa)
         shared += b * seq * seq  # boolean mask: block-diagonal for packed rows, causal + padding for padded ones
     # final norm + the hidden states TRL's fused LM head saves (a copy: the shifted slice)
     head_saved = tokens * ((4 * h + a * h + (0 if s.lora else a * h)) + a * h)
@@ -118,7 +126,17 @@ def activations(recipe: Recipe, shape: Shape, s: Setup, adapted: tuple, seq: int
         wss = [x + deq for x in wss]
     no_grad = no_grad_forward(shape, s, acts, tokens, rows)
     return Activations(b, seq, tokens, attn, acts, wss, saved_all, saved_first, shared, head_saved, head_bwd, rows, no_grad,
-                       full_logits(recipe))
+                       full_logits(recipe), sp, 0.0 if full_logits(recipe) else tile_unwritten(rows, V, a))
+
+
+def tile_unwritten(rows: int, vocab: int, a: int) -> float:
+    """Bytes of TRL's tile buffer ([rows, 32768] in the compute dtype, torch.empty) that a vocabulary narrower than
+    the tile never writes: each row's first vocab x a bytes are written, so only their pages become resident. A GPU
+    holds the whole buffer (the planner counts it); on the cpu target, where the plan is held against each rank's RSS,
+    the pages never written are not there (ranks.rank_steps takes them off)."""
+    row = TRL_VOCAB_TILE * a
+    written = min(row, -(-min(vocab, TRL_VOCAB_TILE) * a // PAGE) * PAGE)
+    return float(rows * (row - written))
 
 
 def full_logits(recipe: Recipe) -> bool:
@@ -196,9 +214,11 @@ def _moe_token_bytes(shape: Shape, layer: Layer, s: Setup) -> float:
 
 
 def _layer_activation_bytes(shape: Shape, layer: Layer, adapted: tuple, s: Setup, recipe: Recipe, seq: int, attn: str,
-                            tokens: int) -> float:
-    """Bytes autograd saves in one decoder layer for `tokens` tokens (transformers 5 layers, PEFT LoRA), for its backward."""
-    q, kv, nh, a = layer.heads * layer.head_dim, layer.kv_heads * layer.head_dim, layer.heads, s.act_bytes
+                            tokens: int, sp: Split) -> float:
+    """Bytes autograd saves in one decoder layer for `tokens` tokens (transformers 5 layers, PEFT LoRA), for its backward.
+    Under Ulysses the attention kernel saves the gathered q, k, v (the whole sequence, heads/N heads: per local token
+    all heads, key/value heads replicated up to N) and no mask reaches it (seqsplit.py)."""
+    q, kv, nh, a = layer.heads * layer.head_dim, kv_heads(layer, sp) * layer.head_dim, layer.heads, s.act_bytes
     full = not s.lora
     # RMSNorm computes in fp32: pow/mul save its fp32 input (a copy when activations are 16-bit); the output feeds
     # the projections; with a trainable weight the normalised tensor is saved too. Two per layer (Llama), four
@@ -206,10 +226,10 @@ def _layer_activation_bytes(shape: Shape, layer: Layer, adapted: tuple, s: Setup
     norms = sum((4 + a + (a if full else 0)) * _norm_width(shape, layer, w) for w in layer.weights if w.kind == "norm")
     # q and k after RoPE, v, the attention output + fp32 logsumexp (flash/sdpa kernels), o_proj's contiguous input
     attn_b = a * (q + 2 * kv) + a * q + 4 * nh + a * q
-    if attn == "eager" or (attn == "sdpa" and (packs(recipe, shape) or _padded(recipe))):
+    if attn == "eager" or (attn == "sdpa" and not sp.on and (packs(recipe, shape) or _padded(recipe))):
         attn_b += a * 2 * (q - kv)  # a mask keeps sdpa off its GQA path: k and v repeated to every head
-    if attn == "sft_varlen" and not (s.gpu and a == 2):  # per-sample sdpa (CPU, fp32): kv repeated to every head
-        attn_b += a * (2 * (q - kv) + q)  # and gathered into padded groups, whose output is a copy too
+    if attn == "sft_varlen" and not (s.gpu and a == 2):  # per-sample sdpa (CPU, fp32): kv repeated to every head (the
+        attn_b += a * 2 * (q - kv)  # padded groups' output, made contiguous again, is o_proj's input, counted above)
     if attn == "eager":
         attn_b += nh * seq * (4 + a)  # the s x s scores: fp32 softmax output and its cast, per head
     # dense MLP: gate and up outputs, silu(gate), their product (down_proj's input); sparse: _moe_token_bytes
@@ -232,11 +252,14 @@ def _layer_activation_bytes(shape: Shape, layer: Layer, adapted: tuple, s: Setup
 
 
 def _backward_working_bytes(shape: Shape, layer: Layer, adapted: tuple, s: Setup, tokens: int) -> float:
-    """Gradient tensors alive at once inside one layer's backward (MLP: d(product), d(silu), d(up); experts the same
-    for each routed copy; an adapted expert tensor: the full-size gradient of its folded W + s*BA)."""
+    """Gradient tensors alive at once inside one layer's backward beyond the tensors it saved (a dense MLP: d(product),
+    d(silu) and d(up) at the product's backward, by when down_proj's node has freed the product it saved: two of width
+    intermediate more than saved, measured at 16k tokens in tests/plan/test_plan_seqpar.py; experts: each routed copy's
+    d(product), d(silu), d(up) and the input's grads; an adapted expert tensor: the full-size gradient of its folded
+    W + s*BA)."""
     a, h = s.act_bytes, shape.hidden
     if not layer.experts:
-        return tokens * a * (3 * layer.intermediate + 2 * h)
+        return tokens * a * 2 * layer.intermediate
     per_token = s.expert_bytes * layer.top_k * (3 * shape.expert_intermediate + 2 * h) + 3 * a * layer.shared_intermediate
     folded = max((w.numel for w, _ in adapted if w.kind == "experts"), default=0) * s.expert_bytes
     return tokens * per_token + folded

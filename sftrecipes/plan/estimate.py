@@ -30,9 +30,11 @@ from sftrecipes.plan.activations import activations
 from sftrecipes.plan.generation import generation_note, online, plan_generation, resident, words
 from sftrecipes.plan.hostram import cpu_ram, offloaded_per_rank
 from sftrecipes.plan.network import communication
-from sftrecipes.plan.phases import live_phases
+from sftrecipes.plan.phases import START, live_phases
 from sftrecipes.plan.ranks import RankLoading, RankSteps, rank_loading, rank_steps
 from sftrecipes.plan.reference import COPY, describe
+from sftrecipes.plan.seqsplit import Split, data_groups
+from sftrecipes.plan.seqsplit import describe as split_words
 from sftrecipes.plan.sharding import GB, Setup, partitioned_4bit_load, quant_bytes_per_param, setup
 from sftrecipes.plan.states import Item, ModelStates, model_states
 from sftrecipes.recipe.target import PARTITIONED, RANK0_READS, checkpointing_off, weight_reading
@@ -84,6 +86,8 @@ class Plan:
     reference: str = ""  # a preference run's reference and what it holds per GPU, in words (reference.describe)
     reference_kind: str = ""  # reference.Reference.kind
     generation: list[Item] = field(default_factory=list)  # grpo, rloo: what generation holds per GPU (generation.words)
+    split: Split = Split()  # sequence / context parallelism (seqsplit.py): each row split over split.degree ranks
+    rank_tokens: int = 0  # tokens of a micro-batch one rank holds (all of them without a split)
 
     @property
     def model_states_gb(self) -> float:
@@ -116,7 +120,7 @@ def estimate(recipe: Recipe) -> Plan:
         notes.append(offload.note(moved, s.gpn, GB))
     ga = recipe.trl_value("gradient_accumulation_steps")
     comm, comm_gb = communication(recipe, shape, s, st.trainable * (2 if s.mixed16 else st.g_b),  # 5
-                                   shape.params * st.gather_b, ga, st.ref)
+                                   shape.params * st.gather_b, ga, st.ref, act)
     total = phases[peak_phase] + allowance
     if L.gpu_memory_gb is None:
         notes.append("launch.gpu_memory_gb is not set: this is the requirement only (set it, e.g. 80, for a verdict)")
@@ -131,6 +135,8 @@ def estimate(recipe: Recipe) -> Plan:
         notes += _moe_notes(shape, s, st.adapted, st.float_b, recipe.model.lora_target_modules)
     if g:
         notes.append(generation_note(recipe, g))
+    if act.split.on:
+        notes.append(split_words(act.split, act.batch * act.seq, act.tokens))
     return Plan(
         model=_model_words(recipe.model.model_name_or_path, shape.name), params=shape.params, trainable=st.trainable, world=s.world, gpus_per_node=s.gpn,
         nodes=L.num_machines, backend=_backend_name(recipe), states=st.items, peak=_items(live[peak_phase]),
@@ -138,20 +144,23 @@ def estimate(recipe: Recipe) -> Plan:
         gpu_total_gb=total, gpu_limit_gb=L.gpu_memory_gb, fits=None if L.gpu_memory_gb is None else total <= L.gpu_memory_gb,
         cpu=cpu, cpu_total_gb=cpu_total, cpu_limit_gb=L.cpu_ram_gb,
         cpu_fits=None if L.cpu_ram_gb is None else cpu_total <= L.cpu_ram_gb, comm=comm, comm_gb=comm_gb,
-        global_batch=recipe.trl_value("per_device_train_batch_size") * ga * s.world, notes=notes,
+        global_batch=recipe.trl_value("per_device_train_batch_size") * ga * data_groups(recipe), notes=notes,
         weights_shard_gb=(st.frozen + st.trainable * st.p_b) / s.shard_w / GB, active_params=shape.active_params,
         live={k: _items(v) for k, v in live.items()},
         rank_loading=[] if s.gpu else rank_loading(recipe, shape, s, st.float_b),
-        rank_steps=None if s.gpu else rank_steps(recipe, shape, *_step_peak(phases), offloaded_per_rank(recipe, shape, s, st) / GB,
-                                                     s.quant_bits < 16),
+        rank_steps=None if s.gpu else rank_steps(recipe, shape, *_step_peak(phases, act.tile_unwritten / GB),
+                                                     offloaded_per_rank(recipe, shape, s, st) / GB, s.quant_bits < 16),
         method=recipe.method, reference=describe(recipe, st.ref), reference_kind=st.ref.kind,
-        generation=words(recipe, shape, s, st, g) if g else [])
+        generation=words(recipe, shape, s, st, g) if g else [], split=act.split, rank_tokens=act.tokens)
 
 
-def _step_peak(phases: dict[str, float]) -> tuple[float, str]:
-    """The largest phase of a training step (not loading's): GB and its name."""
-    name = max((k for k in phases if not k.startswith("loading")), key=phases.get)
-    return phases[name], name
+def _step_peak(phases: dict[str, float], unwritten_gb: float = 0.0) -> tuple[float, str, float]:
+    """The largest phase of a training step (not loading's) as a cpu rank's RSS holds it: (its tensors' GB, its name,
+    the GB of the LM head's tile buffer it holds but never writes: activations.tile_unwritten, in the phase that runs
+    the head's backward)."""
+    unwritten = {START: unwritten_gb}
+    name = max((k for k in phases if not k.startswith("loading")), key=lambda k: phases[k] - unwritten.get(k, 0.0))
+    return phases[name], name, unwritten.get(name, 0.0)
 
 
 def _outside_notes(shape: Shape, st: ModelStates, lora: bool) -> list[str]:

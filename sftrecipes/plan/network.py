@@ -1,17 +1,22 @@
 """The network volume each GPU sends per optimizer step, by backend: gradient all-reduce, reduce-scatter, the
-all-gathers of sharded parameters (a preference run's forwards without grad included; an online run's generation)."""
+all-gathers of sharded parameters (a preference run's forwards without grad included; an online run's generation),
+and a sequence split's exchanges in every attention layer (Ulysses' all-to-all, the ring's key/value blocks)."""
 
 from __future__ import annotations
 
 from sftrecipes.facts.shape import Shape
+from sftrecipes.plan.activations import Activations
 from sftrecipes.plan.generation import generation_comm, online, online_forwards, plan_generation
 from sftrecipes.plan.reference import Reference, forwards
+from sftrecipes.plan.seqsplit import ULYSSES, exchange_sent
 from sftrecipes.plan.sharding import GB, Setup
 from sftrecipes.plan.states import Item
+from sftrecipes.recipe.target import checkpointing_off
 from sftrecipes.recipe.typed import Recipe
 
 
-def communication(recipe: Recipe, shape: Shape, s: Setup, T_grad: float, T_all: float, ga: int, ref: Reference):
+def communication(recipe: Recipe, shape: Shape, s: Setup, T_grad: float, T_all: float, ga: int, ref: Reference,
+                  act: Activations | None = None):
     """Bytes each GPU sends per optimizer step: ring all-reduce 2T(N-1)/N, all-gather / reduce-scatter T(N-1)/N each.
     A preference run's forwards without grad gather again (reference.forwards): the policy's (LoRA's reference, KTO's
     KL batch) and a sharded reference copy's."""
@@ -41,4 +46,19 @@ def communication(recipe: Recipe, shape: Shape, s: Setup, T_grad: float, T_all: 
                               f"{ref_fwd}x per micro-batch (the copy's forward)"))
     if online(recipe) and (gen := generation_comm(recipe, shape, s, plan_generation(recipe, shape, s, ref), T_all, ga, f)):
         items.append(gen)
+    if act is not None and act.split.on:
+        items.append(_exchanges(recipe, shape, s, act, ga))
     return items, sum(i.gb for i in items)
+
+
+def _exchanges(recipe: Recipe, shape: Shape, s: Setup, act: Activations, ga: int) -> Item:
+    """A sequence split's exchanges per optimizer step: every attention layer's forward and backward of each micro-batch
+    (seqsplit.exchange_sent, from the layer's q/k/v/output sizes at the rank's tokens), its forward again where
+    checkpointing recomputes the layer inside backward."""
+    sp = act.split
+    fwd, bwd = (sum(x) for x in zip(*(exchange_sent(L, s.act_bytes, act.tokens, sp) for L in shape.decoder)))
+    passes = 2 if recipe.gradient_checkpointing and not checkpointing_off(recipe, shape) else 1
+    what = "all-to-all (q, k, v, output)" if sp.kind == ULYSSES else "ring (keys/values)"
+    return Item(f"{sp.kind} {what}", ga * (passes * fwd + bwd) / GB,
+                f"per micro-batch {fwd / 1e6:,.0f} MB forward{' (x2: recomputed)' if passes == 2 else ''} + "
+                f"{bwd / 1e6:,.0f} MB backward over {shape.layers} layers, {act.tokens} tokens per rank")

@@ -19,6 +19,7 @@ from sftrecipes.plan.states import ModelStates
 from sftrecipes.recipe.target import checkpointing_off
 from sftrecipes.recipe.typed import Recipe
 
+START = "start of backward (LM head)"  # the phase that runs the LM head's backward
 DS_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's zero_optimization.sub_group_size default (the emitted configs keep it)
 DS_MAX_REUSE_DISTANCE = 1_000_000_000  # zero_optimization.stage3_max_reuse_distance default (the emitted configs keep it)
 
@@ -40,7 +41,9 @@ def live_phases(recipe: Recipe, shape: Shape, s: Setup, st: ModelStates, act: Ac
     g_head = st.grads_total - sum(g_layers) - g_embed
     opt_tmp, fp32_step, fused = _optimizer_step(recipe, shape, s, st)
     acts, wss = act.per_layer, act.working
-    acts_note = (f"{act.batch} x {act.seq} tokens, {Lr} layers, h {shape.hidden}, {act.attn}, "
+    rows = (f"{act.batch} x {act.seq} tokens" + (f", {act.tokens} per rank ({act.split.kind} {act.split.degree})"
+                                                   if act.split.on else ""))
+    acts_note = (f"{rows}, {Lr} layers, h {shape.hidden}, {act.attn}, "
                  + ("checkpointed: each layer's input kept, one layer recomputed in backward" if ckpt else "every layer's saved tensors"))
     # inside one layer's backward its weight grads appear module by module as its saved tensors are released: count
     # the larger of the two (they overlap little), the grads of the layers below not yet; the largest layer counts
@@ -82,7 +85,7 @@ def live_phases(recipe: Recipe, shape: Shape, s: Setup, st: ModelStates, act: Ac
     else:
         phases = {}
     phases.update({
-        "start of backward (LM head)": [
+        START: [
             ("activations", act.shared + act.saved_all, acts_note),
             (("LM head (full logits)", act.head_saved + act.head_backward,
               f"[{act.tokens}, {shape.vocab}] logits kept, the chosen half's log-softmax and their grads (no fused head)")

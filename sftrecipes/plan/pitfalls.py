@@ -8,6 +8,7 @@ from sftrecipes.core.errors import RecipeError
 from sftrecipes.facts.config import model_shape
 from sftrecipes.facts.shape import DTYPE_BYTES
 from sftrecipes.plan.hostram import PROCESS_CPU_GB, full_state_dict_bytes
+from sftrecipes.plan.seqsplit import RING, ULYSSES, data_groups, split
 from sftrecipes.plan.sharding import GB, setup
 from sftrecipes.recipe.load import load_recipe
 from sftrecipes.recipe.schema import ONLINE, PAIRED
@@ -23,17 +24,21 @@ def pitfalls(recipe: Recipe) -> list[str]:
     lr = recipe.trl_value("learning_rate")
     unit = ("pairs (chosen + rejected)" if recipe.method in PAIRED else
             "completions" if recipe.method in ("kto", *ONLINE) else "sequences")
-    out = [f"global batch = {pdb} per device x {ga} accumulation x {world} ranks = {pdb * ga * world} {unit} per step"]
+    groups, sp = data_groups(recipe), split(recipe)
+    batch = pdb * ga * groups
+    ranks = (f"{groups} data-parallel group{'s' * (groups != 1)} ({world} ranks / {sp.key.split('.')[-1]} {sp.degree})"
+             if sp.on else f"{world} ranks")
+    out = [f"global batch = {pdb} per device x {ga} accumulation x {ranks} = {batch} {unit} per step"]
     for base_file in recipe.sources[:-1]:
         try:
             base = load_recipe([base_file])
         except RecipeError:
             continue  # a partial base (e.g. recipes/tiny/base.yaml) is not a run of its own
         bworld = base.launch.world_size
-        bbatch = base.trl_value("per_device_train_batch_size") * base.trl_value("gradient_accumulation_steps") * bworld
-        if bworld != world and base.trl_value("learning_rate") == lr and bbatch != pdb * ga * world:
+        bbatch = base.trl_value("per_device_train_batch_size") * base.trl_value("gradient_accumulation_steps") * data_groups(base)
+        if bworld != world and base.trl_value("learning_rate") == lr and bbatch != batch:
             out.append(f"WARNING learning_rate {lr:g} is kept from {base_file} (world {bworld}, global batch {bbatch}) but this "
-                       f"recipe runs {world} ranks (global batch {pdb * ga * world}): scale learning_rate (linear or sqrt) "
+                       f"recipe runs {world} ranks (global batch {batch}): scale learning_rate (linear or sqrt) "
                        f"or set gradient_accumulation_steps to keep the global batch")
     if world > 1:
         seeded = recipe.trl.get("data_seed", recipe.trl_value("seed"))
@@ -43,7 +48,11 @@ def pitfalls(recipe: Recipe) -> list[str]:
                        "ranks only agree on the permutation while every rank seeds alike; remove it (keep one seed on all ranks)")
         else:
             out.append(f"data order: every rank draws the same permutation (seed {seeded}, data_seed or seed) and takes its "
-                       "own shard of it (accelerate's SeedableRandomSampler + BatchSamplerShard); do not seed per rank")
+                       "own shard of it (accelerate's SeedableRandomSampler + BatchSamplerShard); do not seed per rank"
+                       + ({ULYSSES: f"; the {sp.degree} ranks of a {sp.kind} group train on their batches in turn, each "
+                                    "row split over the group",
+                           RING: f"; the {sp.degree} ranks of a {sp.kind} group share each batch, each rank a block of "
+                                 "every row"}.get(sp.kind, "")))
         if recipe.trl_value("average_tokens_across_devices") is False:
             out.append("WARNING average_tokens_across_devices: false with several ranks: each rank divides its loss by its own "
                        "token count (num_items_in_batch), so ranks with fewer tokens weigh more; set it true")

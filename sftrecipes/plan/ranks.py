@@ -38,6 +38,7 @@ from sftrecipes.core.pages import FAULT_AROUND, fault_bytes
 from sftrecipes.facts.config import read_config
 from sftrecipes.facts.folders import check_weights
 from sftrecipes.facts.shape import DTYPE_BYTES, Shape
+from sftrecipes.plan.activations import TRL_TOKEN_TILE, TRL_VOCAB_TILE
 from sftrecipes.plan.sharding import GB, Setup, partitioned_4bit_load, quant_bytes_per_param
 from sftrecipes.recipe.target import PARTITIONED, RANK0_READS, weight_reading
 from sftrecipes.recipe.typed import Recipe
@@ -121,13 +122,17 @@ def loading_left(recipe: Recipe) -> list[tuple[str, float, str]]:
     return [("loading overhead", o, "modules imported and objects built by from_pretrained (measured)")]
 
 
-def rank_steps(recipe: Recipe, shape: Shape, tensor_peak_gb: float, peak_phase: str, offloaded_gb: float,
-               quantized: bool) -> RankSteps:
+def rank_steps(recipe: Recipe, shape: Shape, tensor_peak_gb: float, peak_phase: str, unwritten_gb: float,
+               offloaded_gb: float, quantized: bool) -> RankSteps:
     """A rank's RSS growth at the peak of its first steps on the cpu target, where the device is the process: the
-    per-GPU tensors at the step's peak phase, what a GPU run would offload to host memory (the same process here),
-    what loading left and what the steps add besides tensors (STEPS_OVERHEAD_GB, STEPS_BYTES_PER_LARGEST)."""
+    per-GPU tensors at the step's peak phase, less the pages of the LM head's tile buffer a narrow vocabulary never
+    writes (activations.tile_unwritten: allocated, never resident), what a GPU run would offload to host memory (the
+    same process here), what loading left and what the steps add besides tensors (STEPS_OVERHEAD_GB,
+    STEPS_BYTES_PER_LARGEST)."""
     largest = max((w.numel for layer in shape.decoder for w in layer.weights), default=0)
     items = [(f"tensors at the peak ({peak_phase})", tensor_peak_gb, "the per-GPU accounting above, on this rank"),
+             ("LM head tile never written", -unwritten_gb, f"of its {TRL_TOKEN_TILE} x {TRL_VOCAB_TILE} buffer, the columns "
+              f"past the vocabulary's {shape.vocab}: allocated, never resident"),
              ("offloaded states", offloaded_gb, "host memory on a GPU node: the same process here"),
              ("loading overhead", sum(i[1] for i in loading_left(recipe)), "left by loading (measured)"),
              ("steps overhead", STEPS_OVERHEAD_GB + largest * STEPS_BYTES_PER_LARGEST / GB,
@@ -137,7 +142,7 @@ def rank_steps(recipe: Recipe, shape: Shape, tensor_peak_gb: float, peak_phase: 
               else 0.0, "what ZeRO-3 holds more than ZeRO-1/2 (measured, not attributed yet)"),
              ("4-bit under FSDP2", FSDP2_4BIT_STEPS_OVERHEAD_GB if quantized and recipe.launch.backend == "fsdp"
               and recipe.launch.fsdp_version == 2 else 0.0, "what 4-bit weights under FSDP2 hold more (measured, not attributed yet)")]
-    items = [i for i in items if i[1] > 0]
+    items = [i for i in items if i[1] != 0]
     return RankSteps(sum(i[1] for i in items), items, baseline_gb(recipe))
 
 

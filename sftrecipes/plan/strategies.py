@@ -1,7 +1,7 @@
 """The strategies table: other ways to run the same model and batch (DDP, ZeRO stages, FSDP, offload, more GPUs, QLoRA,
 a shorter context or completion; for a reference copy, precomputed log-probs, beta 0 or LoRA; generating layer by layer
-under ZeRO-3), each estimated like the recipe itself and ranked by fit, then by the time its network and host<->device
-traffic takes at assumed bandwidths (torch-free).
+under ZeRO-3; sequence parallelism where a context does not fit: splits.py), each estimated like the recipe itself and
+ranked by fit, then by the time its network and host<->device traffic takes at assumed bandwidths (torch-free).
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ from sftrecipes.core.errors import RecipeError
 from sftrecipes.plan.estimate import Plan, estimate
 from sftrecipes.plan.reference import COPY
 from sftrecipes.plan.sharding import GB, setup
+from sftrecipes.plan.splits import split_candidates
 from sftrecipes.recipe.schema import ONLINE
+from sftrecipes.recipe.seqpar import check_sequence
 from sftrecipes.recipe.typed import Recipe
 
 # bandwidths used only to rank strategies (bytes per second per GPU): NVLink ring, InfiniBand 200 Gb/s, PCIe
@@ -85,12 +87,14 @@ def alternatives(recipe: Recipe, plan: Plan) -> list[Strategy]:
                                                                "vllm_max_model_length": cap - c + c // 2}))
     elif not online and seq and seq >= 256:
         cands.append((f"max_length {seq // 2}*", {"max_length": seq // 2}))
+    cands += split_candidates(recipe, plan, lambda **changes: estimate(_variant(recipe, **changes)))
     out = []
     for name, changes in cands:
         r = _variant(recipe, **changes)
         if r.launch.backend != "deepspeed":
             r.launch.offload_optimizer = r.launch.offload_params = False
         try:
+            check_sequence(r)  # a sequence split only where it runs (a recipe's split on FSDP or DDP is not)
             p = estimate(r)
         except RecipeError:  # a variant the recipe's own keys refuse (a generation_batch_size other ranks cannot split)
             continue

@@ -403,7 +403,8 @@ def test_calibration_plan_vs_measured_peak_on_cpu(tmp_path, family, lora, ckpt):
 
 @pytest.mark.parametrize("rel", ["recipes/llama3.1-70b/lora.yaml", "recipes/qwen3-32b/qlora-fsdp.yaml", "recipes/qwen3-30b-a3b/lora.yaml",
                                  "recipes/llama3.1-70b/qlora.yaml", "recipes/llama3.1-405b/qlora.yaml",
-                                 "recipes/llama3.1-70b/dpo-lora.yaml", "recipes/qwen3-32b/dpo-qlora-fsdp.yaml"])
+                                 "recipes/llama3.1-70b/dpo-lora.yaml", "recipes/qwen3-32b/dpo-qlora-fsdp.yaml",
+                                 "recipes/llama3.1-8b/sp-128k.yaml", "recipes/qwen3-32b/sp-64k-lora.yaml"])
 def test_recipes_for_todays_models_plan_offline_and_fit(rel, capsys):
     """Each recipe for a current model gets its verdict offline (config.json shipped in model_configs/), and fits the
     hardware it names: the planner is what chose it."""
@@ -411,6 +412,10 @@ def test_recipes_for_todays_models_plan_offline_and_fit(rel, capsys):
     out = capsys.readouterr().out
     verdict = next(line for line in out.splitlines() if line.startswith("VERDICT"))
     assert verdict.startswith("VERDICT: fits") and verdict.endswith("per node fits"), verdict
+    if "/sp-" in rel:  # long context: each rank holds 1/8 of every row (without the split neither fits: 100+ GB)
+        assert "sequence parallel 8 (launch.sequence_parallel_size)" in out
+        assert main([rel, "--launch.sequence_parallel_size", "1"]) == 2
+        assert "VERDICT: DOES NOT FIT" in capsys.readouterr().out
     if "30b-a3b" in rel:
         assert "3.35B active per token" in out and "router (mlp.gate): not adapted" in out
     if rel.endswith("/qlora.yaml"):  # fits because the 4-bit layers are partitioned as they load; whole, they would not
