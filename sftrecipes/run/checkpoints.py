@@ -234,8 +234,8 @@ def match_resume(ckpt: str | None, recipe, args) -> None:
     position = f"the data continues after sample {saved.get('samples_seen', '?')}"
     if dp * pd * ga == g:
         if (sw, ssp) != (world, sp) and main:
-            log.info("resume: %s was saved by %s, this run has %s; same global batch (%s), %s", path.name,
-                     _batch(sw, spd, sga, ssp).split(" x ")[0], _batch(world, pd, ga, sp).split(" x ")[0],
+            log.info("resume: %s was saved by %s%s, this run has %d%s; same global batch (%s), %s", path.name, _n(sw),
+                     f" in groups of {ssp}" if ssp > 1 else "", world, f" in groups of {sp}" if sp > 1 else "",
                      _batch(world, pd, ga, sp), position)
         return
     if g % (dp * pd) == 0:
