@@ -14,7 +14,8 @@ from sftrecipes.run.checkpoints import SaveFailed, rotate, write_failure, write_
 
 def run_record(trainer) -> dict:
     """What resuming this run's checkpoints depends on: processes (and their sequence-parallel groups), batch per
-    device, accumulation, their product over the data-parallel ranks (the global batch), the samples seen, and the checkpoint format (backend; ZeRO stage; FSDP version, state-dict type)."""
+    device, accumulation, their product over the data-parallel ranks (the global batch), the samples seen, and the
+    checkpoint format (backend; ZeRO stage; FSDP version, state-dict type)."""
     args, state = trainer.args, trainer.accelerator.state
     rec = {"world_size": args.world_size, "per_device_train_batch_size": args.per_device_train_batch_size,
            "gradient_accumulation_steps": args.gradient_accumulation_steps}
