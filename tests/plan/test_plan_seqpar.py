@@ -10,6 +10,7 @@ import random
 import pytest
 
 from conftest import free_port, launch_twin
+from sftrecipes.core.errors import RecipeError
 from sftrecipes.facts.config import model_shape
 from sftrecipes.plan import main, plan_recipe
 from sftrecipes.plan.estimate import estimate
@@ -63,8 +64,8 @@ def test_a_rank_holds_its_share_of_every_row():
 
 def test_replicated_key_value_heads_and_no_mask_under_ulysses(tmp_path):
     """With fewer key/value heads than N DeepSpeed replicates them (each rank one head, kv_replication_factor): per
-    local token the kernel holds N key/value heads, not kv; and the dense mask sdpa gets for packed rows is dropped
-    (sdpa runs causal). A Llama of 8 heads and 2 key/value heads of 64 at N = 4 on flash attention: 2 x (4 - 2) x 64 x 2
+    local token the kernel holds N key/value heads, not kv; and no split plan holds the dense mask sdpa gets for packed
+    rows (Ulysses drops it, so such a recipe is refused). A Llama of 8 heads and 2 key/value heads of 64 at N = 4 on flash attention: 2 x (4 - 2) x 64 x 2
     bytes more a token and layer than the same rows unsplit at a quarter of the length."""
     cfg = dict(model_type="llama", hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
                num_key_value_heads=2, head_dim=64, vocab_size=1024, max_position_embeddings=8192)
@@ -78,15 +79,15 @@ def test_replicated_key_value_heads_and_no_mask_under_ulysses(tmp_path):
     alone = plan(*base, *gpu, "--max_length", "2048")
     per_token = lambda p: live(p, "backward, last layer", "activations") * GB / 2048  # noqa: E731
     assert per_token(split) - per_token(alone) == pytest.approx(2 * 2 * (4 - 2) * 64 * 2 + 16)
-    # sdpa on packed rows (cpu): unsplit, a 2048 x 2048 boolean mask and k, v repeated to every head in each of the 2
-    # layers; split at N = 2 (no replication: 2 key/value heads), neither
+    # sdpa keeps packed rows apart only by the dense mask Ulysses drops: such a recipe is refused (recipe/seqpar.py), so
+    # no split plan holds that mask; unsplit, the same rows plan it (a 2048 x 2048 boolean mask)
     sdpa = ["--attn_implementation", "sdpa", "--use_flash_attn", "false", "--packing", "true"]
     masked = plan(*base, *sdpa, "--max_length", "2048")
-    causal = plan(*base, *sdpa, "--max_length", "4096", "--launch.sequence_parallel_size", "2")
-    assert masked.rank_tokens == causal.rank_tokens == 2048
-    q, kv = 8 * 64, 2 * 64
-    assert (per_token(masked) - per_token(causal)) * 2048 == pytest.approx(
-        2048 * 2048 + 2 * 2048 * 2 * 2 * (q - kv) - 16 * 2048)
+    unmasked = plan(*base, "--attn_implementation", "auto", "--use_flash_attn", "false", "--packing", "true",
+                    "--max_length", "2048")
+    assert (per_token(masked) - per_token(unmasked)) * 2048 >= 2048 * 2048
+    with pytest.raises(RecipeError, match="attn_implementation: sdpa keeps packed samples apart with a mask"):
+        plan(*base, *sdpa, "--max_length", "4096", "--launch.sequence_parallel_size", "2")
 
 
 def test_all_to_all_volume_per_step():
