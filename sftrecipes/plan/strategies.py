@@ -13,7 +13,7 @@ from sftrecipes.core.errors import RecipeError
 from sftrecipes.plan.estimate import Plan, estimate
 from sftrecipes.plan.reference import COPY
 from sftrecipes.plan.sharding import GB, setup
-from sftrecipes.plan.splits import split_candidates
+from sftrecipes.plan.splits import more_gpus, split_candidates
 from sftrecipes.recipe.schema import ONLINE
 from sftrecipes.recipe.seqpar import check_sequence
 from sftrecipes.recipe.typed import Recipe
@@ -64,7 +64,7 @@ def alternatives(recipe: Recipe, plan: Plan) -> list[Strategy]:
     cands += [("ZeRO-3 + offload optimizer", {**ds, "launch.zero_stage": 3, "launch.offload_optimizer": True}),
               ("ZeRO-3 + offload optimizer + params", {**ds, "launch.zero_stage": 3, "launch.offload_optimizer": True, "launch.offload_params": True})]
     for mult in (2, 4):
-        more = {"launch.num_machines": L.num_machines * mult} if L.num_machines > 1 or L.gpus_per_node >= 8 else {"launch.gpus_per_node": L.gpus_per_node * mult}
+        more = more_gpus(recipe, mult)
         cands += [(f"ZeRO-3 on {N * mult} GPUs", {**ds, "launch.zero_stage": 3, **more}),
                   (f"FSDP FULL_SHARD on {N * mult} GPUs", {**fs, "launch.fsdp_sharding_strategy": "FULL_SHARD", **more})]
     if recipe.model.use_peft_lora and not recipe.model.use_4bit_quantization:

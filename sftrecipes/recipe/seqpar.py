@@ -105,7 +105,9 @@ def check_sequence(r: Recipe) -> None:
         raise RecipeError(f"attn_implementation: {r.model.attn_implementation} cannot attend a sequence split by "
                           f"{SP_KEY} (DeepSpeed's Ulysses drops the dense mask it needs); set attn_implementation: "
                           "auto, sdpa or flash_attention_2")
-    packed = r.trl_value("packing") or r.trl_value("padding_free")
+    from sftrecipes.recipe.target import packed as packs  # (at the top: a cycle, target -> typed -> schema -> here)
+
+    packed = packs(r)
     if packed and r.model.attn_implementation == "sdpa":
         raise RecipeError(f"attn_implementation: sdpa keeps packed samples apart with a mask, which {SP_KEY} drops "
                           "(each rank attends the gathered sequence causally): the samples would attend across their "
@@ -135,7 +137,9 @@ def _check_context(r: Recipe, cp: int) -> None:
         raise RecipeError(f"{CP_KEY}: ring context parallelism runs on FSDP2 and the recipe runs "
                           f"{L.backend if L.backend != 'fsdp' else 'fsdp version 1'}; set launch.backend: fsdp with "
                           f"launch.fsdp_version: 2, or use {SP_KEY} on DeepSpeed")
-    if r.trl_value("packing") or r.trl_value("padding_free"):  # (target.packed; imported here it would cycle)
+    from sftrecipes.recipe.target import packed  # (at the top: a cycle, target -> typed -> schema -> here)
+
+    if packed(r):
         raise RecipeError(f"packing: ring context parallelism attends with full causal masks, so packed samples would "
                           f"attend across their boundaries (TRL refuses it); set packing: false, or use {SP_KEY}, "
                           "which keeps packed samples apart")
