@@ -16,7 +16,7 @@ from sftrecipes.recipe.typed import Recipe
 
 
 def communication(recipe: Recipe, shape: Shape, s: Setup, T_grad: float, T_all: float, ga: int, ref: Reference,
-                  act: Activations | None = None):
+                  act: Activations):
     """Bytes each GPU sends per optimizer step: ring all-reduce 2T(N-1)/N, all-gather / reduce-scatter T(N-1)/N each.
     A preference run's forwards without grad gather again (reference.forwards): the policy's (LoRA's reference, KTO's
     KL batch) and a sharded reference copy's."""
@@ -46,7 +46,7 @@ def communication(recipe: Recipe, shape: Shape, s: Setup, T_grad: float, T_all: 
                               f"{ref_fwd}x per micro-batch (the copy's forward)"))
     if online(recipe) and (gen := generation_comm(recipe, shape, s, plan_generation(recipe, shape, s, ref), T_all, ga, f)):
         items.append(gen)
-    if act is not None and act.split.on:
+    if act.split.on:
         items.append(_exchanges(recipe, shape, s, act, ga))
     return items, sum(i.gb for i in items)
 
