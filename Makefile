@@ -7,8 +7,12 @@ GGUF_STAMP := $(VENV)/.gguf-$(shell cksum requirements-gguf.txt | cut -d' ' -f1)
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export PYTHONDONTWRITEBYTECODE ?= 1
+# DeepSpeed compiles its CPU Adam (ZeRO offload's optimizer) on first use; kept with the venv, not in ~/.cache shared
+# by every checkout (whose venv paths differ, so each would rebuild it over the other's)
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
+CPU_ADAM_STAMP := $(VENV)/.cpu-adam
 
-.PHONY: help venv gguf-client assets demo lint test data schema docs emit plan bench bench-dpo bench-grpo bench-overhead bench-data bench-export bench-loading sweep sweep-two-ranks sweep-gguf clean sft-70b-lora sft-70b-qlora sft-offload sft-70b-fsdp sft-70b-qlora-fsdp sft-ddp sft-llama3-70b-lora sft-qwen3-32b-qlora sft-qwen3-moe-lora sft-llama3-70b-qlora sft-llama3-405b-qlora dpo-llama3-70b-lora dpo-qwen3-32b-qlora sft-dpo-llama3-70b-lora grpo-qwen3-8b-lora grpo-llama3-70b-lora sft-grpo-llama3-70b-lora vllm-env
+.PHONY: help venv gguf-client cpu-adam assets demo lint test data schema docs emit plan bench bench-dpo bench-grpo bench-overhead bench-data bench-export bench-loading sweep sweep-two-ranks sweep-gguf clean sft-70b-lora sft-70b-qlora sft-offload sft-70b-fsdp sft-70b-qlora-fsdp sft-ddp sft-llama3-70b-lora sft-qwen3-32b-qlora sft-qwen3-moe-lora sft-llama3-70b-qlora sft-llama3-405b-qlora dpo-llama3-70b-lora dpo-qwen3-32b-qlora sft-dpo-llama3-70b-lora grpo-qwen3-8b-lora grpo-llama3-70b-lora sft-grpo-llama3-70b-lora vllm-env
 
 $(STAMP): requirements.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,6 +34,13 @@ $(GGUF_STAMP): $(STAMP) requirements-gguf.txt
 	@rm -f $(VENV)/.gguf-*
 	@touch $@
 
+# once per venv (about 40 s on 2 cores), so that no test (and no offload run) pays it
+$(CPU_ADAM_STAMP): $(STAMP)
+	DS_ACCELERATOR=cpu $(BIN)/python -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"
+	@touch $@
+
+cpu-adam: $(CPU_ADAM_STAMP)  ## DeepSpeed's CPU Adam for ZeRO offload, compiled into .venv/torch_extensions (one-time, ~40 s)
+
 gguf-client: $(GGUF_STAMP)  ## llama.cpp's runtime, quantizer and converter for `export --to gguf` (one-time build)
 
 assets: $(STAMP)            ## tiny model + tokenizer into .assets/ (deterministic)
@@ -42,7 +53,7 @@ lint: $(STAMP)              ## ruff, and the house's import contracts (import-li
 	$(BIN)/ruff check .
 	PYTHONPATH=. $(BIN)/lint-imports --no-cache
 
-test: lint $(GGUF_STAMP)    ## the linter, then the test suite (CPU target; GPU-marked tests skipped)
+test: lint $(GGUF_STAMP) $(CPU_ADAM_STAMP)  ## the linter, then the test suite (CPU target; GPU-marked tests skipped)
 	$(BIN)/python -m pytest -q --durations=25 tests
 
 data: $(STAMP)              ## rewrite data/tiny_chat, data/tiny_dpo, data/tiny_kto, data/tiny_grpo (checked in; tests compare)

@@ -72,6 +72,14 @@ def exit_in_fork(argv: list[str], keep_env: bool = False) -> None:
             sys.exit(code)
 
 
+def python_argv(argv: list[str]) -> list[str]:
+    """The command line for a child `python ARGV` (`-m MODULE ...`): where ENV names a server (the test suite, the
+    sweep), a small stand-in that has the server fork it instead, so that the child's imports of torch & co. are skipped
+    (export's converter and its check in llama.cpp, a few seconds each); otherwise `python ARGV` as is."""
+    path = os.environ.get(ENV)
+    return [sys.executable, *(["-m", "sftrecipes.core.forks", path] if path else []), *argv]
+
+
 def _request(sock: socket.socket, argv: list[str], env: dict, ignore: tuple = ()) -> int:
     """Ask the server on the connected `sock` for `python ARGV` in this folder with `env`, this process's
     stdin/stdout/stderr and the signals in `ignore` ignored; returns the fork's pid."""

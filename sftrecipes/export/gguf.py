@@ -21,10 +21,10 @@ import math
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
+from sftrecipes.core import forks
 from sftrecipes.core.errors import RecipeError
 from sftrecipes.export.writer import TOKENIZER_FILES
 from sftrecipes.facts import folders, llamacpp
@@ -172,7 +172,7 @@ def _run_converter(converter: Path, kind: str, meta: dict, work: Path, args: lis
     meta_file = work / f"meta-{kind}.json"
     meta_file.write_text(json.dumps(meta))
     env = os.environ | {"NO_LOCAL_GGUF": "1"}  # gguf-py comes from the converter's folder (gguf_convert puts it first)
-    cmd = [sys.executable, "-m", "sftrecipes.export.gguf_convert", str(converter), str(meta_file), kind, *args]
+    cmd = forks.python_argv(["-m", "sftrecipes.export.gguf_convert", str(converter), str(meta_file), kind, *args])
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
@@ -194,7 +194,8 @@ def _verify_in_child(work: Path, spec: dict) -> dict:
     (a GGML_ASSERT), which must end as one line here, with nothing left behind, not as a core dump."""
     spec_file = work / "verify.json"
     spec_file.write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, "-m", "sftrecipes.export.gguf_verify", str(spec_file)], capture_output=True, text=True)
+    proc = subprocess.run(forks.python_argv(["-m", "sftrecipes.export.gguf_verify", str(spec_file)]), capture_output=True,
+                          text=True)
     lines = [ln.strip() for ln in proc.stderr.splitlines() if ln.strip()]
     if proc.returncode == 0:
         figures = json.loads(spec_file.read_text())["figures"]

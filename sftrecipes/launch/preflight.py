@@ -11,8 +11,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import subprocess
-import sys
 
+from sftrecipes.core import forks
 from sftrecipes.core.errors import RecipeError
 from sftrecipes.core.paths import ROOT
 from sftrecipes.facts.folders import check_weights
@@ -38,7 +38,7 @@ NOT_EXPORTED = {"deepspeed_multinode_launcher"}  # read by the launcher itself, 
 
 def gpu_count() -> int:
     """The GPUs torch sees here (train/devices.gpu_count), asked of a child process so that this one stays torch-free."""
-    res = subprocess.run([sys.executable, "-m", "sftrecipes.train.devices"], cwd=ROOT, capture_output=True, text=True)
+    res = subprocess.run(forks.python_argv(["-m", "sftrecipes.train.devices"]), cwd=ROOT, capture_output=True, text=True)
     if res.returncode != 0 or not res.stdout.split():
         said = (res.stderr.strip().splitlines() or [f"exit status {res.returncode}"])[-1]
         raise RecipeError(f"launch: torch could not count this machine's GPUs ({said}); install the training stack "

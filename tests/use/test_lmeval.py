@@ -5,15 +5,16 @@ as JSON into the run folder and shown as a table; a task it does not know, or a 
 
 import json
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, launcher_argv, run_cli
 
 TASKS = "tests/use/tasks"  # tinymc: 20 multiple-choice questions, offline
 
 
 def direct(model_args: str, out, *extra) -> dict:
-    """lm-evaluation-harness's own command line on the same task: its results for tinymc."""
-    res = run_cli(["-m", "lm_eval", "--model", "hf", "--model_args", model_args, "--tasks", "tinymc", "--include_path",
-                   TASKS, "--device", "cpu", "--output_path", str(out), *extra])
+    """lm-evaluation-harness's own command line on the same task (a fork of the suite's server, which has imported
+    torch & co. already): its results for tinymc."""
+    res = run_cli(launcher_argv(["-m", "lm_eval", "--model", "hf", "--model_args", model_args, "--tasks", "tinymc",
+                                 "--include_path", TASKS, "--device", "cpu", "--output_path", str(out), *extra]))
     assert res.returncode == 0, res.stderr[-3000:]
     (path,) = out.rglob("results_*.json")
     return json.loads(path.read_text())["results"]["tinymc"]
