@@ -208,7 +208,9 @@ def main(argv: list[str]) -> int:
         print(f"launch: {run.topology}: {shlex.join(run.argv)}", file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
-        os.execve(run.argv[0], run.argv, {**os.environ, **run.env})
+        env = {**os.environ, **run.env}
+        env.pop(forkserver.FORK_PID_ENV, None)  # (a fork of the suite's server: the new interpreter is none, it asks again)
+        os.execve(run.argv[0], run.argv, env)
     lock = runlock.take_lock(out, run.recipe.run.force_lock) if main_machine else None  # before anything is written
     try:
         # an adapter as model_name_or_path: merged into its base once, here, before the ranks start (they then find it);

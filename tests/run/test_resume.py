@@ -44,7 +44,9 @@ from conftest import ROOT, fork_server_env
 pytestmark = pytest.mark.real_processes  # kills, signals and the processes left after them
 
 CASES = {  # recipe + flags, the preemption signal
-    "single": (["recipes/tiny/lora.yaml", "--lora_dropout", "0.1"], signal.SIGTERM),
+    # (the twins' batch: 4 rows of 128 tokens; the demo's 8 x 256 made this chain's 40-odd steps the suite's longest)
+    "single": (["recipes/tiny/lora.yaml", "--lora_dropout", "0.1", "--per_device_train_batch_size", "4", "--max_length",
+                "128"], signal.SIGTERM),
     # DPO through TRL's DPOTrainer on the FSDP2 twin (full fine-tune: the reference is a second copy, sharded like the
     # policy): the preemption callback, the checkpoint and the resume are the same under a preference trainer
     "dpo-fsdp": (["recipes/tiny/fsdp.yaml", "--method", "dpo", "--dataset_name", "data/tiny_dpo"], signal.SIGUSR1),
