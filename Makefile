@@ -10,6 +10,9 @@ export PYTHONDONTWRITEBYTECODE ?= 1
 # DeepSpeed compiles its CPU Adam (ZeRO offload's optimizer) on first use; kept with the venv, not in ~/.cache shared
 # by every checkout (whose venv paths differ, so each would rebuild it over the other's)
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
+# the venv's tools first, as an activated venv has them: its ninja (DeepSpeed's, 1.13) builds that extension; the
+# system's (1.11) logs other command hashes, so each rebuilt what the other had built (~60 s a time)
+export PATH := $(CURDIR)/$(BIN):$(PATH)
 CPU_ADAM_STAMP := $(VENV)/.cpu-adam
 
 .PHONY: help venv gguf-client cpu-adam assets demo lint test data schema docs emit plan bench bench-dpo bench-grpo bench-overhead bench-data bench-export bench-loading sweep sweep-two-ranks sweep-gguf clean sft-70b-lora sft-70b-qlora sft-offload sft-70b-fsdp sft-70b-qlora-fsdp sft-ddp sft-llama3-70b-lora sft-qwen3-32b-qlora sft-qwen3-moe-lora sft-llama3-70b-qlora sft-llama3-405b-qlora dpo-llama3-70b-lora dpo-qwen3-32b-qlora sft-dpo-llama3-70b-lora grpo-qwen3-8b-lora grpo-llama3-70b-lora sft-grpo-llama3-70b-lora vllm-env
