@@ -47,8 +47,9 @@ def _repo_cwd(monkeypatch):
 # Training processes start as forks of one server that has imported torch, transformers, TRL, peft and DeepSpeed
 # once (sftrecipes/core/forks.py): each rank of each run would otherwise spend ~8 s importing them, and `python -m
 # sftrecipes launch` and torch's agent ~5 s each (both are forks too: sftrecipes/__main__.py, launch._start_agent). What a run computes, writes and logs is its own; what differs is the process: its parent, its libraries
-# imported before it started. Tests about processes themselves (signals, kills, a frozen rank, SLURM) or about a
-# rank's memory from its first byte are marked `real_processes` and start every process as users do. The variable is
+# imported before it started. Tests about processes themselves (signals, kills, a frozen rank, SLURM) are marked
+# `real_processes` and start every process as users do; tests about a rank's memory from its first byte, or its
+# interpreter's start, are marked `real_ranks`: the ranks start as users start them, launch and its launcher are forks. The variable is
 # set or cleared before each test's set-up, so the module and session fixtures made for it (shared runs) see the same.
 FORK_SERVER_ENV = "SFTRECIPES_FORK_SERVER"
 _fork_server: dict = {}
@@ -76,12 +77,18 @@ def fork_server_env() -> dict[str, str]:
     return {FORK_SERVER_ENV: _fork_server.get("sock") or _start_fork_server()}
 
 
+REAL_RANKS_ENV = "SFTRECIPES_REAL_RANKS"  # (core/forks.REAL_RANKS_ENV)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
+    os.environ.pop(REAL_RANKS_ENV, None)
     if item.get_closest_marker("real_processes") or os.environ.get("SFT_REAL_PROCESSES") == "1":
         os.environ.pop(FORK_SERVER_ENV, None)  # (SFT_REAL_PROCESSES=1: the whole suite as users start processes)
     else:
         os.environ.update(fork_server_env())
+        if item.get_closest_marker("real_ranks"):  # the ranks as users start them; launch and its launcher forks
+            os.environ[REAL_RANKS_ENV] = "1"
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -29,6 +29,8 @@ import sys
 
 ENV = "SFTRECIPES_FORK_SERVER"
 FORK_PID_ENV = "SFTRECIPES_FORK_PID"  # set in each fork to its own pid: in_fork() (its children see another pid)
+REAL_RANKS_ENV = "SFTRECIPES_REAL_RANKS"  # "1": a launch's ranks start as users start them while launch and accelerate's
+#                                          launcher are forks (tests of a rank's memory, or its interpreter's start)
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 _HEADER = struct.Struct("!I")
 
@@ -66,7 +68,8 @@ def exit_in_fork(argv: list[str], keep_env: bool = False) -> None:
     `python ARGV` as a fork of it (run_in_fork) and exit as it ended. Returns where there is nothing to hand over, or no
     server answers: this process then runs ARGV itself."""
     path = os.environ.get(ENV)
-    if path and not in_fork():
+    real_rank = "LOCAL_RANK" in os.environ and os.environ.get(REAL_RANKS_ENV) == "1"
+    if path and not in_fork() and not real_rank:
         code = run_in_fork(path, argv, keep_env=keep_env)
         if code is not None:
             sys.exit(code)

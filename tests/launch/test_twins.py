@@ -240,7 +240,7 @@ def test_multinode_launcher_two_machines(tiny_model, tmp_path):
     assert b["param_elements_local"] * 2 == b["param_elements_full"]
 
 
-@pytest.mark.real_processes  # each rank's memory held against the plan from its first byte
+@pytest.mark.real_ranks  # each rank's memory held against the plan from its first byte
 def test_ram_efficient_loading_only_rank0_reads(tmp_path):
     """FSDP2 with fsdp_cpu_ram_efficient_loading: rank 0 reads the weights, rank 1 starts without them and receives
     its shard by broadcast. The medium model (25.7M params) is stored in bf16 and trained in fp32, so a rank that
@@ -293,7 +293,7 @@ def assert_planned(planned_gb: float, up_to_gb: float | None, got: float, what) 
     assert low - slack <= got <= high + slack, (what, round(low), round(high), round(got))
 
 
-@pytest.mark.real_processes
+@pytest.mark.real_ranks  # each rank's memory held against the plan from its first byte
 @pytest.mark.parametrize("twin", CALIBRATED)
 def test_plan_holds_rank_by_rank(twin, tmp_path):
     """The planner's per-rank figures for the cpu target against a 2-rank run of the twin through its launcher, at the

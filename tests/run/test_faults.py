@@ -244,7 +244,7 @@ def test_failed_save_check_exits_1_with_one_line(tmp_path, monkeypatch, capsys):
     assert not (out / ck.FINAL).exists()
 
 
-@pytest.mark.real_processes  # the hook is a sitecustomize: it runs when a rank's interpreter starts
+@pytest.mark.real_ranks  # the hook is a sitecustomize: it runs when a rank's interpreter starts
 @pytest.mark.parametrize("backend", ["ddp", "fsdp"])  # the safetensors check and the sharded (DCP) one
 def test_failed_save_check_on_two_ranks_ends_every_rank_with_one_line(tiny_model, tmp_path, backend):
     """The check fails on rank 0 of a 2-rank run (a tensor name the save cannot hold is added to what it expects, by a
