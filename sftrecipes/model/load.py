@@ -12,7 +12,7 @@ import logging
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, BitsAndBytesConfig
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from sftrecipes.data.tokenizer import set_generation_stop
@@ -52,9 +52,10 @@ def quantization_config(recipe: Recipe):
     )
 
 
-def load_model(recipe: Recipe, tokenizer, hardware: str, every_rank_reads: bool = False):
+def load_model(recipe: Recipe, tokenizer, hardware: str, every_rank_reads: bool = False, images: bool = False):
     """The model as the recipe describes it (weights from the hub id or local folder). every_rank_reads: no rank
-    loads on the meta device, RAM-efficient loading or not (a model nothing broadcasts into: methods.py's reference)."""
+    loads on the meta device, RAM-efficient loading or not (a model nothing broadcasts into: methods.py's reference).
+    images: rows with images, for the image-text-to-text class (its vision tower: Llama-4's causal-LM class has none)."""
     m = recipe.model
     kwargs = dict(recipe.trl_value("model_init_kwargs") or {})  # recipe validation took out what the recipe owns
     impl, why = choose_attention(recipe, hardware)
@@ -83,7 +84,8 @@ def load_model(recipe: Recipe, tokenizer, hardware: str, every_rank_reads: bool 
     rows = (dist.get_rank(), dist.get_world_size()) if qc is not None and rank is not None else None
     # steady_heap: what a rank holds after loading is the model, not the order its temporaries were freed in
     with steady_heap(), partition_4bit_layers(partition) as zero3, send_4bit_layers(rank == 0 and rows is not None, rows) as sent:
-        model = AutoModelForCausalLM.from_pretrained(weights_dir(m.model_name_or_path), **kwargs)  # an adapter: merged
+        auto = AutoModelForImageTextToText if images else AutoModelForCausalLM
+        model = auto.from_pretrained(weights_dir(m.model_name_or_path), **kwargs)  # an adapter: merged
         if qc is not None and not rank:  # what was not quantized is still a view into the checkpoint's mapping: let it go
             own_checkpoint_views(model)
         if sent is not None:
