@@ -3,7 +3,7 @@ Gemma-3 vision-language model (tiny --family gemma3 --vision) trains on rows in 
 column of local PNGs, content as image and text parts), and the images reach it: after training, the greedy answer
 to "What colour is this?" follows the image. The same rows with every image one grey square cannot be told apart,
 so the answers cannot follow the colour. The adapter merges with --verify and loads with AutoModelForImageTextToText
-and AutoProcessor.
+and AutoProcessor; the same recipe launches on 2 ranks (DDP).
 """
 
 import json
@@ -113,3 +113,23 @@ def test_vision_rows_refused_in_one_line(vision_models, tiny_model, tmp_path):
     with pytest.raises(RecipeError, match="has no vision tower"):
         load_recipe(_flags(tiny_model, data, tmp_path / "o"))
     assert not (tmp_path / "o").exists()
+
+
+def test_the_vision_recipe_launches_on_two_ranks(vision_run, tmp_path):
+    """The same rows and model through recipes/tiny/ddp.yaml (DDP, 2 processes over gloo) under `launch`: each rank
+    reads the rows with their images, LoRA on the language model only, the processor saved beside the adapter."""
+    from conftest import run_cli
+
+    model, root, _, _ = vision_run
+    out = tmp_path / "ddp"
+    res = run_cli(["-m", "sftrecipes", "launch", "recipes/tiny/ddp.yaml", "--model_name_or_path", str(model),
+                   "--dataset_name", str(root / "data" / "train.jsonl"), "--splits", "train", "--chat_template_format",
+                   "tokenizer", "--packing", "false", "--assistant_only_loss", "true", "--max_steps", "2",
+                   "--sample_max_new_tokens", "0", "--output_dir", str(out)])
+    log = res.stdout + res.stderr
+    assert res.returncode == 0, log[-3000:]
+    summary = json.loads((out / "run_summary.json").read_text())
+    assert summary["steps"] == 2 and summary["data"]["train"]["images"] == 8
+    assert summary["backend"]["world_size"] == 2 and summary["backend"]["wrapper"] == "DistributedDataParallel"
+    assert "LoRA on the language model: 42 modules; vision tower and projector frozen" in log
+    assert (out / "processor_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
