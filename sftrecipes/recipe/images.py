@@ -213,6 +213,22 @@ def images_refused(recipe: Recipe) -> str | None:
     return "a mixture of datasets" if len(recipe.data.datasets or ()) > 1 else None
 
 
+def check_image_files(path: Path, where: str) -> None:
+    """Every local image a JSON-lines file names (an `images` list or one `image`, relative to the file's folder) is a
+    file: the first one missing is one line naming it and its row (data/vision.py checks the rest in the run)."""
+    if path.suffix not in (".jsonl", ".json"):
+        return
+    for i, row in enumerate(_jsonl_rows(path)):
+        value = row.get("images") if isinstance(row, dict) else None
+        value = value if isinstance(value, list) else [row.get("image")] if isinstance(row, dict) else []
+        for j, v in enumerate(value):
+            if isinstance(v, str) and not v.startswith(("http://", "https://")):
+                p = Path(v).expanduser()
+                if not (p if p.is_absolute() else path.parent / p).is_file():
+                    raise RecipeError(f"images: image {j + 1} of row {i + 1} of {where} names {v}, which is not a file "
+                                      f"({path.parent / p}); fix the path or remove the row")
+
+
 def check_vision_keys(recipe: Recipe) -> None:
     """Rows with images for a vision-language model: no packing (TRL has no padding-free batches for images)."""
     for key in ("packing", "padding_free"):
@@ -288,3 +304,5 @@ def check_sources(recipe: Recipe, srcs: list[Source], eval_only: bool = False) -
                 raise refusal(recipe, f"{src.key} {src.path} ({split})", (n, rows, kinds))
             if rows:
                 check_vision_keys(recipe)
+                for f in files:
+                    check_image_files(f, f"{src.key} {src.path} ({split})")

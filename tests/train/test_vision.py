@@ -102,14 +102,20 @@ def test_the_vision_adapter_merges_with_verify_and_loads(vision_run, tmp_path):
 
 def test_vision_rows_refused_in_one_line(vision_models, tiny_model, tmp_path):
     """Packing; a template that renders image parts as text (chatml); a missing image file; a text model."""
+    from sftrecipes.data import vision
+    from sftrecipes.data.tokenizer import load_tokenizer
+
     model, data = vision_models("gemma3"), _rows(tmp_path / "data", n=2)
+    recipe = load_recipe(_flags(model, data, tmp_path / "o"))
     with pytest.raises(RecipeError, match="^packing: rows with images cannot be packed"):
         load_recipe(_flags(model, data, tmp_path / "o", "--packing", "true"))
     with pytest.raises(RecipeError, match="^chat_template_format: the chatml template renders an image part without"):
         train.run(load_recipe(_flags(model, data, tmp_path / "o", "--chat_template_format", "chatml")))
-    (data.parent / "img" / "1.png").unlink()
+    (data.parent / "img" / "1.png").unlink()  # torch-free when the recipe is read, and where the run reads the rows
     with pytest.raises(RecipeError, match=r"^images: image 1 of row 2 of dataset_name .* names img/1.png, which is not a file"):
-        train.run(load_recipe(_flags(model, data, tmp_path / "o")))
+        load_recipe(_flags(model, data, tmp_path / "o"))
+    with pytest.raises(RecipeError, match=r"^images: image 1 of row 2 of dataset_name .* names img/1.png, which is not a file"):
+        vision.vision_datasets(recipe, load_tokenizer(recipe)[0])
     with pytest.raises(RecipeError, match="has no vision tower"):
         load_recipe(_flags(tiny_model, data, tmp_path / "o"))
     assert not (tmp_path / "o").exists()
