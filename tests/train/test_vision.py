@@ -131,11 +131,39 @@ def test_the_vision_recipe_launches_on_two_ranks(vision_run, tmp_path):
     res = run_cli(["-m", "sftrecipes", "launch", "recipes/tiny/ddp.yaml", "--model_name_or_path", str(model),
                    "--dataset_name", str(root / "data" / "train.jsonl"), "--splits", "train", "--chat_template_format",
                    "tokenizer", "--packing", "false", "--assistant_only_loss", "true", "--max_steps", "2",
-                   "--sample_max_new_tokens", "0", "--output_dir", str(out)])
+                   "--sample_max_new_tokens", "0", "--save_strategy", "steps", "--save_steps", "2", "--output_dir", str(out)])
     log = res.stdout + res.stderr
     assert res.returncode == 0, log[-3000:]
     summary = json.loads((out / "run_summary.json").read_text())
     assert summary["steps"] == 2 and summary["data"]["train"]["images"] == 8
     assert summary["backend"]["world_size"] == 2 and summary["backend"]["wrapper"] == "DistributedDataParallel"
     assert "LoRA on the language model: 42 modules; vision tower and projector frozen" in log
-    assert (out / "processor_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+    for folder in (out, out / "checkpoint-2"):  # the processor with every checkpoint and the final adapter
+        assert (folder / "processor_config.json").is_file() and (folder / "adapter_model.safetensors").is_file()
+
+
+def test_one_image_column_of_bytes_is_read_as_the_rows_images(vision_models, tmp_path):
+    """TRL's other shape: one `image` per row, here PNG bytes in a parquet file: read as the row's images, counted, and
+    each batch holds one image's tokens per row, none of them in the labels."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from sftrecipes.data import vision
+    from sftrecipes.data.tokenizer import load_tokenizer
+
+    rows = []
+    for word, rgb in COLOURS.items():
+        png = io.BytesIO()
+        Image.new("RGB", (28, 28), rgb).save(png, format="PNG")
+        rows.append({"image": png.getvalue(), "messages": [{"role": "user", "content": QUESTION},
+                                                           {"role": "assistant", "content": [{"type": "text", "text": word}]}]})
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    recipe = load_recipe(_flags(vision_models("gemma3"), tmp_path / "train.parquet", tmp_path / "o"))
+    train_ds, _, counts, collator, _ = vision.vision_datasets(recipe, load_tokenizer(recipe)[0])
+    assert counts["train"] == {"read": 2, "dropped_too_long": 0, "kept": 2, "images": 2, "rows_with_images": 2}
+    batch = collator([train_ds[0], train_ds[1]])
+    image_id = collator.processor.tokenizer.convert_tokens_to_ids("<image_soft_token>")
+    assert (batch["input_ids"] == image_id).sum(dim=1).tolist() == [4, 4] and batch["pixel_values"].shape[0] == 2
+    assert not (batch["labels"] == image_id).any()
