@@ -167,3 +167,21 @@ def test_one_image_column_of_bytes_is_read_as_the_rows_images(vision_models, tmp
     image_id = collator.processor.tokenizer.convert_tokens_to_ids("<image_soft_token>")
     assert (batch["input_ids"] == image_id).sum(dim=1).tolist() == [4, 4] and batch["pixel_values"].shape[0] == 2
     assert not (batch["labels"] == image_id).any()
+
+
+def test_a_model_only_image_text_to_text_maps_trains_and_merges(vision_models, tmp_path):
+    """Idefics3 (SmolVLM) has no causal-LM class in transformers: it is planned, loaded and verified through
+    AutoModelForImageTextToText (meta.auto_class), its assistant turn trained, its adapter merged with --verify."""
+    from transformers import AutoModelForImageTextToText
+
+    from sftrecipes.export import merge_lora
+    from sftrecipes.plan import plan_recipe
+
+    recipe = load_recipe(_flags(vision_models("idefics3"), _rows(tmp_path / "data", n=4), tmp_path / "out", "--max_steps", "2"))
+    assert plan_recipe(recipe, _alternatives=False).notes  # (was: "no causal-LM head", before any rank)
+    trainer, summary = train.run(recipe)
+    batch = trainer.data_collator([trainer.train_dataset[0]])
+    trained = trainer.processing_class.tokenizer.convert_ids_to_tokens(batch["input_ids"][0][batch["labels"][0] != -100])
+    assert trained == ["Ġred", "<end_of_utterance>", "Ċ"] and summary["steps"] == 2
+    merged = merge_lora(tmp_path / "out", tmp_path / "merged", verify=True)
+    assert type(AutoModelForImageTextToText.from_pretrained(merged)).__name__ == "Idefics3ForConditionalGeneration"
