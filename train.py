@@ -49,6 +49,7 @@ def run(recipe, life=None):
     from sftrecipes.data import load as data
     from sftrecipes.data import preference
     from sftrecipes.data import stream as streams
+    from sftrecipes.data import vision as visions
     from sftrecipes.data.tokenizer import load_tokenizer
     from sftrecipes.export import startfrom
     from sftrecipes.facts import folders
@@ -116,11 +117,14 @@ def run(recipe, life=None):
     #    (sftrecipes/data/prepcache.py); one process prepares, the others wait on its files: no collective, so no
     #    ddp_timeout, however long it takes
     tokenizer, end_of_turn, added_tokens = load_tokenizer(recipe)
-    stream, data_callbacks = None, []
+    stream, data_callbacks, vision, collator, processing = None, [], None, None, tokenizer
     if recipe.method == "sft" and recipe.data.streaming:  # read as training goes; the position is in each checkpoint
         stream, eval_ds, prompt, data_counts = streams.streamed_datasets(recipe, tokenizer, end_of_turn, resume)
         train_ds = stream.dataset(streams.rows_per_step(args))
         data_callbacks = [streamtrain.StreamCallback(stream)]
+    elif recipe.method == "sft" and (vision := visions.vision_datasets(recipe, tokenizer)):  # images: the processor's
+        train_ds, eval_ds, data_counts, collator, processing = vision  # batches (data/vision.py), no sample prompt
+        args.dataset_kwargs, args.remove_unused_columns, prompt = {"skip_prepare_dataset": True}, False, None
     elif recipe.method == "sft":
         train_ds, eval_ds, prompt, data_counts = data.prepared_datasets(recipe, tokenizer, end_of_turn)
         args.dataset_kwargs = {"skip_prepare_dataset": True}  # packed and shuffled as TRL would, once (trainrows.py)
@@ -133,7 +137,7 @@ def run(recipe, life=None):
     # 3. model: dtype, attention, 4/8-bit loading; LoRA is applied by the trainer from peft_config
     memory = probes.PhaseMemory()  # each phase's peak RSS on this rank, the kernel's high-water mark reset at its start
     memory.start("loading")
-    model = models.load_model(recipe, tokenizer, target)
+    model = models.load_model(recipe, tokenizer, target, images=vision is not None)
     fallbacks.no_aux_loss_without_experts(model, args)  # a dense model whose config still declares router logits
     wrapping.zero3_leaves(model, recipe, args.process_index == 0)  # modules whose submodule calls the data decides: one fetch each
     completions = rewards.CompletionLog() if recipe.method in ONLINE else None  # grpo/rloo: a few completions each log
@@ -143,7 +147,8 @@ def run(recipe, life=None):
         args=args,
         train_dataset=train_ds,
         eval_dataset=eval_ds,
-        processing_class=tokenizer,
+        processing_class=processing,  # a vision run's processor: saved with every checkpoint and the final model
+        **({"data_collator": collator} if collator else {}),
         peft_config=lora.lora_config(recipe, added_tokens, model),
         callbacks=[memory, dtypes := precision.precision_probe(recipe),
                    throughput := metrics.ThroughputCallback(peak_tflops=recipe.launch.peak_tflops),
@@ -199,7 +204,8 @@ def run(recipe, life=None):
 
     # 6. a sample reply from the trained model (all ranks together: ZeRO-3/FSDP gather weights in each forward;
     #    after the save: bitsandbytes' CPU kernels repack 4-bit weights for inference)
-    sample = probes.sample_reply(trainer, tokenizer, prompt, recipe.run.sample_max_new_tokens) if recipe.run.sample_max_new_tokens else {}
+    sample = probes.sample_reply(trainer, tokenizer, prompt, recipe.run.sample_max_new_tokens) \
+        if recipe.run.sample_max_new_tokens and prompt is not None else {}
 
     if trainer.args.push_to_hub and trainer.is_world_process_zero():
         try:

@@ -4,13 +4,15 @@ numbers. They are loaded by exactly the code that loads meta-llama/Llama-2-70b-h
 
     python -m sftrecipes tiny                     # build .assets/tiny-llama if missing
     python -m sftrecipes tiny --family qwen3      # .assets/tiny-qwen3: that family's architecture, tokenizer, template
+    python -m sftrecipes tiny --family gemma3 --vision  # .assets/tiny-gemma3-vision: its vision-language model + processor
     python -m sftrecipes tiny --data              # rewrite data/tiny_chat/*.jsonl (checked in; a test compares)
 
 The families (FAMILIES) are built from transformers' config classes with the traits that break recipes written
 for Llama-2: tied embeddings, head_dim != hidden/heads, q/k norms, qkv biases, soft-capping, sliding windows, fused
 projections, mixtures of experts; and each tokenizer carries its family's special tokens, BOS habit and chat
 template, so end-of-turn detection and double-BOS handling meet the real cases; layer patterns are the releases'
-(Gemma-3: 5 sliding-window layers to 1 full). Tiny configs of any other architecture: tiny_archs.py.
+(Gemma-3: 5 sliding-window layers to 1 full). Tiny configs of any other architecture: tiny_archs.py; what a
+vision-language family adds (tower, image tokens, processor, template): model/tinyvision.py.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -245,11 +247,12 @@ def family_dir(name: str) -> Path:
     return ASSETS / f"tiny-{name}"
 
 
-def build_family_tokenizer(name: str, vocab_size: int = 512):
-    """A BPE tokenizer trained on the shipped chat data, with the family's special tokens and template."""
+def build_family_tokenizer(name: str, vocab_size: int = 512, fam: Family | None = None, attrs: dict | None = None):
+    """A BPE tokenizer trained on the shipped chat data, with the family's special tokens and template; `fam`: the
+    family as a vision-language one changes it, `attrs`: its tokens by the attribute a processor reads them from."""
     from transformers import PreTrainedTokenizerFast
 
-    fam = FAMILIES[name]
+    fam = fam or FAMILIES[name]
     named = [t for t in ("<unk>", fam.bos, fam.eos, fam.pad) if t]
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -263,7 +266,7 @@ def build_family_tokenizer(name: str, vocab_size: int = 512):
         tok.post_processor = processors.TemplateProcessing(single=f"{fam.bos} $A", pair=f"{fam.bos} $A {fam.bos} $B",
                                                            special_tokens=[(fam.bos, tok.token_to_id(fam.bos))])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=fam.bos, eos_token=fam.eos, unk_token="<unk>",
-                                   pad_token=fam.pad, additional_special_tokens=list(fam.listed))
+                                   pad_token=fam.pad, additional_special_tokens=list(fam.listed), **(attrs or {}))
     fast.chat_template = fam.template
     return fast
 
@@ -298,6 +301,62 @@ def build_family(name: str, out: Path | None = None, seed: int = 0) -> Path:
 
 
 SPEC_FILE = "sftrecipes-family.txt"
+
+
+def build_vision_family(name: str, out: Path | None = None, seed: int = 0) -> Path:
+    """Random-init tiny vision-language model of a family (model/tinyvision.VISION) + its processor (image processor,
+    the text family's tokenizer with the image tokens, a template rendering image parts), saved as a hub-style folder
+    that AutoModelForImageTextToText and AutoProcessor load. Deterministic."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from sftrecipes.model import tinyvision
+    from sftrecipes.tiny_archs import tiny_config
+
+    vis = tinyvision.VISION[name]
+    base = FAMILIES[vis.text]
+    tokens = tuple(t for _, t in vis.tokens)
+    fam = replace(base, listed=base.listed + tuple(t for t in tokens if t not in base.listed), template=vis.template,
+                  **({"eos": vis.eos, "end_of_turn": vis.eos} if vis.eos else {}))
+    tok = build_family_tokenizer(vis.text, fam=fam, attrs=dict(vis.tokens))
+    processor = tinyvision.build_processor(name, tok)  # (before the model: a processor that cannot be built says so)
+    ids = tuple(tok.convert_tokens_to_ids(t) if t else None for t in (fam.bos, fam.eos, fam.pad))
+    cfg = tiny_config(vis.model_type, vocab_size=len(tok), token_ids=ids, vision=vis.vision, initializer_range=0.1,
+                      **tinyvision.text_keys(vis))
+    cfg.update(tinyvision.config_keys(vis, tok))
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(AutoConfig.for_model(**cfg))
+    for weight in model.parameters():  # a matrix initialised to zeros (Gemma-3's projector, as a fresh model starts
+        if weight.dim() >= 2 and not weight.any():  # to be trained) would keep the images from the language model
+            weight.data.normal_(0.0, 0.1)
+    model.generation_config.eos_token_id = tok.convert_tokens_to_ids(fam.eos)
+    out = out or ASSETS / f"tiny-{name}-vision"
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(tmp)
+    processor.save_pretrained(tmp)
+    (tmp / SPEC_FILE).write_text(_vision_spec(name, seed))
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+def _vision_spec(name: str, seed: int = 0) -> str:
+    from sftrecipes.model.tinyvision import VISION
+
+    return f"{name} vision seed {seed}\n{VISION[name]!r}\n{FAMILIES[VISION[name].text]!r}\n"
+
+
+def ensure_vision_family(name: str) -> Path:
+    """.assets/tiny-<name>-vision, built when missing or built from an older spec."""
+    out = ASSETS / f"tiny-{name}-vision"
+    spec = out / SPEC_FILE
+    if not spec.is_file() or spec.read_text() != _vision_spec(name):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        build_vision_family(name, out)
+    return out
 
 
 def _spec(name: str) -> str:

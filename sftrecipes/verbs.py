@@ -9,6 +9,7 @@ from pathlib import Path
 
 from sftrecipes import tiny as tinies
 from sftrecipes.core import paths
+from sftrecipes.core.errors import RecipeError
 from sftrecipes.recipe import snapshots
 from sftrecipes.recipe.evalonly import eval_only, why
 
@@ -16,14 +17,27 @@ from sftrecipes.recipe.evalonly import eval_only, why
 def tiny(p: argparse.ArgumentParser, argv: list[str]) -> int:
     p.add_argument("--data", action="store_true", help="rewrite data/tiny_chat instead of building the model")
     p.add_argument("--size", default="tiny", choices=["tiny", "medium"])
-    p.add_argument("--family", default=None, choices=sorted(tinies.FAMILIES),
+    from sftrecipes.model.tinyvision import VISION
+
+    p.add_argument("--family", default=None, choices=sorted(set(tinies.FAMILIES) | set(VISION)),
                    help="a tiny model of another architecture (.assets/tiny-FAMILY): its config class, tokenizer habits, template")
+    p.add_argument("--vision", action="store_true", help="with --family: its vision-language model and processor "
+                   f"(.assets/tiny-FAMILY-vision; {', '.join(sorted(VISION))})")
     p.add_argument("--out", default=None)
     ns = p.parse_args(argv)
     if ns.data:
         tinies.write_dataset()
         print(f"wrote {paths.DATA_DIR}")
         return 0
+    if ns.vision:
+        if ns.family not in VISION:
+            raise RecipeError(f"--vision: {'no --family given' if not ns.family else f'no tiny vision-language model of {ns.family}'}; "
+                              f"give --family {' or '.join(sorted(VISION))}")
+        print(tinies.build_vision_family(ns.family, Path(ns.out)) if ns.out else tinies.ensure_vision_family(ns.family))
+        return 0
+    if ns.family not in (None, *tinies.FAMILIES):
+        raise RecipeError(f"--family: {ns.family} is a vision-language family here; add --vision, or give one of "
+                          f"{', '.join(sorted(tinies.FAMILIES))}")
     if ns.family:
         print(tinies.build_family(ns.family, Path(ns.out)) if ns.out else tinies.ensure_family(ns.family))
         return 0

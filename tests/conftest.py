@@ -269,6 +269,14 @@ def family_models() -> dict[str, Path]:
     return {name: ensure_family(name) for name in FAMILIES}
 
 
+@pytest.fixture(scope="session")
+def vision_models():
+    """name -> .assets/tiny-<name>-vision (sftrecipes.model.tinyvision.VISION), each built on first use."""
+    from sftrecipes.tiny import ensure_vision_family
+
+    return ensure_vision_family
+
+
 def launch_twin(name: str, out: Path, extra=(), env: dict | None = None, timeout: int = 900) -> tuple[dict, str]:
     """Run the CPU twin `name` through the launcher `emit` wrote for it (scripts/run_tiny-<name>.sh, 2 processes) with
     extra flags; (run summary, log)."""

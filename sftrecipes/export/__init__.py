@@ -54,7 +54,7 @@ from sftrecipes.export.verify import (
     upstream_state_dict,
     verify_logits,
 )
-from sftrecipes.export.writer import MANIFEST, TOKENIZER_FILES, SafetensorsStreamWriter, _Staging
+from sftrecipes.export.writer import MANIFEST, PROCESSOR_FILES, TOKENIZER_FILES, SafetensorsStreamWriter, _Staging
 from sftrecipes.facts.folders import ds_tag_dir as _ds_tag_dir
 from sftrecipes.facts.folders import export_kind
 from sftrecipes.facts.folders import local_model_dir as _local_model_dir
@@ -131,7 +131,7 @@ def _export_adapter(source, names: list[str], ckpt: Path, dest, dtype, base, ver
     _check_fits(plan, base_shapes.__getitem__)
     with _Staging(Path(dest)) as st:
         st.write_safetensors("adapter_model.safetensors", layout, lambda k: source.get(mapping[k]))
-        for f in ("adapter_config.json", *TOKENIZER_FILES):
+        for f in ("adapter_config.json", *TOKENIZER_FILES, *PROCESSOR_FILES):
             if (cfg_dir / f).is_file():
                 shutil.copy2(cfg_dir / f, st.tmp / f)
         check_adapter_folder(st.tmp, base_shapes, wrapped)

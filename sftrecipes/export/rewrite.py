@@ -15,7 +15,7 @@ from sftrecipes.export.adapters import _apply
 from sftrecipes.export.layout import StoredLayout
 from sftrecipes.export.readers import _SafetensorsSource
 from sftrecipes.export.verify import check_model_folder, verify_logits
-from sftrecipes.export.writer import TOKENIZER_FILES, _nbytes, _shard_files, _shards, _Staging, _write_index
+from sftrecipes.export.writer import PROCESSOR_FILES, TOKENIZER_FILES, _nbytes, _shard_files, _shards, _Staging, _write_index
 from sftrecipes.model.load import DTYPES
 
 PROGRESS_BYTES = 1 << 30  # models this large get a progress bar while they are written
@@ -67,7 +67,7 @@ def rewrite_model(base_dir: Path, out_dir: str | Path, plan: dict[str, dict], dt
             for fname, shard in zip(fnames, shards):
                 st.write_safetensors(fname, shard, get, bar.update)
         _write_index(st.tmp, shards, fnames)
-        for f in TOKENIZER_FILES:
+        for f in (*TOKENIZER_FILES, *PROCESSOR_FILES):
             if (tok_src / f).is_file():
                 shutil.copy2(tok_src / f, st.tmp / f)
         # config.json records the dtype the tensors are in (an fp32 export of a bf16 run must not load as bf16)

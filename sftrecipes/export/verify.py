@@ -11,12 +11,13 @@ from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from sftrecipes.core.errors import RecipeError
 from sftrecipes.export.adapters import _check_fits, plan_merge, read_adapter
 from sftrecipes.export.layout import StoredLayout, tied_copies
 from sftrecipes.export.readers import folder_tensors
+from sftrecipes.model.meta import auto_class
 
 log = logging.getLogger("sftrecipes")
 
@@ -80,7 +81,7 @@ def verify_logits(folder: Path, reference, dtype: torch.dtype, base: Path | None
     above LOGIT_TOL[dtype] × max(1, max |logit|) it is an error (a RecipeError starting with `verb`: the command
     that wrote the folder, export or merge). Needs RAM for both models in fp32."""
     if base is None:
-        ours = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        ours = _auto(folder).from_pretrained(folder, dtype=torch.float32)
     else:
         from peft import PeftModel
 
@@ -99,8 +100,13 @@ def verify_logits(folder: Path, reference, dtype: torch.dtype, base: Path | None
     return diff
 
 
+def _auto(folder: Path):
+    """The auto class the run loaded this model with (meta.auto_class: Idefics3's is AutoModelForImageTextToText)."""
+    return auto_class(json.loads((Path(folder) / "config.json").read_text()).get("model_type"))
+
+
 def _from_pretrained(folder: Path):
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    return _auto(folder).from_pretrained(folder, dtype=torch.float32)
 
 
 def _base_for_adapter(base_dir: Path, adapter: Path):
@@ -110,7 +116,7 @@ def _base_for_adapter(base_dir: Path, adapter: Path):
     from sftrecipes.model import compat
 
     compat.keep_dense_linears_in_moe_conversion()
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = _auto(base_dir).from_pretrained(base_dir, dtype=torch.float32)
     rows = {shape[0] for name, (_, shape) in folder_tensors(adapter).items()
             if re.search(r"embed_tokens\.(token_adapter\.base_layer\.)?weight$", name)}
     indices = json.loads((adapter / "adapter_config.json").read_text()).get("trainable_token_indices") or {}
@@ -167,7 +173,8 @@ def upstream_state_dict(kind: str, folder: Path) -> dict[str, torch.Tensor]:
 
 def _state_dict_reference(config_dir: Path, kind: str, folder: Path):
     """The source of a full-model export: a model built from config.json holding the upstream-converted tensors."""
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir), dtype=torch.float32)
+    cfg = AutoConfig.from_pretrained(config_dir)
+    model = auto_class(cfg.model_type).from_config(cfg, dtype=torch.float32)
     sd = upstream_state_dict(kind, folder)
     missing, unexpected = model.load_state_dict({k: v.float() for k, v in sd.items()}, strict=False)
     tied = set(tied_copies(model))

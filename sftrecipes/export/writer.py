@@ -24,6 +24,8 @@ ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
 FROM_ST = {v: k for k, v in ST_DTYPES.items()}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "chat_template.jinja", "added_tokens.json")
+# a vision-language model's processor beside its tokenizer (the image processor's settings, the processor's own)
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json")
 MANIFEST = "SHA256SUMS"
 _LIBC = ctypes.CDLL(None, use_errno=True) if os.name == "posix" else None
 

@@ -12,12 +12,15 @@ import logging
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+from transformers import AutoModelForImageTextToText, BitsAndBytesConfig
 from transformers.integrations import is_deepspeed_zero3_enabled
 
+from sftrecipes.core.errors import RecipeError
 from sftrecipes.data.tokenizer import set_generation_stop
+from sftrecipes.facts.config import read_config
 from sftrecipes.facts.startmodel import weights_dir
 from sftrecipes.model.attention import register
+from sftrecipes.model.meta import auto_class
 from sftrecipes.model.attnchoice import VARLEN, choose_attention, log_attention
 from sftrecipes.model.heap import own_checkpoint_views, steady_heap
 from sftrecipes.model.quantload import partition_4bit_layers, receive_4bit_layers, send_4bit_layers
@@ -52,9 +55,10 @@ def quantization_config(recipe: Recipe):
     )
 
 
-def load_model(recipe: Recipe, tokenizer, hardware: str, every_rank_reads: bool = False):
+def load_model(recipe: Recipe, tokenizer, hardware: str, every_rank_reads: bool = False, images: bool = False):
     """The model as the recipe describes it (weights from the hub id or local folder). every_rank_reads: no rank
-    loads on the meta device, RAM-efficient loading or not (a model nothing broadcasts into: methods.py's reference)."""
+    loads on the meta device, RAM-efficient loading or not (a model nothing broadcasts into: methods.py's reference).
+    images: rows with images, for the image-text-to-text class (its vision tower: Llama-4's causal-LM class has none)."""
     m = recipe.model
     kwargs = dict(recipe.trl_value("model_init_kwargs") or {})  # recipe validation took out what the recipe owns
     impl, why = choose_attention(recipe, hardware)
@@ -83,7 +87,8 @@ def load_model(recipe: Recipe, tokenizer, hardware: str, every_rank_reads: bool 
     rows = (dist.get_rank(), dist.get_world_size()) if qc is not None and rank is not None else None
     # steady_heap: what a rank holds after loading is the model, not the order its temporaries were freed in
     with steady_heap(), partition_4bit_layers(partition) as zero3, send_4bit_layers(rank == 0 and rows is not None, rows) as sent:
-        model = AutoModelForCausalLM.from_pretrained(weights_dir(m.model_name_or_path), **kwargs)  # an adapter: merged
+        auto = AutoModelForImageTextToText if images else auto_class(_model_type(m.model_name_or_path))
+        model = auto.from_pretrained(weights_dir(m.model_name_or_path), **kwargs)  # an adapter: merged
         if qc is not None and not rank:  # what was not quantized is still a view into the checkpoint's mapping: let it go
             own_checkpoint_views(model)
         if sent is not None:
@@ -128,6 +133,14 @@ def load_model(recipe: Recipe, tokenizer, hardware: str, every_rank_reads: bool 
     # would attend to each other under sdpa/eager (tests/data/test_data.py shows it). Generation turns it back on.
     model.config.use_cache = False
     return model
+
+
+def _model_type(model_name_or_path: str) -> str | None:
+    """The model_type its config.json says (None where no config is at hand: AutoModelForCausalLM, as before)."""
+    try:
+        return read_config(model_name_or_path).get("model_type")
+    except RecipeError:
+        return None
 
 
 def ram_efficient_rank(recipe: Recipe, quantized: bool) -> int | None:

@@ -142,6 +142,15 @@ def _peft_refuses(name: str, model) -> str | None:
     return None
 
 
+def language_model(model) -> str | None:
+    """The module name of a vision-language model's text decoder (transformers' get_decoder), None for a model
+    without a vision tower (its config has no vision_config)."""
+    if getattr(model.config, "vision_config", None) is None:
+        return None
+    decoder = model.get_decoder()
+    return next((n for n, mod in model.named_modules() if mod is decoder and n), None)
+
+
 def lora_targets(recipe: Recipe, model) -> dict:
     """target_modules, target_parameters, rank_pattern and alpha_pattern for LoraConfig, resolved on the model.
 
@@ -165,6 +174,9 @@ def lora_targets(recipe: Recipe, model) -> dict:
     # not say (BLT; TRL refuses LoRA on lm_head: its fused loss reads lm_head.weight itself)
     linear = [n for n, mod in modules.items() if _plain_linear(mod) and mod is not out_emb
               and n.rsplit(".", 1)[-1] != "lm_head"]
+    decoder = language_model(model)
+    if decoder is not None and listed is None:  # a vision-language model: all-linear is its language model's layers
+        linear = [n for n in linear if n.startswith(decoder + ".")]  # (the vision tower and projector stay frozen)
 
     def hits(t: str, names) -> list[str]:
         return [n for n in names if n == t or n.endswith("." + t)]
@@ -358,5 +370,12 @@ def describe_adapter(model, recipe: Recipe) -> str:
              for d in mod.lora_dropout.values() if isinstance(d, torch.nn.Dropout)}
     if drops and params:
         parts.append(f"dropout {'/'.join(map(str, sorted(drops)))} on the modules, none on the parameters (peft cannot drop out inside them)")
+    decoder = language_model(model.get_base_model() if hasattr(model, "get_base_model") else model)
+    if decoder is not None:
+        inside = [n for n, mod in model.named_modules() if isinstance(mod, LoraLayer) and mod.r and f"{decoder}." in n]
+        outside = sum(isinstance(mod, LoraLayer) and bool(mod.r) for mod in model.modules()) - len(inside)
+        parts.append(f"LoRA on the language model: {len(inside)} modules; " + (
+            "vision tower and projector frozen" if not outside else
+            f"{outside} modules outside it (vision tower, projector) adapted as lora_target_modules lists"))
     parts.append(f"{trainable:,} trainable parameters of {total:,} ({100 * trainable / max(total, 1):.2f}%)")
     return "; ".join(parts)

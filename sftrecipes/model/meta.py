@@ -25,9 +25,14 @@ from dataclasses import dataclass
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+)
 
 from sftrecipes.core.errors import RecipeError
 from sftrecipes.facts import perlayer
@@ -56,14 +61,24 @@ def config_of(c: dict, where: str = "the model config"):
                           f"({type(e).__name__}: {str(e).splitlines()[0][:160]}); fix the config") from None
 
 
+def auto_class(model_type: str):
+    """The auto class that builds a model of this type: AutoModelForCausalLM, or AutoModelForImageTextToText for a
+    vision-language model it does not map (Idefics3, Qwen2.5-VL); model/load.py loads with the same."""
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
 def model_class(cfg, where: str = "the model config"):
-    """The class AutoModelForCausalLM builds for a config (what model.load_model loads), or a RecipeError: this
-    project fine-tunes causal language models only."""
-    if type(cfg) in MODEL_FOR_CAUSAL_LM_MAPPING:
-        return MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]
+    """The class auto_class builds for a config (what model.load_model loads), or a RecipeError: this project
+    fine-tunes causal language models (vision-language ones included) only."""
+    for mapping in (MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING):
+        if type(cfg) in mapping:
+            return mapping[type(cfg)]
     raise RecipeError(f"model_name_or_path: {where} is a '{cfg.model_type}' model ({type(cfg).__name__}), which has "
-                      f"no causal-LM head in transformers {transformers.__version__} (AutoModelForCausalLM does not "
-                      "map it: an encoder, speech or vision-only model); fine-tune a decoder-only language model")
+                      f"no causal-LM head in transformers {transformers.__version__} (neither AutoModelForCausalLM nor "
+                      "AutoModelForImageTextToText maps it: an encoder, speech or vision-only model); fine-tune a "
+                      "decoder-only language model")
 
 
 @contextlib.contextmanager
@@ -88,7 +103,7 @@ def build(cfg, **kwargs):
     """The model AutoModelForCausalLM builds from a config object on the meta device (on_meta): the one way this
     project builds one (planner, attention choice, packing checks, export layouts)."""
     with on_meta():
-        return AutoModelForCausalLM.from_config(cfg, **kwargs)
+        return auto_class(cfg.model_type).from_config(cfg, **kwargs)
 
 
 @functools.lru_cache(maxsize=4)

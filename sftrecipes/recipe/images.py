@@ -1,6 +1,8 @@
 """Rows that carry images (TRL's vision-language rows: an `images` or `image` column, or message content given as
-parts with `{"type": "image"}`), counted torch-free and refused in one line: the runs here train on text, so a text
-model would never see them and training on the rest of the row would drop them without a word.
+parts with `{"type": "image"}`), counted torch-free and refused in one line where they cannot train: a text model
+would never see them and training on the rest of the row would drop them without a word. A vision-language model
+(its config.json declares a vision tower) trains on them with method sft, unstreamed, from one dataset
+(data/vision.py); packing is refused for them (`check_vision_keys`).
 
 Three places count them: recipe validation, from the local files pyarrow or the json module read without torch (the
 first row, or the schema, of a split's first file; every row once it shows images), each run before it tokenizes
@@ -165,8 +167,10 @@ def refusal(recipe: Recipe, where: str, counted: tuple[int, int, dict[str, int]]
     key = first if first in IMAGE_COLUMNS else first.split()[0]
     model = recipe.model.model_name_or_path
     if vision_tower(model):
-        why = (f"{model} has a vision tower, but runs here train on text only (vision-language training is not "
-               "implemented yet), so the images would be dropped without a word")
+        why = (f"{model} has a vision tower, but here images train with method sft, unstreamed, from one dataset, "
+               "through an image-text-to-text class of transformers "
+               f"({images_refused(recipe) or 'transformers maps its config to none'}), so the images would be dropped "
+               "without a word")
     else:
         why = (f"{model} has no vision tower (its config.json declares no vision_config): it cannot read images, and "
                "training on the rest of each row would drop them without a word")
@@ -197,6 +201,40 @@ def refuse_buffer(recipe: Recipe, table, where: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- torch-free, at validation
+
+
+def images_refused(recipe: Recipe) -> str | None:
+    """Why rows with images cannot train with this recipe on a vision-language model (data/vision.py reads them),
+    None where they can."""
+    if recipe.method != "sft":
+        return f"method {recipe.method}"
+    if recipe.data.streaming:
+        return "streaming"
+    return "a mixture of datasets" if len(recipe.data.datasets or ()) > 1 else None
+
+
+def check_image_files(path: Path, where: str) -> None:
+    """Every local image a JSON-lines file names (an `images` list or one `image`, relative to the file's folder) is a
+    file: the first one missing is one line naming it and its row (data/vision.py checks the rest in the run)."""
+    if path.suffix not in (".jsonl", ".json"):
+        return
+    for i, row in enumerate(_jsonl_rows(path)):
+        value = row.get("images") if isinstance(row, dict) else None
+        value = value if isinstance(value, list) else [row.get("image")] if isinstance(row, dict) else []
+        for j, v in enumerate(value):
+            if isinstance(v, str) and not v.startswith(("http://", "https://")):
+                p = Path(v).expanduser()
+                if not (p if p.is_absolute() else path.parent / p).is_file():
+                    raise RecipeError(f"images: image {j + 1} of row {i + 1} of {where} names {v}, which is not a file "
+                                      f"({path.parent / p}); fix the path or remove the row")
+
+
+def check_vision_keys(recipe: Recipe) -> None:
+    """Rows with images for a vision-language model: no packing (TRL has no padding-free batches for images)."""
+    for key in ("packing", "padding_free"):
+        if recipe.trl_value(key):
+            raise RecipeError(f"{key}: rows with images cannot be packed (TRL has no padding-free batches for images); "
+                              f"set {key}: false")
 
 
 def split_files(path: str, split: str) -> list[Path]:
@@ -262,5 +300,9 @@ def check_sources(recipe: Recipe, srcs: list[Source], eval_only: bool = False) -
                 n, rows = n + fn, rows + frows
                 for k, v in fkinds.items():
                     kinds[k] = kinds.get(k, 0) + v
-            if rows:
+            if rows and (not vision_tower(recipe.model.model_name_or_path) or images_refused(recipe)):
                 raise refusal(recipe, f"{src.key} {src.path} ({split})", (n, rows, kinds))
+            if rows:
+                check_vision_keys(recipe)
+                for f in files:
+                    check_image_files(f, f"{src.key} {src.path} ({split})")

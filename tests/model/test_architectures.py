@@ -114,9 +114,14 @@ def test_deepseek_dense_mlps_and_shared_experts_get_lora(arch_models):
 
 
 def test_multimodal_plan_says_what_is_trained_and_frozen(arch_models):
+    """all-linear adapts the language model only (issue 42: never a vision tower or projector); lora_target_modules
+    naming the tower's layers (SigLIP's fc1) adapts them, and the plan says so."""
     plan = plan_recipe(lora_recipe(arch_models("gemma3")), _alternatives=False)
     note = next(n for n in plan.notes if n.startswith("besides the text decoder"))
-    assert "model.vision_tower" in note and "LoRA adapts its linear layers" in note and "multi_modal_projector" in note
+    assert "model.vision_tower" in note and "multi_modal_projector" in note and note.count("frozen, no LoRA") == 2, note
+    plan = plan_recipe(lora_recipe(arch_models("gemma3"), "--lora_target_modules", "q_proj,fc1"), _alternatives=False)
+    note = next(n for n in plan.notes if n.startswith("besides the text decoder"))
+    assert "model.vision_tower 0.02M params: frozen, LoRA adapts its linear layers" in note, note
 
 
 def test_not_a_causal_lm_is_one_line_before_any_rank(tmp_path):
