@@ -206,6 +206,9 @@ def run(recipe, life=None):
     #    after the save: bitsandbytes' CPU kernels repack 4-bit weights for inference)
     sample = probes.sample_reply(trainer, tokenizer, prompt, recipe.run.sample_max_new_tokens) \
         if recipe.run.sample_max_new_tokens and prompt is not None else {}
+    if recipe.run.sample_max_new_tokens and prompt is None and vision is not None and trainer.is_world_process_zero():
+        log.info("sample: not taken: the end-of-run sample has no image yet for rows with images "
+                 "(sample_max_new_tokens %d unused)", recipe.run.sample_max_new_tokens)
 
     if trainer.args.push_to_hub and trainer.is_world_process_zero():
         try:
