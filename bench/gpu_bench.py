@@ -55,7 +55,8 @@ def random_loader(model_dir: Path, device: str):
     (nothing read from disk), in the recipe's load dtype, with the attention the recipe resolves to (the run summary
     reads back what ran)."""
 
-    def load(recipe, tokenizer, target):
+    def load(recipe, tokenizer, target, images: bool = False):  # (load_model's signature; the bench's rows are text)
+        assert not images, "the GPU bench trains on text rows"
         import torch
         from transformers import AutoModelForCausalLM, LlamaConfig
 
