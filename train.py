@@ -117,14 +117,14 @@ def run(recipe, life=None):
     #    (sftrecipes/data/prepcache.py); one process prepares, the others wait on its files: no collective, so no
     #    ddp_timeout, however long it takes
     tokenizer, end_of_turn, added_tokens = load_tokenizer(recipe)
-    stream, data_callbacks, vision, collator, processing = None, [], None, None, tokenizer
+    stream, data_callbacks, vision, collator, processing, sample_images = None, [], None, None, tokenizer, []
     if recipe.method == "sft" and recipe.data.streaming:  # read as training goes; the position is in each checkpoint
         stream, eval_ds, prompt, data_counts = streams.streamed_datasets(recipe, tokenizer, end_of_turn, resume)
         train_ds = stream.dataset(streams.rows_per_step(args))
         data_callbacks = [streamtrain.StreamCallback(stream)]
     elif recipe.method == "sft" and (vision := visions.vision_datasets(recipe, tokenizer)):  # images: the processor's
-        train_ds, eval_ds, data_counts, collator, processing = vision  # batches (data/vision.py), no sample prompt
-        args.dataset_kwargs, args.remove_unused_columns, prompt = {"skip_prepare_dataset": True}, False, None
+        train_ds, eval_ds, data_counts, collator, processing, (prompt, sample_images) = vision  # batches: data/vision.py
+        args.dataset_kwargs, args.remove_unused_columns = {"skip_prepare_dataset": True}, False
     elif recipe.method == "sft":
         train_ds, eval_ds, prompt, data_counts = data.prepared_datasets(recipe, tokenizer, end_of_turn)
         args.dataset_kwargs = {"skip_prepare_dataset": True}  # packed and shuffled as TRL would, once (trainrows.py)
@@ -204,11 +204,9 @@ def run(recipe, life=None):
 
     # 6. a sample reply from the trained model (all ranks together: ZeRO-3/FSDP gather weights in each forward;
     #    after the save: bitsandbytes' CPU kernels repack 4-bit weights for inference)
-    sample = probes.sample_reply(trainer, tokenizer, prompt, recipe.run.sample_max_new_tokens) \
+    sample = probes.sample_reply(trainer, tokenizer, prompt, recipe.run.sample_max_new_tokens,
+                                 **({"processor": processing, "images": visions.open_images(sample_images)} if vision else {})) \
         if recipe.run.sample_max_new_tokens and prompt is not None else {}
-    if recipe.run.sample_max_new_tokens and prompt is None and vision is not None and trainer.is_world_process_zero():
-        log.info("sample: not taken: the end-of-run sample has no image yet for rows with images "
-                 "(sample_max_new_tokens %d unused)", recipe.run.sample_max_new_tokens)
 
     if trainer.args.push_to_hub and trainer.is_world_process_zero():
         try:
@@ -239,7 +237,8 @@ def run(recipe, life=None):
             "throughput": throughput.summary,  # tokens/s/device, step time, MFU, memory per rank (also metrics.json/png)
             "attention": attention.kernel_of(model),
             "sample": {"prompt": prompt, "reply": sample.get("reply"), "stopped_on": sample.get("stopped_on"),
-                       "new_tokens": sample.get("new_tokens")},
+                       "new_tokens": sample.get("new_tokens"),
+                       **({"images": [v if isinstance(v, str) else "(bytes)" for v in sample_images]} if vision else {})},
             "data": data_counts,  # per split: read, truncated, dropped after the cut, fully masked, kept (data.py);
             # preparation: built, waited or reused, seconds, rows, rows/s, the cache entry (prepcache.py)
             "method": recipe.method,
@@ -253,7 +252,11 @@ def run(recipe, life=None):
         if sample:
             stop = (f"stopped on {sample['stopped_on']}" if sample["stopped_on"] else
                     f"no end of turn within {sample['new_tokens']} tokens (sample_max_new_tokens)")
-            log.info("sample: %r -> %r (%s)", prompt[-1]["content"] if isinstance(prompt, list) else prompt, sample["reply"], stop)
+            said = prompt[-1]["content"] if isinstance(prompt, list) else prompt
+            if not isinstance(said, str):  # content parts (a vision row): its text, its images named
+                said = " ".join(p.get("text", "") for p in said if p.get("type") == "text") + \
+                    "".join(f" [image {v if isinstance(v, str) else '(bytes)'}]" for v in sample_images)
+            log.info("sample: %r -> %r (%s)", said, sample["reply"], stop)
         evaluated = f", last eval (step {summary['eval']['last'].get('step')}): {evalonly.eval_words(summary['eval']['last'])}" if summary["eval"] else ""
         log.info("done: %d steps in %.1fs, %s%s, %d tensors saved to %s", summary["steps"], seconds,
                  loss_words(losses, summary["train_loss"], args.logging_steps, summary["steps"]), evaluated, n_tensors, args.output_dir)

@@ -140,7 +140,8 @@ def _checked(ds, folder: Path, where: str, processor, max_length: int | None):
 
 
 def vision_datasets(recipe: Recipe, tokenizer):
-    """(train, eval or None, counts, collator, processor) of rows with images for a vision-language model; None when
+    """(train, eval or None, counts, collator, processor, the end-of-run sample's (messages, images)) of rows with
+    images for a vision-language model; None when
     the model is not one or the training split shows no images (the text pipeline reads it, refusing images for a
     text model)."""
     if not is_vision_language(recipe.model.model_name_or_path):
@@ -167,7 +168,25 @@ def vision_datasets(recipe: Recipe, tokenizer):
                  "batches made by %s; loss on %s, never on image tokens", split, c["read"], c["kept"], c["images"],
                  c["rows_with_images"], c["dropped_too_long"], type(processor).__name__,
                  "the assistant turns" if aol else "every token")
-    return train, evals, out, VisionCollator(processor, aol), processor
+    return train, evals, out, VisionCollator(processor, aol), processor, sample_prompt(evals if evals is not None else train)
+
+
+def sample_prompt(ds) -> tuple[list[dict] | None, list]:
+    """The end-of-run sample's prompt: the first row's conversation up to its first user turn, with the images its
+    parts stand for (the eval split's, where there is one), as (messages, images); (None, []) for an empty split."""
+    if len(ds) == 0:
+        return None, []
+    row = ds[0]
+    messages = [{k: [{a: b for a, b in part.items() if b is not None} for part in v] if isinstance(v, list) else v
+                 for k, v in m.items() if v is not None} for m in row["messages"]]  # (Arrow's None for absent keys)
+    first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), 0)
+    messages = messages[: first_user + 1]
+    return messages, list(row["images"][: _parts(messages)])
+
+
+def open_images(images: list) -> list:
+    """A prompt's images as the processor takes them (paths, bytes: opened in RGB)."""
+    return [_open(v, "an image of the sample prompt") for v in images]
 
 
 class VisionCollator:

@@ -104,14 +104,18 @@ def fsdp_units(module) -> dict[str, int]:
     return dict(sorted(units.items()))
 
 
-def sample_reply(trainer, tokenizer, prompt, max_new_tokens: int) -> dict:
+def sample_reply(trainer, tokenizer, prompt, max_new_tokens: int, processor=None, images=None) -> dict:
     """Greedy reply of the trained model to `prompt` (messages or text), stopping where the saved generation config
-    says (end of turn, eos). Returns {"reply": text without special tokens, "stopped_on": the stop token it ended with
+    says (end of turn, eos); with a vision run's processor, `prompt`'s image parts stand for `images` (opened PIL
+    images). Returns {"reply": text without special tokens, "stopped_on": the stop token it ended with
     or None when it ran to max_new_tokens, "new_tokens": n}. Called on every rank: under ZeRO-3 and FSDP each forward
     gathers parameters from all ranks, so all must generate together (synced_gpus)."""
     acc = trainer.accelerator
     model = acc.unwrap_model(trainer.model)
-    if isinstance(prompt, list):
+    if processor is not None:
+        enc = dict(processor(text=[processor.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)],
+                             images=[images] if images else None, return_tensors="pt", add_special_tokens=False))
+    elif isinstance(prompt, list):
         enc = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     else:
         enc = tokenizer(prompt, return_tensors="pt")

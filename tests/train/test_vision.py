@@ -76,6 +76,9 @@ def test_images_reach_the_model_and_the_answer_follows_the_colour(vision_run, ca
     assert _answers(trainer.model, trainer.processing_class) == {"red": "red", "blue": "blue"}
     saved = json.loads((root / "out" / "processor_config.json").read_text())
     assert saved["processor_class"] == "Gemma3Processor"
+    # the end-of-run sample: the first row's question with its image (red), answered through the processor
+    sample = summary["sample"]
+    assert sample["images"] == [str(root / "data" / "img" / "0.png")] and sample["reply"].strip() == "red", sample
 
 
 def test_grey_images_cannot_teach_the_colour(vision_models, tmp_path):
@@ -161,8 +164,10 @@ def test_one_image_column_of_bytes_is_read_as_the_rows_images(vision_models, tmp
                                                            {"role": "assistant", "content": [{"type": "text", "text": word}]}]})
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
     recipe = load_recipe(_flags(vision_models("gemma3"), tmp_path / "train.parquet", tmp_path / "o"))
-    train_ds, _, counts, collator, _ = vision.vision_datasets(recipe, load_tokenizer(recipe)[0])
+    train_ds, _, counts, collator, _, (prompt, images) = vision.vision_datasets(recipe, load_tokenizer(recipe)[0])
     assert counts["train"] == {"read": 2, "dropped_too_long": 0, "kept": 2, "images": 2, "rows_with_images": 2}
+    assert prompt == [{"role": "user", "content": QUESTION}] and images == [rows[0]["image"]]  # the sample's, as bytes
+    assert vision.open_images(images)[0].getpixel((0, 0)) == COLOURS["red"]
     batch = collator([train_ds[0], train_ds[1]])
     image_id = collator.processor.tokenizer.convert_tokens_to_ids("<image_soft_token>")
     assert (batch["input_ids"] == image_id).sum(dim=1).tolist() == [4, 4] and batch["pixel_values"].shape[0] == 2
