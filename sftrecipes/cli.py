@@ -12,7 +12,7 @@ parses its own ARGS; everything but training (train.py) starts here.
     python -m sftrecipes env RECIPE [--key value ...]                      environment its ranks need (export lines)
     python -m sftrecipes export SRC DEST [--dtype D] [--base DIR] [--verify]  run output/checkpoint -> loadable HF folder
     python -m sftrecipes export SRC DEST --to gguf [--quant q8_0] [--lora] [--verify]   -> GGUF (llama.cpp, Ollama)
-    python -m sftrecipes chat RUN|FOLDER [--prompt TEXT] [--system TEXT] [--temperature T] [--max_new_tokens N]
+    python -m sftrecipes chat RUN|FOLDER [--prompt TEXT] [--image PATH] [--system TEXT] [--temperature T] [--max_new_tokens N]
                                                                            talk to a trained run (an adapter on its base)
     python -m sftrecipes eval RUN|FOLDER --tasks a,b [--include_path DIR] [--limit N] [--apply_chat_template] [--compare-base]
                                                                            benchmark tasks by lm-evaluation-harness
@@ -176,6 +176,8 @@ def _chat(argv: list[str]) -> int:
     p.add_argument("--system", default=None, help="a system prompt, kept across /reset")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default); above 0: sampled")
     p.add_argument("--max_new_tokens", type=int, default=256, help="the longest reply, in tokens")
+    p.add_argument("--image", default=None, help="an image file the conversation's first message shows (a "
+                   "vision-language model's run)")
     ns = p.parse_args(argv)
     if ns.temperature < 0:
         raise RecipeError(f"--temperature: {ns.temperature} is negative; use 0 for greedy or a positive value to sample")
@@ -184,7 +186,31 @@ def _chat(argv: list[str]) -> int:
     folder = Path(ns.folder)
     _model_folder("chat", folder)
     ns.folder = folder
+    if ns.image is not None:
+        _chat_image(folder, Path(ns.image))
     return _run("chat", ns)
+
+
+def _chat_image(folder: Path, image: Path) -> None:
+    """--image: a file, and a model that can see it (its config declares a vision tower), checked torch-free."""
+    from sftrecipes.facts import startmodel
+    from sftrecipes.recipe.images import vision_tower
+
+    from PIL import Image
+
+    if not image.is_file():
+        raise RecipeError(f"--image: {image} is not a file; give the path of an image file (PNG, JPEG, ...)")
+    try:
+        with Image.open(image) as im:
+            im.verify()
+    except (OSError, SyntaxError) as e:  # (PIL's UnidentifiedImageError is an OSError; a broken PNG, a SyntaxError)
+        raise RecipeError(f"--image: {image} cannot be read as an image ({type(e).__name__}); give a PNG, JPEG, ... "
+                          "file") from None
+    adapter = startmodel.adapter_of(str(folder))
+    model = startmodel.base_of(adapter) if adapter is not None else str(folder)
+    if not vision_tower(model):
+        raise RecipeError(f"--image: {model} has no vision tower (its config.json declares no vision_config), so it "
+                          "cannot see the image; chat with a vision-language model's run, or leave --image out")
 
 
 def _model_folder(verb: str, folder: Path) -> None:

@@ -123,7 +123,7 @@ def _prepare_evaluation(recipe, load_tokenizer) -> int:
 def chat(ns: argparse.Namespace) -> int:
     from sftrecipes.use import chat as chats
 
-    return chats.main(ns.folder, ns.prompt, ns.system, ns.temperature, ns.max_new_tokens)
+    return chats.main(ns.folder, ns.prompt, ns.system, ns.temperature, ns.max_new_tokens, image=ns.image)
 
 
 def eval(ns: argparse.Namespace) -> int:  # noqa: A001 - the verb's name

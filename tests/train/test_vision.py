@@ -91,6 +91,26 @@ def test_grey_images_cannot_teach_the_colour(vision_models, tmp_path):
     assert set(answers.values()) <= set(COLOURS) and answers != {"red": "red", "blue": "blue"}, answers
 
 
+def test_chat_with_an_image_answers_its_colour_and_refuses_in_one_line(vision_run, tiny_model, tmp_path):
+    """`chat RUN --image PATH`: the first message shows the image (the adapter on its base, the run's processor);
+    a missing or unreadable file, or a model without a vision tower, is one line before torch loads."""
+    from conftest import run_cli
+
+    _, root, _, _ = vision_run
+    for word, rgb in COLOURS.items():
+        Image.new("RGB", (28, 28), rgb).save(tmp_path / f"{word}.png")
+        res = run_cli(["-m", "sftrecipes", "chat", str(root / "out"), "--prompt", "What colour is this?", "--image",
+                       str(tmp_path / f"{word}.png"), "--max_new_tokens", "4"])
+        assert res.returncode == 0 and res.stdout.strip() == word, (word, res.stdout, res.stderr[-2000:])
+    (tmp_path / "notes.png").write_text("not an image")
+    for folder, image, says in ((root / "out", tmp_path / "nowhere.png", "is not a file"),
+                                (root / "out", tmp_path / "notes.png", "cannot be read as an image"),
+                                (tiny_model, tmp_path / "red.png", "has no vision tower")):
+        res = run_cli(["-m", "sftrecipes", "chat", str(folder), "--prompt", "?", "--image", str(image)])
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: --image: ") and says in lines[0], res.stderr
+
+
 def test_the_vision_adapter_merges_with_verify_and_loads(vision_run, tmp_path):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
