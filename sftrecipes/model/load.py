@@ -39,14 +39,38 @@ def load_dtype(recipe: Recipe) -> torch.dtype:
     return DTYPES[load_dtype_name(recipe)]
 
 
+def sixteen_bit_modules(recipe: Recipe) -> list[str] | None:
+    """What 4/8-bit loading of a vision-language model leaves in 16 bits: the modules beside its language model (vision
+    tower, projector: LoRA does not adapt them, and their widths are not bitsandbytes' -- its CPU kernels cannot repack
+    a 16-wide tower layer) and the output embeddings (transformers' own default, which a list given replaces). None
+    for a text model: transformers' default."""
+    from sftrecipes.model import meta
+    from sftrecipes.model.lora import language_model
+
+    built = meta.recipe_model(recipe)
+    decoder = language_model(built[1]) if built is not None else None
+    if decoder is None:
+        return None
+    model = built[1]
+    parent, _, own = decoder.rpartition(".")
+    holder = model.get_submodule(parent) if parent else model
+    beside = [f"{parent}.{n}" if parent else n for n, _ in holder.named_children() if n != own]
+    head = model.get_output_embeddings()
+    return beside + [n for n, mod in model.named_modules() if mod is head and n]
+
+
 def quantization_config(recipe: Recipe):
     m = recipe.model
     if not (m.use_4bit_quantization or m.use_8bit_quantization):
         return None
+    skip = sixteen_bit_modules(recipe)
+    if skip:
+        log.info("quantization: %s kept in 16 bits (beside the language model, and the LM head)", ", ".join(skip))
     if m.use_8bit_quantization:
-        return BitsAndBytesConfig(load_in_8bit=True)
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip)
     storage = torch.uint8 if m.bnb_4bit_quant_storage_dtype == "uint8" else DTYPES[m.bnb_4bit_quant_storage_dtype]
     return BitsAndBytesConfig(
+        llm_int8_skip_modules=skip,
         load_in_4bit=True,
         bnb_4bit_quant_type=m.bnb_4bit_quant_type,
         bnb_4bit_compute_dtype=DTYPES[m.bnb_4bit_compute_dtype],
