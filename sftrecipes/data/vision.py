@@ -24,7 +24,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_
 from sftrecipes.core.errors import RecipeError
 from sftrecipes.data.load import read_splits
 from sftrecipes.facts.config import read_config
-from sftrecipes.recipe.images import IMAGE_COLUMNS, check_vision_keys, image_columns, images_refused, is_image_part, refuse_split
+from sftrecipes.recipe.images import (IMAGE_COLUMNS, check_vision_keys, image_columns, image_file, images_refused,
+                                      is_image_part, refuse_split)
 from sftrecipes.recipe.sources import sources
 from sftrecipes.recipe.typed import Recipe
 
@@ -86,11 +87,7 @@ def _resolve(value, folder: Path, where: str):
         if value.startswith(("http://", "https://")):
             raise RecipeError(f"images: {where} is a URL ({value[:80]}); runs here read local files only: download "
                               "it and give its path")
-        p = Path(value).expanduser()
-        p = p if p.is_absolute() else folder / p
-        if not p.is_file():
-            raise RecipeError(f"images: {where} names {value}, which is not a file ({p}); fix the path or remove the row")
-        return str(p)
+        return str(image_file(value, folder, where))
     return value
 
 

@@ -17,7 +17,7 @@ from sftrecipes.core.errors import RecipeError
 from sftrecipes.export.adapters import _check_fits, plan_merge, read_adapter
 from sftrecipes.export.layout import StoredLayout, tied_copies
 from sftrecipes.export.readers import folder_tensors
-from sftrecipes.model.meta import auto_class
+from sftrecipes.model.meta import auto_class, auto_class_of
 
 log = logging.getLogger("sftrecipes")
 
@@ -81,7 +81,7 @@ def verify_logits(folder: Path, reference, dtype: torch.dtype, base: Path | None
     above LOGIT_TOL[dtype] × max(1, max |logit|) it is an error (a RecipeError starting with `verb`: the command
     that wrote the folder, export or merge). Needs RAM for both models in fp32."""
     if base is None:
-        ours = _auto(folder).from_pretrained(folder, dtype=torch.float32)
+        ours = auto_class_of(folder).from_pretrained(folder, dtype=torch.float32)
     else:
         from peft import PeftModel
 
@@ -100,13 +100,8 @@ def verify_logits(folder: Path, reference, dtype: torch.dtype, base: Path | None
     return diff
 
 
-def _auto(folder: Path):
-    """The auto class the run loaded this model with (meta.auto_class: Idefics3's is AutoModelForImageTextToText)."""
-    return auto_class(json.loads((Path(folder) / "config.json").read_text()).get("model_type"))
-
-
 def _from_pretrained(folder: Path):
-    return _auto(folder).from_pretrained(folder, dtype=torch.float32)
+    return auto_class_of(folder).from_pretrained(folder, dtype=torch.float32)
 
 
 def _base_for_adapter(base_dir: Path, adapter: Path):
@@ -116,7 +111,7 @@ def _base_for_adapter(base_dir: Path, adapter: Path):
     from sftrecipes.model import compat
 
     compat.keep_dense_linears_in_moe_conversion()
-    model = _auto(base_dir).from_pretrained(base_dir, dtype=torch.float32)
+    model = auto_class_of(base_dir).from_pretrained(base_dir, dtype=torch.float32)
     rows = {shape[0] for name, (_, shape) in folder_tensors(adapter).items()
             if re.search(r"embed_tokens\.(token_adapter\.base_layer\.)?weight$", name)}
     indices = json.loads((adapter / "adapter_config.json").read_text()).get("trainable_token_indices") or {}

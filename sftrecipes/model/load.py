@@ -15,12 +15,10 @@ import torch.distributed as dist
 from transformers import AutoModelForImageTextToText, BitsAndBytesConfig
 from transformers.integrations import is_deepspeed_zero3_enabled
 
-from sftrecipes.core.errors import RecipeError
 from sftrecipes.data.tokenizer import set_generation_stop
-from sftrecipes.facts.config import read_config
 from sftrecipes.facts.startmodel import weights_dir
 from sftrecipes.model.attention import register
-from sftrecipes.model.meta import auto_class
+from sftrecipes.model.meta import auto_class_of
 from sftrecipes.model.attnchoice import VARLEN, choose_attention, log_attention
 from sftrecipes.model.heap import own_checkpoint_views, steady_heap
 from sftrecipes.model.quantload import partition_4bit_layers, receive_4bit_layers, send_4bit_layers
@@ -46,7 +44,10 @@ def sixteen_bit_modules(recipe: Recipe) -> list[str] | None:
     for a text model: transformers' default."""
     from sftrecipes.model import meta
     from sftrecipes.model.lora import language_model
+    from sftrecipes.recipe.images import vision_tower
 
+    if not vision_tower(recipe.model.model_name_or_path):  # (a text model: no meta-device build at every 4-bit load)
+        return None
     built = meta.recipe_model(recipe)
     decoder = language_model(built[1]) if built is not None else None
     if decoder is None:
@@ -111,7 +112,7 @@ def load_model(recipe: Recipe, tokenizer, hardware: str, every_rank_reads: bool 
     rows = (dist.get_rank(), dist.get_world_size()) if qc is not None and rank is not None else None
     # steady_heap: what a rank holds after loading is the model, not the order its temporaries were freed in
     with steady_heap(), partition_4bit_layers(partition) as zero3, send_4bit_layers(rank == 0 and rows is not None, rows) as sent:
-        auto = AutoModelForImageTextToText if images else auto_class(_model_type(m.model_name_or_path))
+        auto = AutoModelForImageTextToText if images else auto_class_of(m.model_name_or_path)
         model = auto.from_pretrained(weights_dir(m.model_name_or_path), **kwargs)  # an adapter: merged
         if qc is not None and not rank:  # what was not quantized is still a view into the checkpoint's mapping: let it go
             own_checkpoint_views(model)
@@ -157,14 +158,6 @@ def load_model(recipe: Recipe, tokenizer, hardware: str, every_rank_reads: bool 
     # would attend to each other under sdpa/eager (tests/data/test_data.py shows it). Generation turns it back on.
     model.config.use_cache = False
     return model
-
-
-def _model_type(model_name_or_path: str) -> str | None:
-    """The model_type its config.json says (None where no config is at hand: AutoModelForCausalLM, as before)."""
-    try:
-        return read_config(model_name_or_path).get("model_type")
-    except RecipeError:
-        return None
 
 
 def ram_efficient_rank(recipe: Recipe, quantized: bool) -> int | None:

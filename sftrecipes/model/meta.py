@@ -22,6 +22,7 @@ import logging
 import re
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import transformers
@@ -67,6 +68,15 @@ def auto_class(model_type: str):
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
         return AutoModelForImageTextToText
     return AutoModelForCausalLM
+
+
+def auto_class_of(model_name_or_path: str | Path):
+    """auto_class for a model folder or hub id, from the model_type its config.json says (AutoModelForCausalLM where no
+    config is at hand: loading then says what is wrong)."""
+    try:
+        return auto_class(read_config(str(model_name_or_path)).get("model_type"))
+    except RecipeError:
+        return AutoModelForCausalLM
 
 
 def model_class(cfg, where: str = "the model config"):

@@ -213,6 +213,16 @@ def images_refused(recipe: Recipe) -> str | None:
     return "a mixture of datasets" if len(recipe.data.datasets or ()) > 1 else None
 
 
+def image_file(value: str, folder: Path, where: str) -> Path:
+    """A local image a row names, absolute or relative to its dataset's folder (`folder`); not a file: one line naming
+    it (`where`: which image of which row)."""
+    p = Path(value).expanduser()
+    p = p if p.is_absolute() else folder / p
+    if not p.is_file():
+        raise RecipeError(f"images: {where} names {value}, which is not a file ({p}); fix the path or remove the row")
+    return p
+
+
 def check_image_files(path: Path, where: str) -> None:
     """Every local image a JSON-lines file names (an `images` list or one `image`, relative to the file's folder) is a
     file: the first one missing is one line naming it and its row (data/vision.py checks the rest in the run)."""
@@ -223,10 +233,7 @@ def check_image_files(path: Path, where: str) -> None:
         value = value if isinstance(value, list) else [row.get("image")] if isinstance(row, dict) else []
         for j, v in enumerate(value):
             if isinstance(v, str) and not v.startswith(("http://", "https://")):
-                p = Path(v).expanduser()
-                if not (p if p.is_absolute() else path.parent / p).is_file():
-                    raise RecipeError(f"images: image {j + 1} of row {i + 1} of {where} names {v}, which is not a file "
-                                      f"({path.parent / p}); fix the path or remove the row")
+                image_file(v, path.parent, f"image {j + 1} of row {i + 1} of {where}")
 
 
 def check_vision_keys(recipe: Recipe) -> None:
